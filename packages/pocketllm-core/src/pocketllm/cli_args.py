@@ -1,0 +1,32 @@
+"""Every EngineArgs field as a command-line flag; shared by ``pocketllm`` and ``pocketllm-server``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from pocketllm.args import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--<field>`` for each EngineArgs field. Flags left out fall back to ``POCKETLLM_*``, then defaults."""
+    group = parser.add_argument_group("engine", "engine options (each also read from POCKETLLM_<NAME>)")
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        if kind == "bool":
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        elif kind.startswith("dict"):
+            group.add_argument(flag, dest=f.name, type=json.loads, default=None, metavar="JSON")
+        elif kind.startswith("int"):
+            group.add_argument(flag, dest=f.name, type=int, default=None)
+        else:
+            group.add_argument(flag, dest=f.name, default=None)
+
+
+def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
+    """Flags win over ``POCKETLLM_*`` variables, which win over EngineArgs' defaults."""
+    explicit = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(EngineArgs)
+                if getattr(namespace, f.name, None) is not None}
+    return EngineArgs.from_env(**explicit)

@@ -1,0 +1,107 @@
+"""What LLM and AsyncLLM share: engine start-up, prompt encoding, chat rendering, output assembly."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Union
+
+from pocketllm.args import EngineArgs
+from pocketllm.chat import ChatPromptBuilder
+from pocketllm.driver import EngineDriver
+from pocketllm.errors import ConfigError
+from pocketllm.outputs import CompletionOutput, RequestOutput, StreamEvent, Usage
+from pocketllm.plugins import BackendRegistry
+from pocketllm.sampling_params import SamplingParams
+
+Prompt = Union[str, list[int]]
+Messages = list[dict[str, Any]]
+
+
+class EngineClient:
+    """Owns an EngineDriver; subclasses add the sync or async request API."""
+
+    def __init__(self, model: str | None = None, *, engine_args: EngineArgs | None = None,
+                 registry: BackendRegistry | None = None, **kwargs: Any) -> None:
+        if engine_args is None:
+            engine_args = EngineArgs.from_env(**({"model": model} if model else {}), **kwargs)
+        elif model is not None or kwargs:
+            raise ConfigError("engine_args", "pass either engine_args or keyword arguments, not both")
+        self.driver = EngineDriver(engine_args, registry)
+        self.tokenizer = self.driver.tokenizer
+        self.chat_builder = ChatPromptBuilder(self.tokenizer)
+
+    @property
+    def args(self) -> EngineArgs:
+        return self.driver.args
+
+    @property
+    def backend_name(self) -> str:
+        return self.driver.backend_name
+
+    def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """Return ``(text or None, token ids)`` for a text or token-id prompt."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise ConfigError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+        """Render a conversation with the checkpoint's chat template and tokenize it (the template adds BOS)."""
+        text = self.chat_builder.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                        chat_template_kwargs=chat_template_kwargs)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def shutdown(self) -> None:
+        self.driver.shutdown()
+
+
+def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """A string, token ids, or a list of either, as a list of single prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts:
+        return list(prompts)
+    raise ConfigError("prompts", "must be a string, token ids, or a non-empty list of them")
+
+
+def normalize_conversations(messages: Messages | list[Messages]) -> list[Messages]:
+    if isinstance(messages, list) and messages and all(isinstance(m, list) for m in messages):
+        return messages
+    return [messages]
+
+
+def per_prompt_params(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ConfigError("sampling_params", f"got {len(params)} for {count} prompts")
+    return list(params)
+
+
+class OutputCollector:
+    """Folds a request's stream events into a RequestOutput."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], n: int) -> None:
+        self.output = RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_ids,
+                                    outputs=[CompletionOutput(index=i) for i in range(n)],
+                                    usage=Usage(prompt_tokens=len(prompt_ids)))
+
+    def add(self, event: StreamEvent) -> bool:
+        """Fold one event in; True once the whole request finished."""
+        choice = self.output.outputs[event.index]
+        choice.text += event.text
+        choice.token_ids.extend(event.token_ids)
+        if event.logprobs is not None:
+            choice.logprobs = (choice.logprobs or []) + event.logprobs
+        choice.finish_reason, choice.stop_reason = event.finish_reason, event.stop_reason
+        if event.usage is not None:
+            self.output.usage = event.usage
+            return True
+        return False

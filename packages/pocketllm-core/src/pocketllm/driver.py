@@ -1,0 +1,277 @@
+"""The engine driver: owns one backend engine and runs its step loop on a thread.
+
+Callers submit requests with a *sink* (a callable fed StreamEvents, or an
+exception if the engine dies). The loop applies queued adds and aborts at step
+boundaries, steps the backend, and turns its token deltas into text: UTF-8
+safe detokenization, stop strings, usage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import msgspec
+
+from pocketllm.args import EngineArgs
+from pocketllm.backend import BackendStats, RequestDelta, SampledLogprobs
+from pocketllm.checkpoint import load_checkpoint
+from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
+from pocketllm.errors import ConfigError, EngineDeadError, PromptTooLongError
+from pocketllm.outputs import StreamEvent, Usage
+from pocketllm.plugins import BackendRegistry
+from pocketllm.sampling_params import SamplingParams
+from pocketllm.support import check_engine_args, check_sampling_params
+from pocketllm.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[StreamEvent | BaseException], None]
+_MAX_MODEL_LEN_CAP = 8192
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    backend_id: str
+    detok: IncrementalDetokenizer
+    text: str = ""
+    num_emitted_chars: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampledLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Sink
+    stop: StopMatcher
+    choices: list[_Choice]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=sum(len(c.token_ids) for c in self.choices))
+
+
+class EngineDriver:
+    """Loads a model on the selected backend and serves requests from any thread."""
+
+    def __init__(self, args: EngineArgs, registry: BackendRegistry | None = None) -> None:
+        self.registry = registry or BackendRegistry()
+        plugin = self.registry.select(args)
+        self.backend_name = plugin.name
+        self.capabilities = plugin.capabilities()
+        checkpoint = load_checkpoint(args.model, args.model_format)
+        limit = min(checkpoint.config.max_position_embeddings, _MAX_MODEL_LEN_CAP)
+        self.args = dataclasses.replace(args, max_model_len=args.max_model_len or limit)
+        check_engine_args(plugin.name, self.capabilities, self.args, checkpoint.config)
+        self.model_config = checkpoint.config
+        self.tokenizer = Tokenizer.from_checkpoint(checkpoint)
+        self.engine = plugin.create_engine(self.args, checkpoint)
+        self.registry.pm.hook.pocketllm_engine_started(args=self.args, backend_name=plugin.name)
+
+        self._cond = threading.Condition()
+        self._commands: list[tuple[str, object, Future[None] | None]] = []
+        self._requests: dict[str, _Request] = {}  # every request added and not finished, by request id
+        self._choices: dict[str, tuple[_Request, _Choice]] = {}  # by backend id; engine thread only
+        self._stats = BackendStats()
+        self._error: BaseException | None = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="pocketllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.args.max_model_len is not None
+        return self.args.max_model_len
+
+    # -- called from any thread ------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, sink: Sink,
+                    request_id: str | None = None) -> tuple[str, Future[None]]:
+        """Queue a request; the future resolves once the backend accepted it (or holds its error)."""
+        self._check_prompt(prompt_ids, params)
+        check_sampling_params(self.backend_name, self.capabilities, params)
+        request_id = request_id or uuid.uuid4().hex
+        choices = [
+            _Choice(i, request_id if params.n == 1 else f"{request_id}-{i}",
+                    IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens))
+            for i in range(params.n)
+        ]
+        request = _Request(request_id, list(prompt_ids), params, sink,
+                           StopMatcher(params.stop, params.include_stop_str_in_output), choices)
+        future: Future[None] = Future()
+        with self._cond:
+            if self._error is not None or self._closing:
+                raise EngineDeadError(f"engine is not running: {self._error or 'shut down'}")
+            if request_id in self._requests:
+                raise ConfigError("request_id", f"{request_id!r} is already in use")
+            self._requests[request_id] = request
+            self._commands.append(("add", request, future))
+            self._cond.notify()
+        return request_id, future
+
+    def abort(self, request_id: str) -> None:
+        """Cancel at the next step boundary; the request's sink gets final ``abort`` events."""
+        with self._cond:
+            self._commands.append(("abort", request_id, None))
+            self._cond.notify()
+
+    def stats(self) -> BackendStats:
+        return self._stats
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ConfigError("prompt", "must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_ids):
+            raise ConfigError("prompt", f"token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}, "
+                                     "which leaves no room to generate")
+
+    # -- engine thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._closing or self.engine.has_unfinished()):
+                        self._cond.wait()
+                    commands, self._commands = self._commands, []
+                    closing = self._closing
+                for kind, item, future in commands:
+                    self._add(item, future) if kind == "add" else self._abort(item)  # type: ignore[arg-type]
+                if closing:
+                    self._abort_all()
+                    break
+                if self.engine.has_unfinished():
+                    self._dispatch(self.engine.step())
+                self._stats = self.engine.stats()
+        except BaseException as e:  # the backend failed: every caller must hear about it
+            log.exception("engine loop died")
+            self._die(e)
+        finally:
+            self.engine.shutdown()
+
+    def _add(self, request: _Request, future: Future[None]) -> None:
+        added: list[str] = []
+        try:
+            for choice in request.choices:
+                seed = request.params.seed
+                params = msgspec.structs.replace(
+                    request.params, n=1, seed=None if seed is None else seed + choice.index)
+                self.engine.add_request(choice.backend_id, request.prompt_ids, params)
+                added.append(choice.backend_id)
+                self._choices[choice.backend_id] = (request, choice)
+        except Exception as e:
+            self.engine.abort(added)
+            for backend_id in added:
+                del self._choices[backend_id]
+            with self._cond:
+                self._requests.pop(request.request_id, None)
+            future.set_exception(e)
+            return
+        future.set_result(None)
+
+    def _abort(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        running = [c for c in request.choices if c.finish_reason is None]
+        self.engine.abort([c.backend_id for c in running])
+        for choice in running:
+            choice.finish_reason = "abort"
+            self._emit(request, choice, [], None)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._requests):
+            self._abort(request_id)
+
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        to_abort: list[str] = []
+        for delta in deltas:
+            entry = self._choices.get(delta.request_id)
+            if entry is None:
+                continue
+            request, choice = entry
+            choice.token_ids.extend(delta.new_token_ids)
+            if delta.logprobs is not None:
+                choice.logprobs = (choice.logprobs or []) + delta.logprobs
+            new_text = choice.detok.add(delta.new_token_ids)
+            if delta.finish_reason is not None:
+                new_text += choice.detok.flush()
+                choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_token_id
+            choice.text += new_text
+            hit = request.stop.find(choice.text, len(new_text)) if new_text and request.stop.stops else None
+            if hit is not None:
+                choice.text = choice.text[:hit[0]]
+                if choice.finish_reason is None:
+                    to_abort.append(choice.backend_id)
+                choice.finish_reason, choice.stop_reason = "stop", hit[1]
+            self._emit(request, choice, delta.new_token_ids, delta.logprobs)
+        if to_abort:
+            self.engine.abort(to_abort)
+
+    def _emit(self, request: _Request, choice: _Choice, token_ids: list[int],
+              logprobs: list[SampledLogprobs] | None) -> None:
+        done = choice.finish_reason is not None
+        end = len(choice.text) if done else max(choice.num_emitted_chars, request.stop.safe_length(choice.text))
+        text, choice.num_emitted_chars = choice.text[choice.num_emitted_chars:end], end
+        usage = None
+        if done:
+            self._choices.pop(choice.backend_id, None)
+            self.registry.pm.hook.pocketllm_request_finished(
+                request_id=choice.backend_id, finish_reason=choice.finish_reason,
+                num_prompt_tokens=len(request.prompt_ids), num_completion_tokens=len(choice.token_ids))
+            if request.finished:
+                usage = request.usage()
+                with self._cond:
+                    self._requests.pop(request.request_id, None)
+        event = StreamEvent(request_id=request.request_id, index=choice.index, text=text, token_ids=list(token_ids),
+                            logprobs=logprobs, finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+                            usage=usage)
+        try:
+            request.sink(event)
+        except Exception:  # the consumer went away (e.g. its event loop closed): stop generating for it
+            log.warning("dropping request %s: its consumer is gone", request.request_id)
+            if not done:
+                self._abort(request.request_id)
+
+    def _die(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            requests, self._requests = list(self._requests.values()), {}
+            commands, self._commands = self._commands, []
+        dead = EngineDeadError(f"engine failed: {type(error).__name__}: {error}")
+        for _, _, future in commands:
+            if future is not None and not future.done():
+                future.set_exception(dead)
+        for request in requests:
+            try:
+                request.sink(dead)
+            except Exception:
+                log.warning("could not tell request %s that the engine died", request.request_id)

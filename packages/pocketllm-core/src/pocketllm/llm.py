@@ -1,0 +1,108 @@
+"""The synchronous library API."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pocketllm.client import (
+    EngineClient,
+    Messages,
+    OutputCollector,
+    Prompt,
+    normalize_conversations,
+    normalize_prompts,
+    per_prompt_params,
+)
+from pocketllm.outputs import RequestOutput, StreamEvent
+from pocketllm.sampling_params import SamplingParams
+
+
+class _Stream:
+    """A request's events, consumed by one thread."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[StreamEvent | BaseException] = queue.SimpleQueue()
+
+    def __call__(self, item: StreamEvent | BaseException) -> None:
+        self.queue.put(item)
+
+    def next(self) -> StreamEvent:
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class LLM(EngineClient):
+    """Generate from text, token ids or chat messages; every call blocks until its requests finish.
+
+    >>> llm = LLM("smollm2-135m-instruct")
+    >>> llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[
+                 SamplingParams] | None = None, *, request_ids: Sequence[str] | None = None) -> list[RequestOutput]:
+        """Run every prompt as one batch and return their outputs in order."""
+        items = normalize_prompts(prompts)
+        encoded = [self.encode_prompt(p) for p in items]
+        return self._run_batch(encoded, per_prompt_params(sampling_params, len(items)), request_ids)
+
+    def chat(self, messages: Messages | list[Messages], sampling_params: SamplingParams | Sequence[
+             SamplingParams] | None = None, *, add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             request_ids: Sequence[str] | None = None) -> list[RequestOutput]:
+        """Chat with one conversation or a batch of them."""
+        conversations = normalize_conversations(messages)
+        encoded = [self.render_chat(c, add_generation_prompt=add_generation_prompt, tools=tools,
+                                    chat_template_kwargs=chat_template_kwargs) for c in conversations]
+        return self._run_batch(encoded, per_prompt_params(sampling_params, len(encoded)), request_ids)
+
+    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+                        request_id: str | None = None) -> Iterator[StreamEvent]:
+        """Yield events as tokens arrive; closing the iterator early cancels the request."""
+        _, ids = self.encode_prompt(prompt)
+        return self._stream(ids, sampling_params or SamplingParams(), request_id)
+
+    def chat_stream(self, messages: Messages, sampling_params: SamplingParams | None = None, *,
+                    request_id: str | None = None, **chat_kwargs: Any) -> Iterator[StreamEvent]:
+        _, ids = self.render_chat(messages, **chat_kwargs)
+        return self._stream(ids, sampling_params or SamplingParams(), request_id)
+
+    def _stream(self, ids: list[int], params: SamplingParams, request_id: str | None) -> Iterator[StreamEvent]:
+        stream = _Stream()
+        request_id, accepted = self.driver.add_request(ids, params, stream, request_id)
+        accepted.result()
+
+        def events() -> Iterator[StreamEvent]:
+            finished = False
+            try:
+                while not finished:
+                    event = stream.next()
+                    finished = event.usage is not None
+                    yield event
+            finally:
+                if not finished:
+                    self.driver.abort(request_id)
+
+        return events()
+
+    def _run_batch(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+                   request_ids: Sequence[str] | None) -> list[RequestOutput]:
+        submitted: list[tuple[str, _Stream, OutputCollector]] = []
+        try:
+            for i, ((text, ids), p) in enumerate(zip(encoded, params, strict=True)):
+                stream = _Stream()
+                rid, accepted = self.driver.add_request(ids, p, stream, request_ids[i] if request_ids else None)
+                submitted.append((rid, stream, OutputCollector(rid, text, ids, p.n)))
+                accepted.result()
+            for _, stream, collector in submitted:
+                while not collector.add(stream.next()):
+                    pass
+        except BaseException:
+            for rid, _, collector in submitted:
+                if not collector.output.finished:
+                    self.driver.abort(rid)
+            raise
+        return [collector.output for _, _, collector in submitted]

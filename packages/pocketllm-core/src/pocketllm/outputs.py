@@ -1,0 +1,62 @@
+"""Backend-neutral results: what ``LLM`` returns and what streams yield."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pocketllm.backend import SampledLogprobs
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class CompletionOutput(msgspec.Struct, kw_only=True):
+    """One of the ``n`` choices of a request.
+
+    ``finish_reason`` is ``"stop"``, ``"length"`` or ``"abort"`` (None while
+    running). ``stop_reason`` is the stop string or stop token id that matched,
+    None for EOS or other reasons.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[SampledLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    usage: Usage
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+
+class StreamEvent(msgspec.Struct, kw_only=True):
+    """New text and tokens for one choice. The last event of a choice has ``finish_reason`` set."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[SampledLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    """Set on the final event of the whole request (after every choice finished)."""

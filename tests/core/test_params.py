@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import pytest
+from pocketllm import ConfigError, EngineArgs, SamplingParams
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("n", 0), ("max_tokens", 0), ("max_tokens", -3), ("min_tokens", -1), ("temperature", -0.1), ("top_p", 0.0),
+    ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -2.5),
+    ("repetition_penalty", 0.0), ("logprobs", 21), ("logprobs", -1), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("logit_bias", {5: 200.0}),
+])
+def test_sampling_params_reject_bad_values_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as err:
+        SamplingParams(**{field: value})
+    assert err.value.field == field and field in str(err.value)
+
+
+def test_sampling_params_accept_vllm_spellings() -> None:
+    params = SamplingParams(stop="###", top_k=-1, temperature=0.0)
+    assert params.stop == ["###"] and params.effective_top_k == 0 and params.is_greedy
+    with pytest.raises(ConfigError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("model", ""), ("model_format", "onnx"), ("device", "tpu"), ("dtype", "int8"), ("tensor_parallel_size", 0),
+    ("tensor_parallel_rank", 1), ("max_model_len", 0), ("max_num_seqs", 0), ("max_num_batched_tokens", -1),
+    ("prefill_chunk_size", 0), ("num_speculative_tokens", 2), ("seed", "x"), ("backend_options", []),
+    ("enable_prefix_caching", "yes"),
+])
+def test_engine_args_reject_bad_values_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as err:
+        EngineArgs(**{field: value})
+    assert err.value.field == field
+
+
+def test_engine_args_from_env_and_explicit_values_win() -> None:
+    env = {"POCKETLLM_MAX_MODEL_LEN": "256", "POCKETLLM_BACKEND": "echo", "POCKETLLM_ENABLE_PREFIX_CACHING": "true",
+           "POCKETLLM_BACKEND_OPTIONS": '{"block_size": 8}', "POCKETLLM_SPECULATIVE_METHOD": "none"}
+    args = EngineArgs.from_env(env, backend="torch")
+    assert args.max_model_len == 256 and args.backend == "torch" and args.enable_prefix_caching
+    assert args.backend_options == {"block_size": 8} and args.speculative_method is None
+    with pytest.raises(ConfigError) as err:
+        EngineArgs.from_env({"POCKETLLM_MAX_NUM_SEQS": "many"})
+    assert err.value.field == "max_num_seqs"
