@@ -78,6 +78,7 @@ class EngineDriver:
         self.args = dataclasses.replace(args, max_model_len=args.max_model_len or limit)
         check_engine_args(plugin.name, self.capabilities, self.args, checkpoint.config)
         self.model_config = checkpoint.config
+        self.checkpoint_path = checkpoint.path
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint)
         self.engine = plugin.create_engine(self.args, checkpoint)
         self.registry.pm.hook.pocketllm_engine_started(args=self.args, backend_name=plugin.name)

@@ -25,17 +25,17 @@ class BackendConformance:
     engine_kwargs: ClassVar[dict[str, Any]] = {}
 
     @pytest.fixture(scope="class")
-    def llm(self, pocketllm_tiny_llama: Path) -> Iterator[Any]:
-        from pocketllm.llm import LLM
-
-        llm = LLM(str(pocketllm_tiny_llama), backend=self.backend, **self.engine_kwargs)
+    @classmethod
+    def llm(cls, pocketllm_tiny_llama: Path) -> Iterator[Any]:
+        llm = cls.make_llm(pocketllm_tiny_llama)
         yield llm
         llm.shutdown()
 
-    def make_llm(self, path: Path, **overrides: Any) -> Any:
+    @classmethod
+    def make_llm(cls, path: Path, **overrides: Any) -> Any:
         from pocketllm.llm import LLM
 
-        return LLM(str(path), backend=self.backend, **{**self.engine_kwargs, **overrides})
+        return LLM(str(path), backend=cls.backend, **{**cls.engine_kwargs, **overrides})
 
     def wait_idle(self, llm: Any, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout

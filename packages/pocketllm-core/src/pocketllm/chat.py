@@ -1,0 +1,197 @@
+"""The one chat prompt builder shared by the library and the HTTP server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pocketllm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pocketllm.tokenizer import Tokenizer
+
+ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+# Names a message's reasoning may come under; templates read reasoning_content (gpt-oss's read thinking).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _deepseek_token(name: str) -> str:
+    """DeepSeek spells its special tokens with U+FF5C (a fullwidth bar) around names whose spaces are U+2581."""
+    return "<\uff5c" + name.replace(" ", "\u2581") + "\uff5c>"
+
+
+DEEPSEEK_BOS = _deepseek_token("begin of sentence")
+DEEPSEEK_EOS = _deepseek_token("end of sentence")
+_DS_USER, _DS_ASSISTANT = _deepseek_token("User"), _deepseek_token("Assistant")
+_DS_OUTPUTS_BEGIN, _DS_OUTPUTS_END = _deepseek_token("tool outputs begin"), _deepseek_token("tool outputs end")
+_DS_OUTPUT_BEGIN, _DS_OUTPUT_END = _deepseek_token("tool output begin"), _deepseek_token("tool output end")
+
+
+class ChatPromptBuilder:
+    """Renders a conversation into the prompt text the model was trained on.
+
+    In order of preference: the checkpoint's jinja chat template (rendered as
+    transformers' ``apply_chat_template`` does), DeepSeek's format for
+    checkpoints that ship no template but have DeepSeek's special tokens, and
+    finally a plain ``role: content`` transcript.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None = None,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+    ) -> None:
+        """Use ``tokenizer``'s template and special tokens; the keyword arguments override them."""
+        if tokenizer is not None:
+            chat_template = chat_template or tokenizer.chat_template
+            bos_token = bos_token or tokenizer.bos_token
+            eos_token = eos_token or tokenizer.eos_token
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        self._template = _compile(chat_template) if chat_template else None
+        self._deepseek = (
+            self._template is None
+            and tokenizer is not None
+            and all(tokenizer.token_to_id(t) is not None for t in (_DS_USER, _DS_ASSISTANT))
+        )
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text for ``messages``; raises ConfigError for bad messages or a failing template."""
+        messages = validate_messages(messages)
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ConfigError("tools", "must be a list of objects")
+        if self._template is None:
+            if tools:
+                raise ConfigError("tools", "this model has no chat template, so it cannot be given tools")
+            if self._deepseek:
+                return _render_deepseek(messages, add_generation_prompt, self.bos_token or DEEPSEEK_BOS)
+            return _render_plain(messages, add_generation_prompt)
+        context = {
+            **(chat_template_kwargs or {}),
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "tools": tools,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+        }
+        try:
+            return self._template.render(**context)
+        except Exception as e:  # the template is untrusted code: any failure is a rejected request
+            raise ConfigError("messages", f"the chat template failed: {type(e).__name__}: {e}") from None
+
+
+def validate_messages(messages: object) -> list[dict[str, Any]]:
+    """Check OpenAI-style messages and return copies whose ``content`` is a string."""
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError("messages", "must be a non-empty list of message objects")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ConfigError("messages", f"message {i} must be an object, got {type(message).__name__}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ConfigError("messages", f"message {i} has role {role!r}; expected one of {sorted(ROLES)}")
+        content = message.get("content")
+        if content is None and role == "assistant" and message.get("tool_calls"):
+            content = ""  # an assistant turn that only calls tools
+        checked_message = {**message, "content": _text(content, i)}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:  # aliased as transformers does, so any template finds it
+            checked_message = {"thinking": reasoning, **checked_message, "reasoning_content": reasoning}
+        checked.append(checked_message)
+    return checked
+
+
+def _text(content: object, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ConfigError("messages", f"message {index}: only text content parts are supported")
+            parts.append(part["text"])
+        return "\n".join(parts)  # how vLLM flattens text parts for string-content templates
+    raise ConfigError("messages", f"message {index}: content must be a string or a list of text parts")
+
+
+def _render_deepseek(messages: list[dict[str, Any]], add_generation_prompt: bool, bos: str) -> str:
+    """DeepSeek-V3's layout (system text after BOS, then User/Assistant turns), for checkpoints with no template."""
+    out = [bos, "\n\n".join(m["content"] for m in messages if m["role"] in ("system", "developer"))]
+    in_outputs = False  # consecutive tool results share one outputs block
+    for m in messages:
+        if in_outputs and m["role"] != "tool":
+            out.append(_DS_OUTPUTS_END)
+        in_outputs, was_in_outputs = m["role"] == "tool", in_outputs
+        if m["role"] == "tool":
+            out.append(("" if was_in_outputs else _DS_OUTPUTS_BEGIN) + _DS_OUTPUT_BEGIN + m["content"] + _DS_OUTPUT_END)
+        elif m["role"] == "user":
+            out.append(_DS_USER + m["content"])
+        elif m["role"] == "assistant":
+            out.append(_DS_ASSISTANT + m["content"] + DEEPSEEK_EOS)
+    if in_outputs:
+        out.append(_DS_OUTPUTS_END)
+    if add_generation_prompt:
+        out.append(_DS_ASSISTANT)
+    return "".join(out)
+
+
+def _render_plain(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join([*lines, "assistant:"] if add_generation_prompt else lines)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accept transformers' ``{% generation %}...{% endgeneration %}`` (assistant-mask markers) as plain text."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    # Like transformers: no HTML escaping (jinja's own tojson escapes <, > and &), and json.dumps' options.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise ConfigError("chat_template", f"the checkpoint's chat template does not compile: {e}") from None
