@@ -17,8 +17,9 @@ from pathlib import Path
 
 from pocketllm import LLM, SamplingParams
 
-PROMPT_WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak tree "
-                "and count the stars one by one until the morning light arrives ").split()
+PROMPT_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wise",
+                "owls", "watch", "from", "an", "old", "oak", "tree", "and", "count", "the", "stars", "one", "by",
+                "one", "until", "the", "morning", "light", "arrives"]
 
 
 def make_prompt(llm: LLM, num_tokens: int, salt: int = 0) -> list[int]:
@@ -26,13 +27,13 @@ def make_prompt(llm: LLM, num_tokens: int, salt: int = 0) -> list[int]:
     return llm.tokenizer.encode(" ".join(words))[:num_tokens]
 
 
-def timed(fn) -> float:  # noqa: ANN001
+def timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
-def measure(runs: int, fn) -> list[float]:  # noqa: ANN001
+def measure(runs: int, fn) -> list[float]:
     fn()  # warm-up
     return [timed(fn) for _ in range(runs)]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -40,12 +41,20 @@ def test_n_choices_share_the_prompt_and_count_usage(llm: LLM) -> None:
 def test_request_ids_are_honoured_and_unique(llm: LLM) -> None:
     [out] = llm.generate("x", GREEDY, request_ids=["my-id"])
     assert out.request_id == "my-id"
-    stream = llm.generate_stream("x", SamplingParams(temperature=0.0, max_tokens=10**7, ignore_eos=True),
-                                 request_id="busy")
-    next(stream)
-    with pytest.raises(ConfigError, match="request_id"):
-        llm.generate("x", GREEDY, request_ids=["busy"])
-    stream.close()
+    release = threading.Event()
+    events: list[object] = []
+
+    def blocking_sink(event: object) -> None:  # holds the engine thread so "busy" cannot finish yet
+        events.append(event)
+        release.wait(10)
+
+    _, accepted = llm.driver.add_request(llm.tokenizer.encode("x"), GREEDY, blocking_sink, "busy")
+    try:
+        with pytest.raises(ConfigError, match="request_id"):
+            llm.generate("x", GREEDY, request_ids=["busy"])
+    finally:
+        release.set()
+    accepted.result()
 
 
 def test_chat_renders_the_template(llm: LLM) -> None:
@@ -69,6 +78,13 @@ def test_stop_token_ids_and_eos(llm: LLM) -> None:
     assert out.outputs[0].token_ids == [5, 0] and out.outputs[0].stop_reason is None
     [out] = llm.generate([5, 0, 7], SamplingParams(temperature=0.0, max_tokens=10, min_tokens=3))
     assert out.outputs[0].token_ids[:3] == [5, 0, 7]
+
+
+def test_bad_token_ids_are_config_errors(llm: LLM) -> None:
+    with pytest.raises(ConfigError, match="logit_bias"):
+        llm.generate("x", SamplingParams(temperature=0.0, logit_bias={10**6: 1.0}))
+    with pytest.raises(ConfigError, match="prompt"):
+        llm.generate([[1, 2, 10**6]], GREEDY)
 
 
 def test_backend_rejection_reaches_the_caller_and_loses_nothing(llm: LLM) -> None:

@@ -9,7 +9,7 @@ from pocketllm import ConfigError, EngineArgs, SamplingParams
     ("n", 0), ("max_tokens", 0), ("max_tokens", -3), ("min_tokens", -1), ("temperature", -0.1), ("top_p", 0.0),
     ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("logprobs", 21), ("logprobs", -1), ("stop", [""]), ("stop_token_ids", [-1]),
-    ("logit_bias", {5: 200.0}),
+    ("logit_bias", {5: 200.0}), ("seed", 2**63),
 ])
 def test_sampling_params_reject_bad_values_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError) as err:

@@ -35,6 +35,14 @@ class EngineClient:
         return self.driver.args
 
     @property
+    def max_model_len(self) -> int:
+        return self.driver.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.driver.model_config.vocab_size
+
+    @property
     def backend_name(self) -> str:
         return self.driver.backend_name
 

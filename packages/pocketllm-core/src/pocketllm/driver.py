@@ -150,6 +150,8 @@ class EngineDriver:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_ids):
             raise ConfigError("prompt", f"token ids must be integers in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ConfigError("logit_bias", f"token ids must be in [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}, "
                                      "which leaves no room to generate")
@@ -170,7 +172,9 @@ class EngineDriver:
                     self._abort_all()
                     break
                 if self.engine.has_unfinished():
-                    self._dispatch(self.engine.step())
+                    deltas = self.engine.step()
+                    self._stats = self.engine.stats()  # fresh before callers see this step's events
+                    self._dispatch(deltas)
                 self._stats = self.engine.stats()
         except BaseException as e:  # the backend failed: every caller must hear about it
             log.exception("engine loop died")
@@ -184,7 +188,7 @@ class EngineDriver:
             for choice in request.choices:
                 seed = request.params.seed
                 params = msgspec.structs.replace(
-                    request.params, n=1, seed=None if seed is None else seed + choice.index)
+                    request.params, n=1, seed=None if seed is None else _wrap_int64(seed + choice.index))
                 self.engine.add_request(choice.backend_id, request.prompt_ids, params)
                 added.append(choice.backend_id)
                 self._choices[choice.backend_id] = (request, choice)
@@ -276,3 +280,8 @@ class EngineDriver:
                 request.sink(dead)
             except Exception:
                 log.warning("could not tell request %s that the engine died", request.request_id)
+
+
+def _wrap_int64(value: int) -> int:
+    """Keep per-choice seeds (``seed + index``) inside the signed 64-bit range seeds are validated to."""
+    return (value + 2**63) % 2**64 - 2**63

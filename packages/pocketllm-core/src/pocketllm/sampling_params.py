@@ -53,6 +53,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                f"must be in [-2, 2], got {self.frequency_penalty}")
         _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
                f"must be in (0, 2], got {self.repetition_penalty}")
+        _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed", "must fit in a signed 64-bit integer")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                f"must be between 0 and 20, got {self.logprobs}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")

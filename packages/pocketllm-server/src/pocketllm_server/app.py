@@ -1,0 +1,78 @@
+"""The Starlette application: routes, middleware, error handlers and the engine's lifespan."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from pocketllm import AsyncLLM, EngineArgs
+from pocketllm_server import openai_chat, openai_completions, openai_models, routes_health, routes_tokenize
+from pocketllm_server.errors import APIError
+from pocketllm_server.middleware import ApiKeyMiddleware, UnexpectedErrorMiddleware
+from pocketllm_server.state import ServerState, state_of
+
+# Status for a request whose client left before the answer (nginx's convention; nobody receives it).
+_CLIENT_CLOSED_REQUEST = 499
+
+
+def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str | None = None,
+               max_queue_len: int | None = None, llm: AsyncLLM | None = None) -> Starlette:
+    """Build the server. Without ``llm`` the app loads the model itself, in the background, at startup.
+
+    An ``llm`` passed in is used as it is and not shut down with the app.
+    """
+    if max_queue_len is not None and max_queue_len < 1:
+        raise ValueError(f"max_queue_len must be at least 1, got {max_queue_len}")
+    state = ServerState(engine_args, served_model_name=served_model_name, max_queue_len=max_queue_len, llm=llm)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await state.startup()
+        try:
+            yield
+        finally:
+            await state.shutdown()
+
+    routes = [
+        Route("/health", routes_health.health, methods=["GET"]),
+        Route("/alive", routes_health.alive, methods=["GET"]),
+        Route("/ready", routes_health.ready, methods=["GET"]),
+        Route("/metrics", routes_health.metrics, methods=["GET"]),
+        Route("/v1/models", openai_models.list_models, methods=["GET"]),
+        Route("/v1/chat/completions", openai_chat.create_chat_completion, methods=["POST"]),
+        Route("/v1/completions", openai_completions.create_completion, methods=["POST"]),
+        Route("/tokenize", routes_tokenize.tokenize, methods=["POST"]),
+        Route("/detokenize", routes_tokenize.detokenize, methods=["POST"]),
+    ]
+    middleware = [Middleware(UnexpectedErrorMiddleware)]
+    if api_key is not None:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=api_key))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers={
+        APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_disconnected})
+    app.state.server = state
+    return app
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Routing errors (unknown path, wrong method) in the same JSON shape as every other error."""
+    assert isinstance(exc, HTTPException)
+    message = f"{exc.detail} ({request.method} {request.url.path})"
+    return APIError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+
+
+async def _client_disconnected(request: Request, exc: Exception) -> Response:
+    """The client left while its request was read, queued or run (Starlette raises this too, mid-body)."""
+    state_of(request).metrics.client_disconnects.inc()
+    return Response(status_code=_CLIENT_CLOSED_REQUEST)

@@ -1,0 +1,106 @@
+"""The ``pocketllm-server`` command: serve one model over an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from hypercorn.asyncio import serve
+from hypercorn.config import Config
+from starlette.applications import Starlette
+
+from pocketllm.args import DEFAULT_MODEL
+from pocketllm.cli_args import add_engine_args, engine_args_from
+from pocketllm.errors import PocketLLMError
+from pocketllm_server.app import create_app
+from pocketllm_server.state import ServerState
+
+log = logging.getLogger("pocketllm_server")
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pocketllm-server", description="Serve one model over an OpenAI-compatible HTTP API.",
+        epilog=f"--model defaults to {DEFAULT_MODEL}; --backend auto picks the best installed backend.")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    server.add_argument("--api-key", default=os.environ.get("POCKETLLM_API_KEY"),
+                        help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize "
+                             "(default: $POCKETLLM_API_KEY, else no key)")
+    server.add_argument("--served-model-name", default=None,
+                        help="model name clients use (default: the last part of --model)")
+    server.add_argument("--max-queue-len", type=_positive_int, default=None,
+                        help="answer 503 while this many requests are waiting (default: no limit)")
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(parser)  # --model, --backend and every other EngineArgs field
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine_args = engine_args_from(ns)
+    except PocketLLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    served_model_name = ns.served_model_name or os.path.basename(engine_args.model.rstrip("/\\"))
+    app = create_app(engine_args, served_model_name=served_model_name, api_key=ns.api_key or None,
+                     max_queue_len=ns.max_queue_len)
+    config = Config()
+    address = f"[{ns.host}]:{ns.port}" if ":" in ns.host else f"{ns.host}:{ns.port}"
+    config.bind = [address]
+    # Hypercorn's loggers go through the root handler set up above: one format, no line printed twice.
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.accesslog = logging.getLogger("hypercorn.access")
+    # Bind before the model starts loading, so that a port in use fails at once rather than after the load.
+    try:
+        sockets = config.create_sockets()
+    except OSError as e:
+        log.error("cannot listen on %s: %s", address, e)
+        return 1
+    config.bind = [f"fd://{sock.detach()}" for sock in sockets.insecure_sockets]
+    return asyncio.run(_serve(app, config))
+
+
+async def _serve(app: Starlette, config: Config) -> int:
+    state: ServerState = app.state.server
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def stop_if_load_fails() -> None:
+        await state.wait_loaded()
+        if state.load_error is not None:
+            stop.set()
+
+    async def shutdown_trigger() -> None:
+        # Runs once the app's startup (which begins loading the model) has completed.
+        watcher = asyncio.create_task(stop_if_load_fails())
+        try:
+            await stop.wait()
+        finally:
+            watcher.cancel()
+        log.info("shutting down: refusing new requests and aborting the ones in flight")
+        # Stopping the engine now ends every stream at once, instead of hypercorn waiting out its grace period.
+        await state.shutdown()
+
+    await serve(app, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+    if state.load_error is not None:
+        return 1
+    log.info("stopped")
+    return 0

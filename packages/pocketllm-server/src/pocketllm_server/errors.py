@@ -1,0 +1,62 @@
+"""OpenAI-style errors: one exception type that carries its HTTP status, and its JSON body."""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.responses import Response
+
+from pocketllm.errors import ConfigError, EngineDeadError, PocketLLMError, PromptTooLongError, UnsupportedOptionError
+
+# Seconds a client should wait before retrying a 503 (loading, overloaded, shutting down).
+RETRY_AFTER_S = 1
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error answered to the client as ``{"error": {...}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers or {}
+
+    def response(self) -> Response:
+        return Response(msgspec.json.encode(ErrorBody(self.info)), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
+
+
+def invalid_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def unavailable(message: str, code: str) -> APIError:
+    """503 with Retry-After: the request was fine, the server cannot take it now."""
+    return APIError(503, message, type="service_unavailable", code=code,
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def from_engine_error(error: PocketLLMError, *, fields: dict[str, str] | None = None) -> APIError:
+    """Map an engine error to its HTTP answer; ``fields`` renames SamplingParams fields to request fields."""
+    fields = fields or {}
+    if isinstance(error, ConfigError):
+        return invalid_request(str(error), fields.get(error.field, error.field))
+    if isinstance(error, UnsupportedOptionError):
+        option = error.option.split(".")[0]
+        return APIError(400, str(error), param=fields.get(option, option), code="unsupported_option")
+    if isinstance(error, PromptTooLongError):
+        return APIError(400, str(error), param=fields.get("prompt", "prompt"), code="context_length_exceeded")
+    if isinstance(error, EngineDeadError):
+        return unavailable(str(error), "engine_dead")
+    return APIError(500, f"{type(error).__name__}: {error}", type="internal_server_error")

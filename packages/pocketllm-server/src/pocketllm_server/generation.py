@@ -1,0 +1,140 @@
+"""What the chat and completions endpoints share: ids, sampling parameters, starting and collecting requests."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from pocketllm import ConfigError, PocketLLMError, RequestOutput, SamplingParams
+from pocketllm.client import OutputCollector
+from pocketllm_server.errors import APIError, from_engine_error, invalid_request, unavailable
+from pocketllm_server.protocol import SamplingRequest, UsageInfo
+from pocketllm_server.state import EngineStream, state_of
+from pocketllm_server.streaming import all_or_nothing, cancel_on_disconnect
+
+# SamplingRequest fields handed to SamplingParams unchanged when the client sets them.
+_PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "seed")
+
+
+@dataclass(slots=True)
+class PromptRequest:
+    """One engine request: a prompt (text kept for ``echo``), its parameters and its engine request id."""
+
+    text: str | None
+    ids: list[int]
+    params: SamplingParams
+    request_id: str
+
+
+def request_id(request: Request, prefix: str) -> str:
+    """The client's X-Request-Id if it sent one, so its logs and ours (and the engine's) share an id."""
+    return request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, *, prompt_len: int, max_model_len: int,
+                       param: str, prompt_param: str) -> int:
+    """The completion budget: what was asked for, else ``default``, else the rest of the context (as vLLM)."""
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, and the prompt has "
+                            f"{prompt_len} tokens, which leaves no room for a completion.",
+                       param=prompt_param, code="context_length_exceeded")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                            "completion). Please reduce the prompt or the completion length.",
+                       param=param, code="context_length_exceeded")
+    return requested
+
+
+def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None, vocab_size: int,
+                    fields: dict[str, str]) -> SamplingParams:
+    """Build and validate the engine's parameters; ``fields`` names request fields in errors."""
+    values = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
+    try:
+        return SamplingParams(
+            n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
+            logit_bias=_logit_bias(req.logit_bias, vocab_size), skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output, **values)
+    except ConfigError as e:
+        raise from_engine_error(e, fields=fields) from None
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    result: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise invalid_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        # The engine indexes its logits with these: an id out of range must not reach it.
+        if not 0 <= token_id < vocab_size:
+            raise invalid_request(f"logit_bias token id {token_id} is not in [0, {vocab_size})", "logit_bias")
+        result[token_id] = value
+    return result
+
+
+def check_stream_options(req: SamplingRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+async def start_all(request: Request, prompts: Sequence[PromptRequest], fields: dict[str, str]) -> list[EngineStream]:
+    """Start every engine request and wait for each one's first output, or close them all on any failure.
+
+    Waiting for the first output is what lets a bad request be answered with a 400 before a
+    streaming response has sent its 200 headers.
+    """
+    state = state_of(request)
+    started: list[EngineStream | None] = [None] * len(prompts)
+
+    async def start(i: int, prompt: PromptRequest) -> None:
+        started[i] = await state.start(prompt.ids, prompt.params, prompt.request_id)
+
+    try:
+        await cancel_on_disconnect(request.receive, all_or_nothing([start(i, p) for i, p in enumerate(prompts)]))
+    except BaseException as e:
+        for stream in started:
+            if stream is not None:
+                await stream.aclose()
+        if isinstance(e, PocketLLMError):
+            raise from_engine_error(e, fields=fields) from None
+        raise
+    return [stream for stream in started if stream is not None]
+
+
+async def collect(request: Request, streams: Sequence[EngineStream], prompts: Sequence[PromptRequest],
+                  fields: dict[str, str]) -> list[RequestOutput]:
+    """Run every stream to its end (cancelled if the client leaves) and fold its events into an output."""
+
+    async def run(stream: EngineStream, prompt: PromptRequest) -> RequestOutput:
+        collector = OutputCollector(prompt.request_id, prompt.text, prompt.ids, prompt.params.n)
+        async for event in stream:
+            collector.add(event)
+        return collector.output
+
+    try:
+        outputs = await cancel_on_disconnect(request.receive,
+                                             all_or_nothing([run(s, p) for s, p in zip(streams, prompts, strict=True)]))
+    except PocketLLMError as e:
+        raise from_engine_error(e, fields=fields) from None
+    finally:
+        for stream in streams:
+            await stream.aclose()
+    if any(choice.finish_reason == "abort" for output in outputs for choice in output.outputs):
+        # Only a shutdown aborts a request whose client is still connected.
+        raise unavailable("the request was aborted because the server is shutting down", "request_aborted")
+    return outputs
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)

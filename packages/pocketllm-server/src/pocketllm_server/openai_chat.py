@@ -1,0 +1,123 @@
+"""POST /v1/chat/completions, streaming and not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pocketllm import ConfigError, PocketLLMError
+from pocketllm_server.errors import APIError, ErrorBody, from_engine_error, invalid_request
+from pocketllm_server.generation import (
+    PromptRequest,
+    check_stream_options,
+    collect,
+    request_id,
+    resolve_max_tokens,
+    sampling_params,
+    start_all,
+    usage_info,
+)
+from pocketllm_server.logprobs import TokenTexts, chat_logprobs
+from pocketllm_server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    DeltaMessage,
+    UsageInfo,
+    decode,
+    json_response,
+)
+from pocketllm_server.state import EngineStream, state_of
+from pocketllm_server.streaming import DONE, EventStreamResponse, sse
+
+
+async def create_chat_completion(request: Request) -> Response:
+    state = state_of(request)
+    req = decode(await request.body(), ChatCompletionRequest)
+    state.check_model(req.model)
+    llm = state.require_llm()
+    _check_options(req)
+    try:
+        _, prompt_ids = llm.render_chat([msgspec.to_builtins(m) for m in req.messages],
+                                        add_generation_prompt=req.add_generation_prompt, tools=req.tools,
+                                        chat_template_kwargs=req.chat_template_kwargs)
+    except ConfigError as e:
+        raise from_engine_error(e) from None
+
+    budget_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    # Engine field names as this endpoint spells them, for error messages' ``param``.
+    fields = {"max_tokens": budget_field, "prompt": "messages"}
+    max_tokens = resolve_max_tokens(
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, None,
+        prompt_len=len(prompt_ids), max_model_len=llm.driver.max_model_len, param=budget_field,
+        prompt_param="messages")
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                             vocab_size=llm.driver.model_config.vocab_size, fields=fields)
+    rid = request_id(request, "chatcmpl")
+    prompt = PromptRequest(text=None, ids=prompt_ids, params=params, request_id=rid)
+    [stream] = await start_all(request, [prompt], fields)
+    text_of = TokenTexts(llm.tokenizer)
+    created = int(time.time())
+
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        chunks = _chunks(stream, rid=rid, model=state.served_model_name, created=created, n=req.n,
+                         logprobs=req.logprobs, include_usage=include_usage, text_of=text_of)
+        return EventStreamResponse(chunks, headers={"X-Request-Id": rid},
+                                   on_disconnect=state.metrics.client_disconnects.inc)
+
+    [output] = await collect(request, [stream], [prompt], fields)
+    choices = [
+        ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                   logprobs=chat_logprobs(c.logprobs, text_of) if req.logprobs and c.logprobs is not None else None,
+                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        for c in output.outputs
+    ]
+    usage = usage_info(output.usage.prompt_tokens, output.usage.completion_tokens)
+    return json_response(ChatCompletion(id=rid, created=created, model=state.served_model_name, choices=choices,
+                                        usage=usage), headers={"X-Request-Id": rid})
+
+
+def _check_options(req: ChatCompletionRequest) -> None:
+    check_stream_options(req)
+    if req.top_logprobs and not req.logprobs:
+        raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise APIError(400, f"response_format {req.response_format.type!r} is not supported (only 'text')",
+                       param="response_format", code="unsupported_option")
+    # Tools are shown to the model through its chat template, but tool calls are not parsed out of its reply,
+    # so a request that insists on a call cannot be honoured.
+    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
+        raise APIError(400, "tool_choice must be 'none' or 'auto': tool calls are not parsed by this server",
+                       param="tool_choice", code="unsupported_option")
+
+
+async def _chunks(stream: EngineStream, *, rid: str, model: str, created: int, n: int, logprobs: bool,
+                  include_usage: bool, text_of: TokenTexts) -> AsyncGenerator[bytes, None]:
+    def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
+        return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
+
+    try:
+        for index in range(n):
+            yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        async for event in stream:
+            lp = chat_logprobs(event.logprobs, text_of) if logprobs and event.logprobs else None
+            if event.text or event.finish_reason is not None or lp is not None:
+                yield chunk([ChatChunkChoice(index=event.index, delta=DeltaMessage(content=event.text or None),
+                                             logprobs=lp, finish_reason=event.finish_reason,
+                                             stop_reason=event.stop_reason)])
+            if event.usage is not None and include_usage:
+                yield chunk([], usage_info(event.usage.prompt_tokens, event.usage.completion_tokens))
+        yield DONE
+    except PocketLLMError as e:  # the engine failed mid-stream: the 200 is sent, so say it in the stream
+        yield sse(ErrorBody(from_engine_error(e).info))
+        yield DONE
+    finally:
+        await stream.aclose()

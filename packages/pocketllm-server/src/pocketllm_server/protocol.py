@@ -1,0 +1,261 @@
+"""OpenAI (and vLLM-extension) request and response schemas as msgspec Structs.
+
+Requests are decoded straight into these types, so a wrong type or an out-of-range
+value is rejected with msgspec's message and the JSON path of the field. Unknown
+fields are ignored, as clients send fields this server has no use for.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from starlette.responses import Response
+
+from pocketllm_server.errors import invalid_request
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+T = TypeVar("T")
+
+
+# -- requests ------------------------------------------------------------------------------------------------------
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class SamplingRequest(msgspec.Struct, kw_only=True):
+    """Fields both generation endpoints share; None means "not given" (defaults are applied later)."""
+
+    model: str | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # what torch.Generator takes
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted for compatibility; not used
+
+
+# omit_defaults: messages go to the chat template as dicts, and templates test keys with ``is defined``.
+class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+
+
+class ChatCompletionRequest(SamplingRequest, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingRequest, kw_only=True):
+    # Token ids and lists of prompts are told apart after decoding: msgspec unions allow one array type only.
+    prompt: str | list[str | int | list[int]]
+    echo: bool = False
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: either ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds BOS)
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- responses -----------------------------------------------------------------------------------------------------
+
+class UsageInfo(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM extension: the stop string or token id that matched
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True, tag_field="object", tag="chat.completion"):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+# omit_defaults drops ``usage`` from every chunk but the usage chunk; the tag (``object``) is always written.
+class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="object",
+                          tag="chat.completion.chunk"):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class Completion(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="object", tag="text_completion"):
+    """A whole completion, or (with ``usage`` left out until the last one) one streamed chunk of it."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(msgspec.Struct, kw_only=True, tag_field="object", tag="model"):
+    id: str
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int | None
+
+
+class ModelList(msgspec.Struct, kw_only=True, tag_field="object", tag="list"):
+    data: list[ModelCard]
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
+
+
+class HealthResponse(msgspec.Struct, kw_only=True):
+    status: str  # "ok", "loading", "failed" (the model did not load) or "dead" (the engine loop stopped)
+    model: str
+    backend: str | None
+    engine_alive: bool
+    num_requests_running: int
+    num_requests_waiting: int
+    error: str | None = None
+
+
+# -- decoding ------------------------------------------------------------------------------------------------------
+
+_AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def decode(body: bytes, type_: type[T]) -> T:
+    """Decode a JSON request body; a malformed or mistyped one becomes a 400 naming the field."""
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as e:
+        message = str(e)
+        at = _AT_PATH.search(message)
+        path = at.group("path").replace("[...]", "") if at else ""  # msgspec's spelling of "some dict key"
+        missing = _MISSING.search(message)
+        if missing:
+            path = f"{path}.{missing.group('field')}" if path else missing.group("field")
+        raise invalid_request(message, path or None) from None
+    except msgspec.DecodeError as e:
+        raise invalid_request(f"request body is not valid JSON: {e}") from None
+
+
+def json_response(payload: object, *, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(payload), status_code=status, headers=headers, media_type="application/json")

@@ -1,0 +1,54 @@
+"""vLLM's POST /tokenize and /detokenize."""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pocketllm import ConfigError
+from pocketllm_server.errors import from_engine_error, invalid_request
+from pocketllm_server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    decode,
+    json_response,
+)
+from pocketllm_server.state import state_of
+
+
+async def tokenize(request: Request) -> Response:
+    state = state_of(request)
+    req = decode(await request.body(), TokenizeRequest)
+    state.check_model(req.model)
+    llm = state.require_llm()
+    if (req.prompt is None) == (req.messages is None):
+        raise invalid_request("give exactly one of prompt and messages", "prompt")
+    if req.prompt is not None:
+        ids = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+    else:
+        assert req.messages is not None
+        try:
+            text, ids = llm.render_chat([msgspec.to_builtins(m) for m in req.messages],
+                                        add_generation_prompt=req.add_generation_prompt, tools=req.tools,
+                                        chat_template_kwargs=req.chat_template_kwargs)
+        except ConfigError as e:
+            raise from_engine_error(e) from None
+        if req.add_special_tokens:  # on top of what the template already wrote, as vLLM does
+            ids = llm.tokenizer.encode(text, add_special_tokens=True)
+    return json_response(TokenizeResponse(count=len(ids), max_model_len=llm.driver.max_model_len, tokens=ids))
+
+
+async def detokenize(request: Request) -> Response:
+    state = state_of(request)
+    req = decode(await request.body(), DetokenizeRequest)
+    state.check_model(req.model)
+    llm = state.require_llm()
+    vocab_size = llm.tokenizer.vocab_size
+    bad = next((t for t in req.tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise invalid_request(f"token id {bad} is not in [0, {vocab_size})", "tokens")
+    # Special tokens are kept so that tokenize -> detokenize gives back the text that was tokenized.
+    return json_response(DetokenizeResponse(prompt=llm.tokenizer.decode(req.tokens, skip_special_tokens=False)))

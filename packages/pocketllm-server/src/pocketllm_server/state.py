@@ -1,0 +1,183 @@
+"""What the app holds across requests: the engine (loaded in the background), admission control, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from starlette.requests import Request
+
+from pocketllm import AsyncLLM, BackendStats, EngineArgs, SamplingParams, StreamEvent
+from pocketllm_server.errors import APIError, unavailable
+from pocketllm_server.metrics import ServerMetrics
+
+log = logging.getLogger("pocketllm_server")
+
+
+def load_engine(engine_args: EngineArgs) -> AsyncLLM:
+    """Build the engine (blocking: loads weights). A module function so tests can slow it down."""
+    return AsyncLLM(engine_args=engine_args)
+
+
+def state_of(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server  # set by create_app
+    return state
+
+
+class ServerState:
+    def __init__(self, engine_args: EngineArgs, *, served_model_name: str, max_queue_len: int | None,
+                 llm: AsyncLLM | None) -> None:
+        self.engine_args = engine_args
+        self.served_model_name = served_model_name
+        self.max_queue_len = max_queue_len
+        self.llm = llm
+        self.owns_llm = llm is None  # an engine handed in by the caller is theirs to shut down
+        self.load_error: BaseException | None = None
+        self.draining = False
+        self.created = int(time.time())
+        # Requests admitted and still waiting for their first output. The engine's own num_waiting is only
+        # refreshed after each step, so this is what keeps a burst of arrivals from all slipping past the limit.
+        self.pending = 0
+        self.metrics = ServerMetrics(served_model_name, self.stats, lambda: self.pending)
+        self._load_task: asyncio.Task[None] | None = None
+        self._load_done: asyncio.Event | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        self._load_done = asyncio.Event()
+        if self.llm is None:
+            # In the background, so /alive and /ready answer (and say "not yet") while weights load.
+            self._load_task = asyncio.create_task(self._load())
+        else:
+            self._load_done.set()
+
+    async def _load(self) -> None:
+        assert self._load_done is not None
+        args = self.engine_args
+        log.info("loading model %s (backend %s)", args.model, args.backend)
+        started = time.monotonic()
+        try:
+            llm = await asyncio.to_thread(load_engine, args)
+        except Exception as e:
+            self.load_error = e
+            log.error("could not load model %s: %s: %s", args.model, type(e).__name__, e)
+        else:
+            self.llm = llm
+            log.info("model %s ready on backend %s in %.1f s (max_model_len %s); serving as %r", args.model,
+                     llm.backend_name, time.monotonic() - started, llm.args.max_model_len, self.served_model_name)
+        finally:
+            self._load_done.set()
+
+    async def wait_loaded(self) -> None:
+        """Return once loading ended, whether it worked or not."""
+        assert self._load_done is not None, "startup() was not called"
+        await self._load_done.wait()
+
+    async def shutdown(self) -> None:
+        """Refuse new requests, then stop the engine we own: that ends every in-flight request with ``abort``."""
+        self.draining = True
+        if self._load_task is not None:
+            await self._load_task  # a load cannot be interrupted; its engine must still be shut down
+        if self.owns_llm and self.llm is not None:
+            await asyncio.to_thread(self.llm.shutdown)
+
+    # -- queries -------------------------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.llm is not None and self.llm.driver.is_alive and not self.draining
+
+    def stats(self) -> BackendStats | None:
+        return self.llm.driver.stats() if self.llm is not None else None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
+                           param="model", code="model_not_found")
+
+    def require_llm(self) -> AsyncLLM:
+        if self.draining:
+            raise unavailable("the server is shutting down", "shutting_down")
+        if self.load_error is not None:
+            raise unavailable(f"the model failed to load: {self.load_error}", "model_load_failed")
+        if self.llm is None:
+            raise unavailable("the model is still loading", "model_loading")
+        if not self.llm.driver.is_alive:
+            raise unavailable("the engine has stopped", "engine_dead")
+        return self.llm
+
+    # -- requests ------------------------------------------------------------------------------------------------
+
+    async def start(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> EngineStream:
+        """Admit a request and wait for its first output, so that every error it can have is raised here.
+
+        Raises APIError (503) when the queue is full, or the engine's error for a bad request.
+        """
+        llm = self.require_llm()
+        stats = llm.driver.stats()
+        if self.max_queue_len is not None and max(stats.num_waiting, self.pending) >= self.max_queue_len:
+            raise unavailable(f"too many requests waiting (max_queue_len={self.max_queue_len}); retry later",
+                              "queue_full")
+        stream = EngineStream(self.metrics, llm.stream_ids(prompt_ids, params, request_id=request_id),
+                              len(prompt_ids))
+        self.pending += 1
+        try:
+            await stream.pull_first()
+        finally:
+            self.pending -= 1
+        return stream
+
+
+class EngineStream:
+    """One engine request's events, with the first already pulled; records metrics as events pass by.
+
+    Close it (``aclose``) when done: closing before the end aborts the request in the engine.
+    """
+
+    def __init__(self, metrics: ServerMetrics, events: AsyncGenerator[StreamEvent, None],
+                 num_prompt_tokens: int) -> None:
+        self.metrics = metrics
+        self.events = events
+        self.num_prompt_tokens = num_prompt_tokens
+        self.arrival = time.monotonic()
+        self.first: StreamEvent | None = None
+        self.finished = False
+        self._last_output: dict[int, float] = {}  # per choice index
+
+    async def pull_first(self) -> None:
+        self.first = await anext(self.events)
+        now = time.monotonic()
+        self.metrics.request_queue_time.observe(now - self.arrival)
+        self.metrics.time_to_first_token.observe(now - self.arrival)
+        self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+        self._record(self.first, now)
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[StreamEvent]:
+        assert self.first is not None
+        yield self.first
+        while not self.finished:
+            event = await anext(self.events)
+            self._record(event, time.monotonic())
+            yield event
+
+    def _record(self, event: StreamEvent, now: float) -> None:
+        m = self.metrics
+        m.generation_tokens.inc(len(event.token_ids))
+        last = self._last_output.get(event.index)
+        if last is not None and event.token_ids:
+            m.inter_token_latency.observe(now - last)
+        self._last_output[event.index] = now
+        if event.finish_reason is not None and event.finish_reason != "abort":
+            m.request_success(event.finish_reason)
+        if event.usage is not None:
+            self.finished = True
+            m.e2e_request_latency.observe(now - self.arrival)
+
+    async def aclose(self) -> None:
+        await self.events.aclose()

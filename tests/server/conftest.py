@@ -1,0 +1,168 @@
+"""Fixtures for the server tests: engines on the tiny checkpoint, and real hypercorn servers in threads."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypercorn.asyncio import serve
+from hypercorn.config import Config
+from starlette.applications import Starlette
+
+from pocketllm import AsyncLLM, EngineArgs
+from pocketllm_server import create_app
+
+MODEL_NAME = "tiny"
+
+
+class LiveServer:
+    """A hypercorn server on 127.0.0.1 (a port the OS picked), on its own event loop in a thread."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+        self.loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="test-hypercorn", daemon=True)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.config = Config()
+        # Handing hypercorn a socket that is already bound avoids racing other tests for a free port.
+        self.config.bind = [f"fd://{sock.detach()}"]
+        self.config.graceful_timeout = 2.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def main() -> None:
+            self._stop = asyncio.Event()
+            self._started.set()
+            await serve(self.app, self.config, shutdown_trigger=self._stop.wait)  # type: ignore[arg-type]
+
+        try:
+            self.loop.run_until_complete(main())
+        except BaseException as e:
+            self._error = e
+        finally:
+            self._started.set()
+            self.loop.close()
+
+    def call(self, coro: Any, timeout: float = 30.0) -> Any:
+        """Run a coroutine on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> LiveServer:
+        self._thread.start()
+        self._started.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self._error is not None:
+                raise RuntimeError("server failed to start") from self._error
+            try:
+                if httpx.get(f"{self.url}/alive", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+        raise RuntimeError("server did not answer /alive")
+
+    def stop(self) -> None:
+        if self._stop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "server did not stop"
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+@pytest.fixture
+def wait_for() -> Callable[..., bool]:
+    """``wait_for(predicate, timeout=5.0)``: poll until true; returns the last answer."""
+    return _wait_for
+
+
+@pytest.fixture(scope="session")
+def tiny_args(pocketllm_tiny_llama: Path) -> EngineArgs:
+    return EngineArgs(model=str(pocketllm_tiny_llama), backend="echo")
+
+
+@pytest.fixture(scope="session")
+def echo_llm(tiny_args: EngineArgs) -> Iterator[AsyncLLM]:
+    llm = AsyncLLM(engine_args=tiny_args)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def torch_llm(pocketllm_tiny_llama: Path) -> Iterator[AsyncLLM]:
+    pytest.importorskip("pocketllm_torch")
+    llm = AsyncLLM(engine_args=EngineArgs(model=str(pocketllm_tiny_llama), backend="torch", device="cpu"))
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def live_server() -> Iterator[Callable[..., LiveServer]]:
+    """Factory: ``live_server(app)`` starts a server that is stopped at the end of the session."""
+    servers: list[LiveServer] = []
+
+    def start(app: Starlette) -> LiveServer:
+        server = LiveServer(app).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@contextmanager
+def running(app: Starlette) -> Iterator[LiveServer]:
+    server = LiveServer(app).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def serve_app() -> Callable[[Starlette], Any]:
+    """``with serve_app(app) as server:`` a server that stops at the end of the block."""
+    return running
+
+
+@pytest.fixture(scope="session")
+def echo_server(live_server: Callable[..., LiveServer], tiny_args: EngineArgs, echo_llm: AsyncLLM) -> LiveServer:
+    return live_server(create_app(tiny_args, served_model_name=MODEL_NAME, llm=echo_llm))
+
+
+@pytest.fixture(scope="session")
+def torch_server(live_server: Callable[..., LiveServer], torch_llm: AsyncLLM) -> LiveServer:
+    return live_server(create_app(torch_llm.args, served_model_name=MODEL_NAME, llm=torch_llm))
+
+
+@pytest.fixture
+def client(echo_server: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=echo_server.url, timeout=30) as client:
+        yield client

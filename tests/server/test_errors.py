@@ -1,0 +1,240 @@
+"""Every client mistake is a 4xx with an OpenAI error body naming the field; surprises are 500s that stay contained."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from pocketllm import AsyncLLM, PromptTooLongError
+
+MODEL = "tiny"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 4, **fields}
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "hello", "temperature": 0, "max_tokens": 4, **fields}
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None, *, code: str | None = None,
+                 type_: str = "invalid_request_error") -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"] == type_
+    assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def test_malformed_json(client: httpx.Client) -> None:
+    for path in (CHAT, COMPLETIONS, "/tokenize", "/detokenize"):
+        response = client.post(path, content=b'{"model": "tiny", "messages": [',
+                               headers={"content-type": "application/json"})
+        assert "JSON" in assert_error(response, 400, None)["message"]
+
+
+def test_body_must_be_an_object(client: httpx.Client) -> None:
+    assert_error(client.post(CHAT, json=[1, 2]), 400, None)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (CHAT, {"model": MODEL}, "messages"),
+    (CHAT, chat(messages="hi"), "messages"),
+    (CHAT, chat(messages=[{"content": "hi"}]), "messages[0].role"),
+    (CHAT, chat(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
+    (CHAT, chat(n="2"), "n"),
+    (CHAT, chat(temperature="hot"), "temperature"),
+    (CHAT, chat(stream="yes"), "stream"),
+    (CHAT, chat(stop=3), "stop"),
+    (CHAT, chat(logprobs=2), "logprobs"),
+    (CHAT, chat(max_tokens=True), "max_tokens"),
+    (COMPLETIONS, {"model": MODEL}, "prompt"),
+    (COMPLETIONS, completion(prompt={"text": "hi"}), "prompt"),
+    (COMPLETIONS, completion(prompt=[1, [2, "x"]]), "prompt[1][1]"),
+    (COMPLETIONS, completion(logit_bias={"5": "high"}), "logit_bias"),
+    (COMPLETIONS, completion(echo=1), "echo"),
+])
+def test_wrong_types_name_the_field(client: httpx.Client, path: str, body: dict[str, Any], param: str) -> None:
+    assert_error(client.post(path, json=body), 400, param)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (CHAT, chat(max_tokens=0), "max_tokens"),
+    (CHAT, chat(max_tokens=-5), "max_tokens"),
+    (CHAT, chat(max_tokens=None, max_completion_tokens=0), "max_completion_tokens"),
+    (COMPLETIONS, completion(max_tokens=0), "max_tokens"),
+    (CHAT, chat(n=0), "n"),
+    (CHAT, chat(n=17), "n"),
+    (COMPLETIONS, completion(n=-1), "n"),
+    (CHAT, chat(temperature=-0.1), "temperature"),
+    (CHAT, chat(temperature=2.5), "temperature"),
+    (COMPLETIONS, completion(temperature=3), "temperature"),
+    (CHAT, chat(top_p=0), "top_p"),
+    (CHAT, chat(top_k=-2), "top_k"),
+    (CHAT, chat(min_p=1.5), "min_p"),
+    (CHAT, chat(presence_penalty=3), "presence_penalty"),
+    (CHAT, chat(frequency_penalty=-3), "frequency_penalty"),
+    (CHAT, chat(repetition_penalty=0), "repetition_penalty"),
+    (CHAT, chat(min_tokens=10), "min_tokens"),
+    (CHAT, chat(top_logprobs=21, logprobs=True), "top_logprobs"),
+    (CHAT, chat(top_logprobs=2), "top_logprobs"),
+    (COMPLETIONS, completion(logprobs=21), "logprobs"),
+    (CHAT, chat(stop=[""]), "stop"),
+    (CHAT, chat(stop_token_ids=[-1]), "stop_token_ids"),
+    (CHAT, chat(logit_bias={"abc": 1}), "logit_bias"),
+    (CHAT, chat(logit_bias={"100000": 1}), "logit_bias"),
+    (CHAT, chat(logit_bias={"5": 101}), "logit_bias"),
+    (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),
+    (CHAT, chat(messages=[]), "messages"),
+    (CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages"),
+    (COMPLETIONS, completion(prompt=[]), "prompt"),
+    (COMPLETIONS, completion(prompt=["a", [1, 2]]), "prompt"),
+    (COMPLETIONS, completion(prompt=[1, 99999]), "prompt"),
+    (COMPLETIONS, completion(prompt=""), "prompt"),
+])
+def test_bad_values_are_400s_naming_the_field(client: httpx.Client, path: str, body: dict[str, Any],
+                                              param: str) -> None:
+    assert_error(client.post(path, json=body), 400, param)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (CHAT, chat(response_format={"type": "json_object"}), "response_format"),
+    (CHAT, chat(tool_choice="required"), "tool_choice"),
+    (COMPLETIONS, completion(suffix="x"), "suffix"),
+    (COMPLETIONS, completion(best_of=3), "best_of"),
+    (COMPLETIONS, completion(echo=True, logprobs=1), "echo"),
+])
+def test_unsupported_features_are_400s(client: httpx.Client, path: str, body: dict[str, Any], param: str) -> None:
+    assert_error(client.post(path, json=body), 400, param, code="unsupported_option")
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (CHAT, chat(temperature=0.7), "temperature"),
+    (COMPLETIONS, completion(temperature=1.0), "temperature"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hello", "max_tokens": 4}, "temperature"),  # OpenAI's default is 1
+    (CHAT, chat(logprobs=True), "logprobs"),
+    (COMPLETIONS, completion(logprobs=1), "logprobs"),
+])
+def test_options_the_backend_lacks_are_400s_naming_them(client: httpx.Client, path: str, body: dict[str, Any],
+                                                         param: str) -> None:
+    error = assert_error(client.post(path, json=body), 400, param, code="unsupported_option")
+    assert "echo" in error["message"] and param in error["message"]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_streaming_errors_come_before_the_stream(client: httpx.Client, path: str) -> None:
+    body = (chat if path == CHAT else completion)(stream=True, temperature=1.0)
+    with client.stream("POST", path, json=body) as response:
+        response.read()
+    assert_error(response, 400, "temperature", code="unsupported_option")
+
+
+def test_unknown_model_is_404(client: httpx.Client) -> None:
+    for path, body in ((CHAT, chat(model="gpt-4")), (COMPLETIONS, completion(model="gpt-4")),
+                       ("/tokenize", {"model": "gpt-4", "prompt": "x"})):
+        error = assert_error(client.post(path, json=body), 404, "model", code="model_not_found")
+        assert "gpt-4" in error["message"]
+
+
+def test_model_may_be_left_out(client: httpx.Client) -> None:
+    body = completion()
+    del body["model"]
+    assert client.post(COMPLETIONS, json=body).status_code == 200
+
+
+def test_prompt_longer_than_the_context(client: httpx.Client, echo_llm: AsyncLLM) -> None:
+    max_model_len = echo_llm.args.max_model_len
+    assert max_model_len is not None
+    too_long = [5] * max_model_len
+    assert_error(client.post(COMPLETIONS, json=completion(prompt=too_long)), 400, "prompt",
+                 code="context_length_exceeded")
+    # The prompt fits, but not with the completion asked for.
+    error = assert_error(client.post(COMPLETIONS, json=completion(prompt=[5] * 100, max_tokens=max_model_len)), 400,
+                         "max_tokens", code="context_length_exceeded")
+    assert str(max_model_len) in error["message"]
+    long_message = [{"role": "user", "content": "a " * max_model_len}]
+    assert_error(client.post(CHAT, json=chat(messages=long_message, max_tokens=None)), 400, "messages",
+                 code="context_length_exceeded")
+    assert_error(client.post(CHAT, json=chat(max_completion_tokens=max_model_len, max_tokens=None)), 400,
+                 "max_completion_tokens", code="context_length_exceeded")
+
+
+def test_engine_prompt_too_long_error_is_a_400(client: httpx.Client, echo_llm: AsyncLLM,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend may refuse a prompt the server's own check let through (e.g. KV cache too small)."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise PromptTooLongError("prompt does not fit in the KV cache")
+
+    monkeypatch.setattr(echo_llm.driver.engine, "add_request", refuse)
+    assert_error(client.post(COMPLETIONS, json=completion()), 400, "prompt", code="context_length_exceeded")
+    assert_error(client.post(CHAT, json=chat()), 400, "messages", code="context_length_exceeded")
+
+
+def test_duplicate_request_id_in_flight_is_a_400(client: httpx.Client, echo_llm: AsyncLLM,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    step = echo_llm.driver.engine.step
+
+    def slow_step() -> Any:
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(echo_llm.driver.engine, "step", slow_step)
+    headers = {"X-Request-Id": "dup"}
+    with client.stream("POST", COMPLETIONS, json=completion(stream=True, max_tokens=400, ignore_eos=True,
+                                                            prompt=[5] * 10), headers=headers) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()  # kept: dropping a half-read iterator closes the connection
+        next(lines)
+        second = client.post(COMPLETIONS, json=completion(), headers=headers)
+        assert_error(second, 400, "request_id")
+
+
+def test_routing_errors_use_the_error_shape(client: httpx.Client) -> None:
+    assert_error(client.post("/v1/nope", json={}), 404, None)
+    assert_error(client.get(CHAT), 405, None)
+
+
+def test_request_id_header(client: httpx.Client) -> None:
+    response = client.post(CHAT, json=chat(), headers={"X-Request-Id": "my-request-1"})
+    assert response.headers["x-request-id"] == "my-request-1" and response.json()["id"] == "my-request-1"
+    generated = client.post(COMPLETIONS, json=completion())
+    assert generated.headers["x-request-id"] == generated.json()["id"]
+    assert generated.json()["id"].startswith("cmpl-")
+    with client.stream("POST", CHAT, json=chat(stream=True), headers={"X-Request-Id": "stream-1"}) as streamed:
+        assert streamed.headers["x-request-id"] == "stream-1"
+        assert '"id":"stream-1"' in streamed.read().decode()
+
+
+def test_unexpected_exception_is_a_contained_500(client: httpx.Client, echo_llm: AsyncLLM,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    render = echo_llm.render_chat
+
+    def explode_on_boom(messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+        if messages[0]["content"] == "boom":
+            raise RuntimeError("a bug")
+        return render(messages, **kwargs)
+
+    monkeypatch.setattr(echo_llm, "render_chat", explode_on_boom)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        good = [pool.submit(client.post, CHAT, json=chat(stream=stream)) for stream in (False, True)]
+        bad = client.post(CHAT, json=chat(messages=[{"role": "user", "content": "boom"}]))
+        assert_error(bad, 500, None, type_="internal_server_error")
+        assert "a bug" not in bad.text  # internals stay in the log
+        [record] = [r for r in caplog.records if r.name == "pocketllm_server" and r.levelname == "ERROR"]
+        assert "POST /v1/chat/completions" in record.getMessage() and "a bug" in str(record.exc_info)
+        assert [f.result().status_code for f in good] == [200, 200]
+    assert client.post(CHAT, json=chat()).status_code == 200

@@ -1,0 +1,66 @@
+"""/metrics is valid Prometheus text with vLLM's metric names, and its counters follow the traffic."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pocketllm import AsyncLLM, BackendStats
+
+
+def scrape(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(response.text) for sample in family.samples}
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted({"model_name": "tiny", **labels}.items()))), 0.0)
+
+
+def test_every_metric_is_there_and_labelled(client: httpx.Client) -> None:
+    samples = scrape(client)
+    names = {name for name, _ in samples}
+    for name in ("pocketllm:num_requests_running", "pocketllm:num_requests_waiting", "pocketllm:kv_cache_usage_perc",
+                 "pocketllm:num_preemptions_total", "pocketllm:prefix_cache_queries_total",
+                 "pocketllm:prefix_cache_hits_total", "pocketllm:prompt_tokens_total",
+                 "pocketllm:generation_tokens_total", "pocketllm:client_disconnect_cancellations_total",
+                 "pocketllm:time_to_first_token_seconds_count", "pocketllm:inter_token_latency_seconds_count",
+                 "pocketllm:e2e_request_latency_seconds_count", "pocketllm:request_queue_time_seconds_count"):
+        assert name in names, name
+    assert all(dict(labels).get("model_name") == "tiny" for name, labels in samples if name.startswith("pocketllm:"))
+
+
+def test_counters_follow_requests(client: httpx.Client, echo_llm: AsyncLLM) -> None:
+    before = scrape(client)
+    prompt_ids = echo_llm.tokenizer.encode("metrics please")
+    body = {"prompt": "metrics please", "temperature": 0, "max_tokens": 5, "n": 2}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert client.post("/v1/completions", json={**body, "stream": True}).status_code == 200
+    after = scrape(client)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("pocketllm:prompt_tokens_total") == 2 * len(prompt_ids)
+    assert delta("pocketllm:generation_tokens_total") == 2 * 2 * 5
+    assert delta("pocketllm:request_success_total", finished_reason="length") == 4
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert delta(f"pocketllm:{histogram}_count") == 2
+    assert delta("pocketllm:inter_token_latency_seconds_count") == 2 * 2 * 4  # 5 outputs per choice: 4 gaps
+
+
+def test_engine_gauges_and_counters_are_read_at_scrape_time(client: httpx.Client, echo_llm: AsyncLLM,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    stats = BackendStats(num_running=3, num_waiting=2, num_kv_blocks_total=10, num_kv_blocks_used=4,
+                         num_preemptions=7, num_prefix_cache_queries=100, num_prefix_cache_hits=40)
+    monkeypatch.setattr(echo_llm.driver, "stats", lambda: stats)
+    samples = scrape(client)
+    assert value(samples, "pocketllm:num_requests_running") == 3
+    assert value(samples, "pocketllm:num_requests_waiting") == 2
+    assert value(samples, "pocketllm:kv_cache_usage_perc") == pytest.approx(0.4)
+    assert value(samples, "pocketllm:num_preemptions_total") == 7
+    assert value(samples, "pocketllm:prefix_cache_queries_total") == 100
+    assert value(samples, "pocketllm:prefix_cache_hits_total") == 40
