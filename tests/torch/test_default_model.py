@@ -39,13 +39,13 @@ def test_chat_is_coherent_english(llm: LLM) -> None:
     assert any(p in outs[1].outputs[0].text for p in ("Mercury", "Venus", "Earth", "Mars", "Jupiter"))
 
 
-def test_greedy_ids_equal_transformers_on_the_same_gguf(llm: LLM, hf_model) -> None:  # noqa: ANN001
+def test_greedy_ids_equal_transformers_on_the_same_gguf(llm: LLM, hf_model) -> None:
     import torch
 
-    for question in QUESTIONS:
-        [out] = llm.chat([{"role": "user", "content": question}],
-                         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    for question in ("Explain why the sky is blue.", "Name the planets of the solar system."):
+        [out] = llm.chat([{"role": "user", "content": question}], SamplingParams(temperature=0.0, max_tokens=32))
         prompt = torch.tensor([out.prompt_token_ids])
         with torch.inference_mode():
-            ref = hf_model.generate(prompt, max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(prompt))
+            ref = hf_model.generate(prompt, max_new_tokens=32, do_sample=False, attention_mask=torch.ones_like(prompt))
+        assert len(out.outputs[0].token_ids) >= 16
         assert out.outputs[0].token_ids == ref[0, prompt.shape[1]:].tolist()

@@ -1,0 +1,4 @@
+"""PocketLLM's PyTorch backend: paged KV cache, continuous batching and on-device sampling for Llama-family models.
+
+Importing this package is cheap: torch is only imported when an engine is probed or created.
+"""

@@ -1,0 +1,133 @@
+"""EngineArgs resolved for this machine and model, refusing what this backend cannot honour."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pocketllm.errors import ConfigError, UnsupportedOptionError
+from pocketllm_torch.backend import ARCHITECTURES, BACKEND_OPTIONS, NAME
+
+if TYPE_CHECKING:
+    from pocketllm.args import EngineArgs
+    from pocketllm.model_config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_BLOCK_SIZE = 16
+MAX_DEFAULT_MODEL_LEN = 8192
+CPU_KV_MEMORY_FRACTION = 0.25  # of physical RAM: the weights and the rest of the process need the remainder
+GPU_KV_MEMORY_FRACTION = 0.9  # of the memory still free once the weights are loaded
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class TorchConfig:
+    model: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefill_chunk_size: int
+    block_size: int
+    num_kv_blocks: int | None  # None: size the cache from memory once the weights are loaded
+    enable_prefix_caching: bool
+    seed: int
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, model: ModelConfig) -> TorchConfig:
+        _refuse_unsupported(args, model)
+        options = args.backend_options
+        if "num_threads" in options:
+            torch.set_num_threads(_positive_option(options, "num_threads"))
+        device = _resolve_device(args.device)
+        dtype = _resolve_dtype(args.dtype, device)
+        kv_cache_dtype = dtype if args.kv_cache_dtype == "auto" else _resolve_dtype(args.kv_cache_dtype, device)
+        max_model_len = args.max_model_len or min(model.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
+        if max_model_len > model.max_position_embeddings:
+            raise ConfigError("max_model_len", f"{max_model_len} exceeds the model's limit of "
+                                               f"{model.max_position_embeddings} positions")
+        return cls(
+            model=model,
+            device=device,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            prefill_chunk_size=args.prefill_chunk_size,
+            block_size=_positive_option(options, "block_size") if "block_size" in options else DEFAULT_BLOCK_SIZE,
+            num_kv_blocks=_positive_option(options, "num_kv_blocks") if "num_kv_blocks" in options else None,
+            enable_prefix_caching=args.enable_prefix_caching,
+            seed=args.seed,
+        )
+
+    def kv_bytes_per_block(self) -> int:
+        m = self.model
+        per_token = 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * self.kv_cache_dtype.itemsize
+        return per_token * self.block_size
+
+    def resolve_num_kv_blocks(self) -> int:
+        """Blocks for every sequence at full length, unless that exceeds the memory budget."""
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        num_blocks = self.num_kv_blocks or min(self.max_num_seqs * blocks_per_seq,
+                                               _kv_memory_budget(self.device) // self.kv_bytes_per_block())
+        if num_blocks < blocks_per_seq:
+            # A sequence alone must always fit, or preemption could never make progress.
+            raise ConfigError("backend_options", f"{num_blocks} KV blocks of {self.block_size} tokens cannot hold "
+                                                 f"one sequence of max_model_len={self.max_model_len}")
+        return num_blocks
+
+
+def _refuse_unsupported(args: EngineArgs, model: ModelConfig) -> None:
+    unknown = sorted(set(args.backend_options) - set(BACKEND_OPTIONS))
+    if unknown:
+        raise UnsupportedOptionError(f"backend_options.{unknown[0]}", NAME,
+                                     f"known backend_options are {', '.join(BACKEND_OPTIONS)}")
+    if model.architecture not in ARCHITECTURES:
+        raise UnsupportedOptionError("architecture", NAME, f"{model.architecture!r} is not one of {ARCHITECTURES}")
+    if args.tensor_parallel_size > 1:
+        raise UnsupportedOptionError("tensor_parallel_size", NAME)
+    if args.speculative_method is not None:
+        raise UnsupportedOptionError("speculative_method", NAME)
+    if args.kv_cache_dtype != "auto" and args.kv_cache_dtype not in DTYPES:
+        raise UnsupportedOptionError("kv_cache_dtype", NAME, f"{args.kv_cache_dtype!r} is not auto or a float dtype")
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.partition(":")[0] not in ("cpu", "cuda"):
+        raise UnsupportedOptionError("device", NAME, f"{name!r} is not cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UnsupportedOptionError("device", NAME, "CUDA is not available")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # Decode streams every weight once per step, so half-size weights are nearly twice as fast wherever
+        # torch has vectorised bf16 kernels (see linear.py for CPUs without bf16 matrix instructions).
+        if device.type == "cuda" or torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX")):
+            return torch.bfloat16
+        return torch.float32
+    if name == "float16" and device.type == "cpu":
+        raise UnsupportedOptionError("dtype", NAME, "float16 needs a CUDA device")
+    return DTYPES[name]
+
+
+def _positive_option(options: dict, key: str) -> int:
+    value = options[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError("backend_options", f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _kv_memory_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_KV_MEMORY_FRACTION)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * CPU_KV_MEMORY_FRACTION)

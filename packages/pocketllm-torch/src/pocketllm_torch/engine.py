@@ -1,0 +1,120 @@
+"""TorchEngine: the request-level Engine the core drives, one ``step`` at a time."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+import torch
+
+from pocketllm.backend import BackendStats, RequestDelta
+from pocketllm.errors import ConfigError, PromptTooLongError, UnsupportedOptionError
+from pocketllm_torch.backend import MAX_LOGPROBS, NAME
+from pocketllm_torch.block_manager import BlockManager
+from pocketllm_torch.config import TorchConfig
+from pocketllm_torch.model_runner import ModelRunner
+from pocketllm_torch.scheduler import Scheduler
+from pocketllm_torch.sequence import Sequence
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from pocketllm.args import EngineArgs
+    from pocketllm.backend import SampledLogprobs
+    from pocketllm.checkpoint import Checkpoint
+    from pocketllm.sampling_params import SamplingParams
+
+
+class TorchEngine:
+    def __init__(self, args: EngineArgs, checkpoint: Checkpoint) -> None:
+        self.config = TorchConfig.from_args(args, checkpoint.config)
+        self.runner = ModelRunner(self.config, checkpoint)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   self.config.prefill_chunk_size)
+        self.seqs: dict[str, Sequence] = {}
+        # Seeds for requests without one: reproducible for a given engine seed and order of requests.
+        self._seeds = random.Random(args.seed)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        model, max_model_len = self.config.model, self.config.max_model_len
+        if request_id in self.seqs:
+            raise ConfigError("request_id", f"{request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ConfigError("prompt_token_ids", "must not be empty")
+        if len(prompt_token_ids) >= max_model_len:
+            raise PromptTooLongError(f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate within "
+                                     f"max_model_len={max_model_len}")
+        if not all(0 <= t < model.vocab_size for t in prompt_token_ids):
+            raise ConfigError("prompt_token_ids", f"token ids must be in [0, {model.vocab_size})")
+        if not all(t < model.vocab_size for t in params.logit_bias):
+            raise ConfigError("logit_bias", f"token ids must be below the vocabulary size {model.vocab_size}")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise UnsupportedOptionError("logprobs", NAME, f"at most {MAX_LOGPROBS} alternatives")
+        generator = None
+        if not params.is_greedy:
+            seed = self._seeds.getrandbits(63) if params.seed is None else params.seed
+            generator = torch.Generator(self.config.device).manual_seed(seed)
+        stop_ids = set(params.stop_token_ids) if params.ignore_eos else {*params.stop_token_ids, *model.eos_token_ids}
+        room = max_model_len - len(prompt_token_ids)
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids),
+            params=params,
+            max_output_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
+            stop_token_ids=frozenset(stop_ids),
+            generator=generator,
+        )
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def step(self) -> list[RequestDelta]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        sampled = self.runner.run(batch)
+        self.scheduler.mark_computed(batch)
+        return [self._append(seq, *new) for seq, new in zip(batch.seqs, sampled, strict=True) if new is not None]
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            seq = self.seqs.pop(request_id, None)
+            if seq is not None:
+                self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> BackendStats:
+        return BackendStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_total=self.block_manager.num_blocks,
+            num_kv_blocks_used=self.block_manager.num_used_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefix_cache_queries=self.block_manager.num_queried_tokens,
+            num_prefix_cache_hits=self.block_manager.num_hit_tokens,
+        )
+
+    def shutdown(self) -> None:
+        self.abort(list(self.seqs))
+        del self.runner  # the weights and the KV cache
+        if self.config.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _append(self, seq: Sequence, token_id: int, logprobs: SampledLogprobs | None) -> RequestDelta:
+        seq.token_ids.append(token_id)
+        reason = seq.finish_reason()
+        if reason is not None:
+            del self.seqs[seq.request_id]
+            self.scheduler.finish(seq)
+        return RequestDelta(
+            request_id=seq.request_id,
+            new_token_ids=[token_id],
+            logprobs=None if logprobs is None else [logprobs],
+            finish_reason=reason,
+            # Only an explicit stop token is reported; EOS speaks for itself.
+            stop_token_id=token_id if reason == "stop" and token_id in seq.params.stop_token_ids else None,
+        )

@@ -1,0 +1,64 @@
+"""Owns the model and its KV cache; turns a scheduled batch into one forward pass and sampled tokens."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pocketllm_torch.attention import build_metadata
+from pocketllm_torch.models.llama import LlamaModel
+from pocketllm_torch.sampler import sample
+
+if TYPE_CHECKING:
+    from pocketllm.backend import SampledLogprobs
+    from pocketllm.checkpoint import Checkpoint
+    from pocketllm_torch.config import TorchConfig
+    from pocketllm_torch.scheduler import ScheduledBatch
+
+Sampled = tuple[int, "SampledLogprobs | None"]
+
+
+class ModelRunner:
+    def __init__(self, config: TorchConfig, checkpoint: Checkpoint) -> None:
+        self.device = config.device
+        self.block_size = config.block_size
+        self.model = LlamaModel.from_weights(config.model, checkpoint.weights(), config.device, config.dtype,
+                                             config.max_model_len)
+        # Sized after the weights are loaded, so a GPU's budget is what they left free.
+        self.num_kv_blocks = config.resolve_num_kv_blocks()
+        m = config.model
+        # [layers, k/v, slots, kv heads, head dim]; one spare block up front is the null block padding reads.
+        # torch.empty leaves pages untouched until a block is first used; only the null block needs zeros.
+        self.kv_cache = torch.empty(m.num_hidden_layers, 2, (self.num_kv_blocks + 1) * self.block_size,
+                                    m.num_key_value_heads, m.head_dim, dtype=config.kv_cache_dtype, device=self.device)
+        self.kv_cache[:, :, :self.block_size].zero_()
+        self.kv_caches = list(self.kv_cache.unbind(0))
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[Sampled | None]:
+        """Run the batch's new tokens; sample for each sequence whose last pending token ran (None otherwise)."""
+        token_ids: list[int] = []
+        starts: list[int] = []
+        last_rows: list[int] = []  # row of the last token of each sequence that samples
+        samplers: list[int] = []  # those sequences' indices in the batch
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            start = seq.num_computed_tokens
+            token_ids += seq.token_ids[start:start + n]
+            starts.append(start)
+            if start + n == seq.num_tokens:
+                last_rows.append(len(token_ids) - 1)
+                samplers.append(i)
+        positions, meta = build_metadata(starts, batch.num_new_tokens, [seq.block_table for seq in batch.seqs],
+                                         self.block_size, self.device)
+        hidden = self.model(torch.tensor(token_ids, device=self.device), positions, self.kv_caches, meta)
+        results: list[Sampled | None] = [None] * len(batch.seqs)
+        if not samplers:
+            return results
+        # Only the last token of a sequence needs logits: the lm_head is the largest matrix in small models.
+        if len(last_rows) < len(token_ids):
+            hidden = hidden[torch.tensor(last_rows, device=self.device)]
+        new_tokens, logprobs = sample(self.model.compute_logits(hidden), [batch.seqs[i] for i in samplers])
+        for i, token, lp in zip(samplers, new_tokens, logprobs, strict=True):
+            results[i] = (token, lp)
+        return results

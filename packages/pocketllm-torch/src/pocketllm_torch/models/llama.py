@@ -1,0 +1,202 @@
+"""The Llama decoder (SmolLM2, Llama 2/3, and any Llama-config checkpoint), plus Qwen3's per-head q/k norms.
+
+Plain callables over tensors rather than nn.Modules: inference needs no autograd or module hooks, and a decode
+step of a small model is bound by per-op overhead as much as by arithmetic. So q/k/v and gate/up are fused into
+one linear each, RoPE rotations are tabulated for every position up to max_model_len, and q/k head dimensions
+are stored as (real, imaginary) pairs, which makes RoPE one complex multiply. Attention scores are dot products
+over whole heads, so permuting q and k alike leaves them unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pocketllm.errors import CheckpointError, UnsupportedOptionError
+from pocketllm_torch.attention import AttentionMetadata, paged_attention
+from pocketllm_torch.backend import NAME
+from pocketllm_torch.linear import Linear, compute_dtype, make_linear
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import numpy as np
+
+    from pocketllm.model_config import ModelConfig
+
+# Old checkpoints store RoPE frequencies as buffers; they are recomputed from the config here.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+@dataclass(slots=True)
+class RMSNorm:
+    weight: Tensor
+    eps: float
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
+    """Rotate x [T, heads, D], head dims in (real, imaginary) pairs, by rotation [T, 1, D/2] (complex)."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+
+
+def _interleave_halves(weight: Tensor, head_dim: int) -> Tensor:
+    """Reorder the rows of each head from Llama's (first half, second half) to pairs (x_i, x_{i + D/2})."""
+    return weight.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise UnsupportedOptionError("rope_scaling", NAME, f"rope type {kind!r} is not implemented")
+
+
+def _llama3_inv_freq(inv_freq: Tensor, scaling: dict) -> Tensor:
+    """Llama 3.1's long-context scaling: slow down low frequencies, keep high ones, interpolate between."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+@dataclass(slots=True)
+class Attention:
+    qkv_proj: Linear
+    o_proj: Linear
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_norm: RMSNorm | None  # Qwen3 normalises each head of q and k before RoPE
+    k_norm: RMSNorm | None
+
+    def __call__(self, x: Tensor, rotation: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+        num_tokens, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, :(heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        q, k = apply_rope(qk, rotation).split((heads, kv_heads), dim=1)  # one rotation for q and k together
+        v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)
+        return self.o_proj(paged_attention(q, k, v, kv_cache, meta, dim ** -0.5))
+
+
+@dataclass(slots=True)
+class MLP:
+    gate_up_proj: Linear
+    down_proj: Linear
+
+    def __call__(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+@dataclass(slots=True)
+class DecoderLayer:
+    input_norm: RMSNorm
+    attn: Attention
+    post_attention_norm: RMSNorm
+    mlp: MLP
+
+    def __call__(self, x: Tensor, rotation: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+        x = x + self.attn(self.input_norm(x), rotation, kv_cache, meta)
+        return x + self.mlp(self.post_attention_norm(x))
+
+
+@dataclass(slots=True)
+class LlamaModel:
+    embed_tokens: Tensor
+    layers: list[DecoderLayer]
+    norm: RMSNorm
+    lm_head: Linear
+    rope: Tensor  # [max_model_len, head_dim / 2] complex: the rotation of each position
+    dtype: torch.dtype  # of activations
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
+                 meta: AttentionMetadata) -> Tensor:
+        """Hidden states [T, hidden] of the step's tokens, before the final norm; fills the KV cache."""
+        x = F.embedding(input_ids, self.embed_tokens).to(self.dtype)
+        rotation = self.rope[positions].unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, rotation, kv_cache, meta)
+        return x
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden)).float()
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray]], device: torch.device,
+                     dtype: torch.dtype, max_model_len: int) -> LlamaModel:
+        """Build from Hugging Face names and layouts; weights are stored in ``dtype`` on ``device``."""
+        tensors = {name: torch.tensor(array, dtype=dtype) for name, array in weights if not _IGNORED.match(name)}
+        act_dtype = compute_dtype(device, dtype)
+
+        def take(name: str) -> Tensor:
+            if name not in tensors:
+                raise CheckpointError(f"checkpoint has no weight {name!r}")
+            return tensors.pop(name)
+
+        def linear(prefix: str, parts: tuple[str, ...], has_bias: bool) -> Linear:
+            weight = torch.cat([rope_layout(part, take(f"{prefix}.{part}.weight")) for part in parts])
+            bias = torch.cat([rope_layout(part, take(f"{prefix}.{part}.bias")) for part in parts]) if has_bias else None
+            return make_linear(weight, bias, device, dtype)
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(rope_layout(name, take(name)).to(device, act_dtype), config.rms_norm_eps)
+
+        def rope_layout(name: str, tensor: Tensor) -> Tensor:
+            rotated = any(part in name for part in ("q_proj", "k_proj", "q_norm", "k_norm"))
+            return _interleave_halves(tensor, config.head_dim) if rotated else tensor
+
+        qk_norm = config.architecture == "qwen3"
+        layers = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}"
+            attn = Attention(
+                qkv_proj=linear(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"), config.attention_bias),
+                o_proj=linear(f"{p}.self_attn", ("o_proj",), config.attention_bias),
+                num_heads=config.num_attention_heads,
+                num_kv_heads=config.num_key_value_heads,
+                head_dim=config.head_dim,
+                q_norm=norm(f"{p}.self_attn.q_norm.weight") if qk_norm else None,
+                k_norm=norm(f"{p}.self_attn.k_norm.weight") if qk_norm else None,
+            )
+            mlp = MLP(gate_up_proj=linear(f"{p}.mlp", ("gate_proj", "up_proj"), config.mlp_bias),
+                      down_proj=linear(f"{p}.mlp", ("down_proj",), config.mlp_bias))
+            layers.append(DecoderLayer(norm(f"{p}.input_layernorm.weight"), attn,
+                                       norm(f"{p}.post_attention_layernorm.weight"), mlp))
+
+        embed = take("model.embed_tokens.weight")
+        head = tensors.pop("lm_head.weight", None) if config.tie_word_embeddings else take("lm_head.weight")
+        final_norm = norm("model.norm.weight")
+        if tensors:
+            raise CheckpointError(f"checkpoint has weights this model does not use: {sorted(tensors)[:5]}")
+        angles = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(config))
+        return cls(
+            embed_tokens=embed.to(device),
+            layers=layers,
+            norm=final_norm,
+            lm_head=make_linear(embed if head is None else head, None, device, dtype),
+            rope=torch.polar(torch.ones_like(angles), angles).to(device),
+            dtype=act_dtype,
+        )

@@ -1,0 +1,134 @@
+"""Next-token choice on the logits' device, vectorised over the batch, with vLLM's semantics.
+
+Order: min_tokens masking, logit_bias, repetition/frequency/presence penalties, then greedy argmax, or
+temperature, top-k, top-p, min-p and a draw. Each row draws from its own generator (an exponential race:
+argmax(p / Exp(1)) picks token i with probability p_i), so a seed gives the same tokens whatever else is in the
+batch. Logprobs come from the raw logits, before any of this.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from pocketllm.backend import SampledLogprobs, TokenLogprob
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence as Seq
+
+    from pocketllm_torch.sequence import Sequence
+
+
+def sample(logits: Tensor, seqs: Seq[Sequence]) -> tuple[list[int], list[SampledLogprobs | None]]:
+    """Choose one token per row of ``logits`` [B, V] (float32) for ``seqs``; return them and their logprobs."""
+    processed = process_logits(logits, seqs)
+    token_ids = choose_tokens(processed, seqs)
+    wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    logprobs: list[SampledLogprobs | None] = [None] * len(seqs)
+    if wanted:
+        ks = [seqs[i].params.logprobs or 0 for i in wanted]
+        rows = torch.tensor(wanted, device=logits.device)
+        for i, lp in zip(wanted, compute_logprobs(logits[rows], token_ids[rows], ks), strict=True):
+            logprobs[i] = lp
+    return token_ids.tolist(), logprobs
+
+
+def process_logits(logits: Tensor, seqs: Seq[Sequence]) -> Tensor:
+    """Logits after min_tokens, logit_bias and penalties; ``logits`` itself is left untouched."""
+    vocab_size, device = logits.shape[1], logits.device
+    rows, cols = [], []
+    for i, seq in enumerate(seqs):
+        if seq.num_output_tokens < seq.params.min_tokens:
+            banned = [t for t in seq.stop_token_ids if t < vocab_size]
+            rows += [i] * len(banned)
+            cols += banned
+    if rows:
+        logits = logits.index_put((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                                  torch.tensor(float("-inf"), device=device))
+    rows, cols, values = [], [], []
+    for i, seq in enumerate(seqs):
+        rows += [i] * len(seq.params.logit_bias)
+        cols += seq.params.logit_bias.keys()
+        values += seq.params.logit_bias.values()
+    if rows:
+        logits = logits.index_put((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                                  torch.tensor(values, device=device), accumulate=True)
+    params = [seq.params for seq in seqs]
+    if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
+        logits = apply_penalties(logits, [seq.token_ids[:seq.num_prompt_tokens] for seq in seqs],
+                                 [seq.output_token_ids for seq in seqs], [p.repetition_penalty for p in params],
+                                 [p.frequency_penalty for p in params], [p.presence_penalty for p in params])
+    return logits
+
+
+def apply_penalties(logits: Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],
+                    repetition: list[float], frequency: list[float], presence: list[float]) -> Tensor:
+    """Repetition over prompt and output tokens (divide positive logits, multiply negative ones); frequency
+    (times the count) and presence (once) over output tokens only."""
+    device = logits.device
+    output_counts = _token_counts(output_ids, logits.shape[1], device)
+    seen = (_token_counts(prompt_ids, logits.shape[1], device) > 0) | (output_counts > 0)
+    rep = torch.tensor(repetition, device=device)[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - torch.tensor(frequency, device=device)[:, None] * output_counts
+    return logits - torch.tensor(presence, device=device)[:, None] * (output_counts > 0)
+
+
+def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """[B, V] occurrences of each token per row; rows are padded with an extra bin that is cut off."""
+    width = max(map(len, token_ids), default=0)
+    padded = torch.tensor([ids + [vocab_size] * (width - len(ids)) for ids in token_ids], dtype=torch.long,
+                          device=device).view(len(token_ids), width)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def choose_tokens(logits: Tensor, seqs: Seq[Sequence]) -> Tensor:
+    greedy_ids = logits.argmax(dim=-1)
+    params = [seq.params for seq in seqs]
+    if all(p.is_greedy for p in params):
+        return greedy_ids
+    device = logits.device
+    is_greedy = torch.tensor([p.is_greedy for p in params], device=device)
+    temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
+    logits = logits / temperature[:, None]
+    if any(p.effective_top_k or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.effective_top_k or logits.shape[1] for p in params], device=device)
+        logits = top_k_top_p(logits, top_k, torch.tensor([p.top_p for p in params], device=device))
+    probs = logits.softmax(dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        probs = torch.where(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0, probs)
+    noise = torch.ones_like(probs)
+    for row, seq in zip(noise, seqs, strict=True):
+        if seq.generator is not None:
+            row.exponential_(generator=seq.generator)
+    return torch.where(is_greedy, greedy_ids, probs.div_(noise).argmax(dim=-1))
+
+
+def top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Keep each row's top_k logits, then the fewest of those whose probability reaches top_p; -inf the rest."""
+    ordered, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[1], device=logits.device)
+    ordered = ordered.masked_fill(rank >= top_k[:, None], float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    # A token stays while the tokens ranked above it fall short of top_p, so the first one always stays;
+    # rows without top-p keep their whole tail even where the float cumsum reaches 1 early.
+    above = probs.cumsum(dim=-1) - probs
+    ordered = ordered.masked_fill((above >= top_p[:, None]) & (top_p[:, None] < 1.0), float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def compute_logprobs(logits: Tensor, token_ids: Tensor, ks: list[int]) -> list[SampledLogprobs]:
+    """Logprob and 1-based rank of each row's token under log_softmax(logits), and the row's top k."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(max(ks), dim=-1)
+    rows = zip(token_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(),
+               top_values.tolist(), ks, strict=True)
+    return [SampledLogprobs(token, logprob, rank, list(map(TokenLogprob, ids[:k], values[:k])))
+            for token, logprob, rank, ids, values, k in rows]

@@ -1,0 +1,115 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Every step is either a prefill step (prompt chunks of several sequences, up to the token budget) or a decode
+step (one token for every running sequence whose prompt is done). Sequences join and leave the running set at
+every step. When the KV cache is full, the newest sequence is preempted: its blocks are freed and it goes back
+to the front of the queue, to recompute its prompt and generated tokens later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pocketllm_torch.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from pocketllm_torch.block_manager import BlockManager
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # per sequence: how many of its pending tokens run this step
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefill_chunk_size: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk_size = prefill_chunk_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the first to be preempted
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill()
+        if not batch.seqs:
+            batch = self._schedule_running(prefill=False)
+        return batch if batch.seqs else None
+
+    def mark_computed(self, batch: ScheduledBatch) -> None:
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        # Prompts already under way come first: they hold blocks that only their progress pays off.
+        batch = self._schedule_running(prefill=True)
+        budget = self.max_num_batched_tokens - sum(batch.num_new_tokens)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.block_manager.cached_prefix(seq)
+            num_cached = len(prefix) * self.block_manager.block_size
+            n = min(seq.num_tokens - num_cached, self.prefill_chunk_size, budget)
+            if not self.block_manager.can_admit(seq, prefix, num_cached + n):
+                break
+            self.block_manager.admit(seq, prefix, num_cached + n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _schedule_running(self, prefill: bool) -> ScheduledBatch:
+        """Running sequences still in their prompt (prefill) or past it (decode), as far as blocks allow."""
+        batch = ScheduledBatch([], [])
+        budget = self.max_num_batched_tokens
+        for seq in [s for s in self.running if (s.num_pending_tokens > 1) == prefill]:
+            if budget == 0:
+                break
+            n = min(seq.num_pending_tokens, self.prefill_chunk_size, budget)
+            if seq.status is SequenceStatus.RUNNING and self._reserve(seq, n, batch.seqs):
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+        return batch
+
+    def _reserve(self, seq: Sequence, num_new_tokens: int, scheduled: list[Sequence]) -> bool:
+        """Allocate blocks for seq's next tokens, preempting the newest unscheduled sequences to make room."""
+        num_tokens = seq.num_computed_tokens + num_new_tokens
+        while not self.block_manager.can_allocate(seq, num_tokens):
+            victim = next(s for s in reversed(self.running) if s not in scheduled)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.allocate(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,59 @@
+"""A request as the scheduler and model runner see it: its tokens, its progress and its KV blocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from pocketllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt, then generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_output_tokens: int  # max_tokens, further bounded by max_model_len
+    stop_token_ids: frozenset[int]  # EOS unless ignore_eos, and params.stop_token_ids
+    generator: torch.Generator | None  # own random stream, so a seed reproduces whatever the batch; None if greedy
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose keys and values are in the cache. Reset to 0 by preemption: they are recomputed.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # prefix hash of each computed full block
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to run through the model; the last of them yields the next token."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def finish_reason(self) -> str | None:
+        """Why the sequence is done after its latest token, if it is."""
+        if self.num_output_tokens > 0 and self.token_ids[-1] in self.stop_token_ids:
+            return "stop"
+        if self.num_output_tokens >= self.max_output_tokens:
+            return "length"
+        return None
