@@ -1,4 +1,4 @@
-"""The ``pocketllm`` command: list backends, generate once, or chat."""
+"""The ``pocketllm`` command: list backends, generate once, chat, or benchmark."""
 
 from __future__ import annotations
 
@@ -12,6 +12,11 @@ from pocketllm.sampling_params import SamplingParams
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # the harness parses its own arguments
+        from pocketllm.bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="pocketllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("backends", help="list installed backends, their availability and capabilities")
@@ -19,6 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("prompt")
     chat = sub.add_parser("chat", help="chat interactively (empty line or Ctrl-D quits)")
     chat.add_argument("--system", default=None, help="system prompt")
+    sub.add_parser("bench", add_help=False, help="benchmark against llama.cpp and transformers, from a checkout "
+                                                  "(`pocketllm bench --help`)")
     for p in (gen, chat):
         p.add_argument("--max-tokens", type=int, default=256)
         p.add_argument("--temperature", type=float, default=0.7)

@@ -92,10 +92,14 @@ class LLM(EngineClient):
                    request_ids: Sequence[str] | None) -> list[RequestOutput]:
         submitted: list[tuple[str, _Stream, OutputCollector]] = []
         try:
+            # Submit everything before waiting on any acceptance, so the whole batch joins the same step.
+            acceptances = []
             for i, ((text, ids), p) in enumerate(zip(encoded, params, strict=True)):
                 stream = _Stream()
                 rid, accepted = self.driver.add_request(ids, p, stream, request_ids[i] if request_ids else None)
                 submitted.append((rid, stream, OutputCollector(rid, text, ids, p.n)))
+                acceptances.append(accepted)
+            for accepted in acceptances:
                 accepted.result()
             for _, stream, collector in submitted:
                 while not collector.add(stream.next()):

@@ -1,0 +1,82 @@
+"""What one bench run measures: sizes, engines, repetitions and where results go."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PEERS = ("llama.cpp", "transformers")
+WORKLOADS = ("prefill", "decode", "batch", "ttft", "fidelity")
+KNOWN_BACKENDS = ("torch", "cpp")  # PocketLLM backends measured by default, where installed
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sizes:
+    """Token counts of the workloads (see ``pocketllm bench --help``)."""
+
+    prefill_tokens: int = 512
+    prompt_tokens: int = 128
+    new_tokens: int = 128
+    concurrency: tuple[int, ...] = (1, 4, 8, 16)
+    ttft_requests: int = 8
+    ttft_new_tokens: int = 32
+    fidelity_prompts: int = 3
+    fidelity_tokens: int = 32
+
+    @property
+    def max_seqs(self) -> int:
+        return max(*self.concurrency, self.ttft_requests, 1)
+
+    @property
+    def max_len(self) -> int:
+        """Positions one sequence may need, rounded up so every engine gets the same roomy context."""
+        longest = max(self.prefill_tokens + 1, self.prompt_tokens + self.new_tokens, 1024)
+        return -(-longest // 256) * 256
+
+
+FULL = Sizes()
+QUICK = Sizes(prefill_tokens=128, prompt_tokens=32, new_tokens=16, concurrency=(1, 4), ttft_requests=4,
+              ttft_new_tokens=4, fidelity_prompts=1, fidelity_tokens=8)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """How a worker process loads one engine; travels to the worker as JSON."""
+
+    kind: str  # "pocketllm" | "llama.cpp" | "transformers"
+    model: str  # a PocketLLM model string (alias, .gguf path or directory)
+    model_path: str  # the resolved file or directory, for the peers
+    threads: int
+    max_seqs: int
+    max_len: int
+    backend: str | None = None  # PocketLLM only
+    dtype: str = "auto"  # PocketLLM only
+
+    @property
+    def label(self) -> str:
+        return f"pocketllm-{self.backend}" if self.kind == "pocketllm" else self.kind
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EngineSpec:
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    model: str
+    backends: tuple[str, ...]
+    peers: tuple[str, ...]
+    dtype: str
+    threads: int
+    runs: int
+    warmup: int
+    workloads: tuple[str, ...]
+    sizes: Sizes
+    quick: bool
+    out_dir: Path
+    machine: str

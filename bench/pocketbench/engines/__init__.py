@@ -1,0 +1,47 @@
+"""The engines a worker can load, behind one small interface; each module imports its engine lazily."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pocketbench.config import EngineSpec
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One sequence of a streamed run: seconds from its submission to its first and last token."""
+
+    first_token_s: float
+    last_token_s: float
+    num_tokens: int
+
+
+class Engine(Protocol):
+    def info(self) -> dict[str, Any]:
+        """Versions and settings, for the report."""
+        ...
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy-decode every prompt as one batch, exactly ``max_tokens`` each (EOS ignored)."""
+        ...
+
+    def stream(self, prompts: list[list[int]], max_tokens: int) -> list[Timing]:
+        """Like ``generate``, submitting every prompt at once and timing each sequence's tokens."""
+        ...
+
+
+def load_engine(spec: EngineSpec) -> Engine:
+    if spec.kind == "pocketllm":
+        from pocketbench.engines.pocket import PocketEngine
+
+        return PocketEngine(spec)
+    if spec.kind == "llama.cpp":
+        from pocketbench.engines.llamacpp import LlamaCppEngine
+
+        return LlamaCppEngine(spec)
+    if spec.kind == "transformers":
+        from pocketbench.engines.hf import TransformersEngine
+
+        return TransformersEngine(spec)
+    raise ValueError(f"unknown engine kind {spec.kind!r}")

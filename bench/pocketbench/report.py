@@ -1,0 +1,100 @@
+"""The markdown report: settings, the figures table with PocketLLM/peer ratios, and the fidelity check."""
+
+from __future__ import annotations
+
+from pocketbench.fidelity import differences
+from pocketbench.results import BenchResults
+from pocketbench.stats import Summary
+
+HIDDEN_INFO = ("system",)  # long; kept in the JSON file
+
+
+def markdown(results: BenchResults) -> str:
+    meta = results.meta
+    quick = " (quick run: reduced workloads, not comparable)" if meta["quick"] else ""
+    lines = [
+        f"# PocketLLM bench: {meta['date']}, {meta['machine']}{quick}",
+        "",
+        f"Machine: {_host(meta['host'])}. Load average (1, 5, 15 min) before the run "
+        f"{_loads(meta['load_average_before'])}, after {_loads(meta['load_average_after'])}: one engine runs at a "
+        f"time, so loads well above {meta['threads']} mean other work shared the machine.",
+        "",
+        f"Model `{meta['model']}` (`{meta['model_file']}`), {meta['threads']} threads per engine, each engine in its "
+        f"own process. Every figure is the median of {meta['runs']} runs after {meta['warmup']} warm-up "
+        "(min-max in brackets), with the engines interleaved run by run. Ratios are PocketLLM / peer medians: "
+        "above 1 is better for tok/s (↑), below 1 is better for ms and MB (↓).",
+        "",
+        *[f"- **{label}**: {_info(info)}" for label, info in results.engines.items()],
+        "",
+        *_figures_table(results),
+    ]
+    if results.fidelity:
+        lines += ["", *_fidelity(results)]
+    return "\n".join(lines) + "\n"
+
+
+def _host(host: dict[str, object]) -> str:
+    return (f"{host['cpu']} (family {host['cpu_family']} model {host['cpu_model']}, {host['simd'] or 'no AVX2'}), "
+            f"{host['logical_cpus']} logical CPUs, {host['memory_gib']} GiB, Python {host['python']}")
+
+
+def _loads(loads: list[float]) -> str:
+    return "/".join(f"{x:.1f}" for x in loads)
+
+
+def _info(info: dict[str, object]) -> str:
+    return "; ".join(f"{k} {_number(v) if isinstance(v, float) else v}" for k, v in info.items()
+                     if k not in HIDDEN_INFO)
+
+
+def _figures_table(results: BenchResults) -> list[str]:
+    labels = list(results.engines)
+    pairs = [(o, p) for o in results.ours for p in results.peers]
+    header = ["figure", "unit", *labels, *(f"{_short(o)} / {p}" for o, p in pairs)]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for figure in results.figures:
+        cells = [figure.label, f"{figure.unit} {'↑' if figure.higher_is_better else '↓'}"]
+        for label in labels:
+            s = results.summary(figure.key, label)
+            cells.append("-" if s is None else _summary(s))
+        for ours, peer in pairs:
+            a, b = results.summary(figure.key, ours), results.summary(figure.key, peer)
+            cells.append("-" if a is None or b is None else f"{a.median / b.median:.2f}x")
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def _fidelity(results: BenchResults) -> list[str]:
+    n = len(next(iter(results.fidelity[0].outputs.values())))
+    lines = [
+        f"## Fidelity: first {n} greedy token ids (EOS ignored)",
+        "",
+        "Same prompt ids for every engine, rendered with PocketLLM's chat template; questions chosen so that the "
+        "top two float32 logits stay well apart. llama.cpp computes with Q8 activations and an f16 KV cache, so "
+        "near-ties (top-2 logits within ~0.1) may still legitimately differ.",
+    ]
+    for case in results.fidelity:
+        header = ["engine", "token ids", *(f"vs {o}" for o in results.ours)]
+        lines += ["", f"**{case.question}** ({len(case.prompt_ids)} prompt ids)", "",
+                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        diffs = {(d.ours, d.peer): d.index for d in differences(case, results.ours, list(case.outputs))}
+        for label, ids in case.outputs.items():
+            verdicts = ["-" if o == label else _verdict(diffs[(o, label)]) for o in results.ours]
+            lines.append(f"| {label} | {' '.join(map(str, ids))} | {' | '.join(verdicts)} |")
+    return lines
+
+
+def _verdict(index: int | None) -> str:
+    return "identical" if index is None else f"**differs from token {index}**"
+
+
+def _summary(s: Summary) -> str:
+    return f"{_number(s.median)} ({_number(s.min)}-{_number(s.max)})"
+
+
+def _number(x: float) -> str:
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
+
+
+def _short(label: str) -> str:
+    return label.removeprefix("pocketllm-")

@@ -1,0 +1,67 @@
+"""One engine in its own process: ``python -m pocketbench.worker SPEC_JSON``.
+
+Loads the engine once, answers with a ready message (its info, or the load error), then serves requests
+from stdin until stdin closes (see ``protocol``). Anything else written to stdout goes to stderr, the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from typing import IO, Any
+
+from pocketbench.config import EngineSpec
+from pocketbench.engines import Engine, load_engine
+from pocketbench.protocol import read_message, write_message
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def handle(engine: Engine, request: dict[str, Any]) -> dict[str, Any]:
+    op = request["op"]
+    if op == "rss":
+        return {"peak_rss_mb": peak_rss_mb()}
+    prompts, max_tokens = request["prompts"], request["max_tokens"]
+    start = time.perf_counter()
+    if op == "generate":
+        token_ids = engine.generate(prompts, max_tokens)
+        return {"seconds": time.perf_counter() - start, "token_ids": token_ids}
+    if op == "stream":
+        timings = engine.stream(prompts, max_tokens)
+        return {"seconds": time.perf_counter() - start, "timings": [dataclasses.asdict(t) for t in timings]}
+    raise ValueError(f"unknown op {op!r}")
+
+
+def serve(spec: EngineSpec, channel: IO[str]) -> None:
+    start = time.perf_counter()
+    try:
+        engine = load_engine(spec)
+    except Exception:
+        write_message(channel, {"ok": False, "error": traceback.format_exc()})
+        return
+    info = {**engine.info(), "load_s": time.perf_counter() - start, "rss_after_load_mb": peak_rss_mb()}
+    write_message(channel, {"ok": True, "result": info})
+    while (request := read_message(sys.stdin)) is not None:
+        try:
+            write_message(channel, {"ok": True, "result": handle(engine, request)})
+        except Exception:
+            write_message(channel, {"ok": False, "error": traceback.format_exc()})
+
+
+def main() -> None:
+    spec = EngineSpec.from_json(json.loads(sys.argv[1]))
+    channel = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # C libraries print to fd 1 too
+    serve(spec, channel)
+    os._exit(0)  # skip interpreter teardown: engine threads and native libraries can make it slow
+
+
+if __name__ == "__main__":
+    main()
