@@ -24,7 +24,7 @@ def our_logits(checkpoint, prompts: list[list[int]], block_size: int = 4) -> lis
     # Interleaved, out-of-order blocks: the cache layout must not assume contiguity.
     tables = [list(range(1 + i, 200, len(prompts)))[::-1] for i in range(len(prompts))]
     positions, meta = build_metadata([0] * len(prompts), [len(p) for p in prompts], tables, block_size,
-                                     torch.device("cpu"))
+                                     torch.device("cpu"), torch.float32)
     with torch.inference_mode():
         hidden = model(torch.tensor([t for p in prompts for t in p]), positions, list(cache.unbind(0)), meta)
         logits = model.compute_logits(hidden)
@@ -77,3 +77,4 @@ def test_qwen3_greedy_ids_match_transformers() -> None:
     ids = prompt(21)
     outputs = run_to_completion(make_engine(checkpoint, prefill_chunk_size=8), {"q": (ids, greedy(24))})
     assert outputs["q"] == hf_greedy(hf, ids, 24)
+

@@ -97,6 +97,6 @@ def prompt(n: int, offset: int = 0) -> list[int]:
 
 
 def hf_greedy(model: Any, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                         do_sample=False, pad_token_id=0)
+    model.generation_config.eos_token_id = None  # as with ignore_eos: EOS may be chosen but does not stop
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()

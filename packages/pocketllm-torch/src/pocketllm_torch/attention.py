@@ -21,13 +21,13 @@ NULL_SLOT = 0  # in block 0, which the block manager never hands out
 class AttentionMetadata:
     slot_mapping: Tensor  # [T]: cache slot of each new token
     context_slots: Tensor  # [B, L]: cache slot of each sequence's positions 0..L-1, NULL_SLOT past its end
-    mask: Tensor  # [B, 1, Q, L]: whether query row q of a sequence may attend its position l
+    mask: Tensor  # [B, 1, Q, L]: 0 where query row q of a sequence may attend its position l, else -inf
     query_index: Tensor | None  # [B * Q]: token behind each padded query row; None when each sequence has one token
     token_index: Tensor | None  # [T]: padded query row of each token; None likewise
 
 
 def build_metadata(starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int,
-                   device: torch.device) -> tuple[Tensor, AttentionMetadata]:
+                   device: torch.device, dtype: torch.dtype) -> tuple[Tensor, AttentionMetadata]:
     """Positions of the step's tokens, and the attention metadata shared by every layer.
 
     Sequence b computes tokens at positions starts[b] .. starts[b] + lengths[b] - 1, after its cached context.
@@ -46,7 +46,9 @@ def build_metadata(starts: list[int], lengths: list[int], block_tables: list[lis
     valid = row < length[:, None]  # [B, Q]
     # Padding rows sit at position 0: attending one real key keeps their (discarded) output finite.
     query_pos = torch.where(valid, start[:, None] + row, 0)
-    mask = (pos <= query_pos[:, :, None]).unsqueeze(1)
+    # Additive, in the activations' dtype: SDPA would otherwise convert a boolean mask in every layer.
+    mask = torch.zeros(query_pos.shape + pos.shape, dtype=dtype).masked_fill_(pos > query_pos[:, :, None],
+                                                                              float("-inf")).unsqueeze(1)
     slot_mapping = context_slots.gather(1, query_pos)[valid]
     if max_query == 1:
         query_index = token_index = None

@@ -10,6 +10,7 @@ import torch
 
 from pocketllm.errors import ConfigError, UnsupportedOptionError
 from pocketllm_torch.backend import ARCHITECTURES, BACKEND_OPTIONS, NAME
+from pocketllm_torch.linear import compute_dtype
 
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
@@ -35,7 +36,6 @@ class TorchConfig:
     block_size: int
     num_kv_blocks: int | None  # None: size the cache from memory once the weights are loaded
     enable_prefix_caching: bool
-    seed: int
 
     @classmethod
     def from_args(cls, args: EngineArgs, model: ModelConfig) -> TorchConfig:
@@ -45,7 +45,9 @@ class TorchConfig:
             torch.set_num_threads(_positive_option(options, "num_threads"))
         device = _resolve_device(args.device)
         dtype = _resolve_dtype(args.dtype, device)
-        kv_cache_dtype = dtype if args.kv_cache_dtype == "auto" else _resolve_dtype(args.kv_cache_dtype, device)
+        # "auto" stores what attention computes in, so that reading the cache converts nothing.
+        kv_cache_dtype = (compute_dtype(device, dtype) if args.kv_cache_dtype == "auto"
+                          else _resolve_dtype(args.kv_cache_dtype, device))
         max_model_len = args.max_model_len or min(model.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
         if max_model_len > model.max_position_embeddings:
             raise ConfigError("max_model_len", f"{max_model_len} exceeds the model's limit of "
@@ -62,7 +64,6 @@ class TorchConfig:
             block_size=_positive_option(options, "block_size") if "block_size" in options else DEFAULT_BLOCK_SIZE,
             num_kv_blocks=_positive_option(options, "num_kv_blocks") if "num_kv_blocks" in options else None,
             enable_prefix_caching=args.enable_prefix_caching,
-            seed=args.seed,
         )
 
     def kv_bytes_per_block(self) -> int:

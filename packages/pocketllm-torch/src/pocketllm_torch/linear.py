@@ -48,7 +48,8 @@ class SplitBF16Linear:
     """bf16 weights on a CPU without bf16 matrix instructions; activations stay fp32.
 
     Single rows use torch's bf16 GEMV, which streams half the bytes of fp32; larger batches use an fp32 oneDNN
-    copy of the same bf16-rounded weights, trading memory for the speed bf16 GEMM lacks on such CPUs.
+    copy of the same bf16-rounded weights, trading memory for the speed bf16 GEMM lacks on such CPUs. The output
+    keeps the kernel's dtype: a bf16 row feeding the next bf16 GEMV (gate/up into down) then converts nothing.
     """
 
     weight: Tensor
@@ -57,7 +58,7 @@ class SplitBF16Linear:
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.shape[0] <= BF16_GEMV_MAX_ROWS:
-            return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+            return F.linear(x.to(torch.bfloat16), self.weight, self.bias)
         return self.packed(x)
 
 

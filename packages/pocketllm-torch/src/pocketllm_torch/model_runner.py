@@ -50,7 +50,7 @@ class ModelRunner:
                 last_rows.append(len(token_ids) - 1)
                 samplers.append(i)
         positions, meta = build_metadata(starts, batch.num_new_tokens, [seq.block_table for seq in batch.seqs],
-                                         self.block_size, self.device)
+                                         self.block_size, self.device, self.model.dtype)
         hidden = self.model(torch.tensor(token_ids, device=self.device), positions, self.kv_caches, meta)
         results: list[Sampled | None] = [None] * len(batch.seqs)
         if not samplers:

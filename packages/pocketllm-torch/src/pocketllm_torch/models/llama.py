@@ -92,7 +92,7 @@ class Attention:
 
     def __call__(self, x: Tensor, rotation: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
         num_tokens, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x).to(x.dtype)  # attention runs in the activations' dtype
         qk = qkv[:, :(heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
