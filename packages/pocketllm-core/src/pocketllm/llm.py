@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -33,6 +34,31 @@ class _Stream:
         if isinstance(item, BaseException):
             raise item
         return item
+
+
+class _Collected:
+    """A request's events, kept until it finishes. The caller is woken once, not per token: on a
+    machine with as many cores as torch threads, a waking consumer stalls the engine's kernels."""
+
+    def __init__(self) -> None:
+        self.events: list[StreamEvent] = []
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def __call__(self, item: StreamEvent | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.error = item
+            self.done.set()
+            return
+        self.events.append(item)
+        if item.usage is not None:
+            self.done.set()
+
+    def wait(self) -> list[StreamEvent]:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.events
 
 
 class LLM(EngineClient):
@@ -90,20 +116,20 @@ class LLM(EngineClient):
 
     def _run_batch(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams],
                    request_ids: Sequence[str] | None) -> list[RequestOutput]:
-        submitted: list[tuple[str, _Stream, OutputCollector]] = []
+        submitted: list[tuple[str, _Collected, OutputCollector]] = []
         try:
             # Submit everything before waiting on any acceptance, so the whole batch joins the same step.
             acceptances = []
             for i, ((text, ids), p) in enumerate(zip(encoded, params, strict=True)):
-                stream = _Stream()
-                rid, accepted = self.driver.add_request(ids, p, stream, request_ids[i] if request_ids else None)
-                submitted.append((rid, stream, OutputCollector(rid, text, ids, p.n)))
+                sink = _Collected()
+                rid, accepted = self.driver.add_request(ids, p, sink, request_ids[i] if request_ids else None)
+                submitted.append((rid, sink, OutputCollector(rid, text, ids, p.n)))
                 acceptances.append(accepted)
             for accepted in acceptances:
                 accepted.result()
-            for _, stream, collector in submitted:
-                while not collector.add(stream.next()):
-                    pass
+            for _, sink, collector in submitted:
+                for event in sink.wait():
+                    collector.add(event)
         except BaseException:
             for rid, _, collector in submitted:
                 if not collector.output.finished:
