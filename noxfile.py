@@ -15,7 +15,8 @@ TEST_DEPS = ["pytest", "pytest-timeout", "transformers", "accelerate", "openai",
 FIXTURES = ["./tests/fixtures/pocketllm-echo", "./tests/fixtures/pocketllm-broken"]
 # Peer engines and report tools of the benchmark: bench-only, never product dependencies.
 # llama-cpp-python compiles llama.cpp from source (about 5 minutes on 2 cores; pip caches the wheel).
-BENCH_DEPS = ["llama-cpp-python", "transformers", "accelerate", "matplotlib", "tqdm", "psutil"]
+# httpx: the HTTP clients of the serve workload.
+BENCH_DEPS = ["llama-cpp-python", "transformers", "accelerate", "matplotlib", "tqdm", "psutil", "httpx"]
 
 
 def install_engine(session: nox.Session) -> None:

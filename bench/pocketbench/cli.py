@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pocketbench.config import FULL, KNOWN_BACKENDS, PEERS, QUICK, WORKLOADS, BenchConfig
+from pocketbench.config import (
+    FULL,
+    KNOWN_BACKENDS,
+    PEERS,
+    QUICK,
+    SERVE_TARGET_CLIENTS,
+    SERVE_TARGET_RATIO,
+    WORKLOADS,
+    BenchConfig,
+)
 from pocketbench.machine import machine_name
 from pocketbench.report import markdown
 from pocketllm.args import DEFAULT_MODEL
@@ -23,7 +33,7 @@ runs after --warmup warm-up runs. Greedy decoding, EOS ignored, so every sequenc
 requested number of tokens.
 
 Peers are bench-only dependencies: `nox -s bench` installs them (llama-cpp-python, transformers with
-accelerate, matplotlib, tqdm, psutil)."""
+accelerate, matplotlib, tqdm, psutil, and httpx for the serve workload's clients)."""
 
 EPILOG = f"""\
 workloads (--workloads; all by default):
@@ -38,17 +48,29 @@ workloads (--workloads; all by default):
   ttft      {FULL.ttft_requests} {FULL.prompt_tokens}-token requests submitted at once ({FULL.ttft_new_tokens} new \
 tokens each); p50 and p99 over
             the requests of each run of the time from a request's submission to its first token, in ms.
+  serve     for each N in --serve-concurrency ({' '.join(map(str, FULL.serve_concurrency))}): N streaming \
+clients send {FULL.prompt_tokens}-token prompts
+            at once, {FULL.new_tokens} new tokens each, to a pocketllm-server process over HTTP (/v1/completions,
+            token-id prompt, stream: true, ignore_eos, temperature 0; httpx clients in the bench process),
+            and the same requests to AsyncLLM in a worker process, runs interleaved (library, HTTP, ...),
+            same model, backend, dtype, KV sizing and threads. Per side: aggregate tok/s = tokens
+            streamed / (last token of any request - first send), and TTFT p50, p99 (send -> first streamed
+            token) in ms; HTTP / library ratios. Target: HTTP >= {SERVE_TARGET_RATIO:.0%} of library tok/s \
+at {SERVE_TARGET_CLIENTS} clients.
+            PocketLLM backends only; needs pocketllm-server.
   fidelity  the first {FULL.fidelity_tokens} greedy token ids of each engine for {FULL.fidelity_prompts} chat \
 prompts (the same ids
             for every engine, rendered with PocketLLM's chat template); flags the first position where
             each PocketLLM backend differs from each peer. Runs once, untimed.
-  peak RSS  always: ru_maxrss of each engine's worker process at the end of the run (load included).
+  peak RSS  always: ru_maxrss of each engine's worker process at the end of the run (load included);
+            VmHWM for the serve workload's server processes.
 
 --quick shrinks every workload ({QUICK.prefill_tokens}-token prefill, {QUICK.prompt_tokens}-token prompts, \
 {QUICK.new_tokens} new tokens, concurrency
-{' '.join(map(str, QUICK.concurrency))}, {QUICK.ttft_requests} TTFT requests, 1 fidelity prompt of \
-{QUICK.fidelity_tokens} tokens) and defaults to 1 measured run, for
-smoke tests; its files are suffixed -quick.
+{' '.join(map(str, QUICK.concurrency))}, {QUICK.ttft_requests} TTFT requests, serve clients \
+{' '.join(map(str, QUICK.serve_concurrency))}, 1 fidelity prompt of {QUICK.fidelity_tokens} tokens) and
+defaults to 1 measured run, for smoke tests; its files are suffixed -quick. With serve as the only
+workload, no LLM or peer worker is started.
 
 output: a markdown table (printed, and written to OUT/<date>-<machine>.md), every raw figure in
 OUT/<date>-<machine>.json, and the batch plot in OUT/<date>-<machine>.png."""
@@ -85,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", nargs="+", type=at_least(1), default=None, metavar="N",
                         help="sequence counts of the batch workload (default: "
                              f"{' '.join(map(str, FULL.concurrency))})")
+    parser.add_argument("--serve-concurrency", nargs="+", type=at_least(1), default=None, metavar="N",
+                        help="client counts of the serve workload (default: "
+                             f"{' '.join(map(str, FULL.serve_concurrency))})")
     parser.add_argument("--quick", action="store_true", help="small workloads and 1 run, for smoke tests")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "results",
                         help="directory for the result files (default: bench/results)")
@@ -97,6 +122,11 @@ def config_from(ns: argparse.Namespace, installed: list[str]) -> BenchConfig:
     sizes = QUICK if ns.quick else FULL
     if ns.concurrency:
         sizes = dataclasses.replace(sizes, concurrency=tuple(ns.concurrency))
+    if ns.serve_concurrency:
+        sizes = dataclasses.replace(sizes, serve_concurrency=tuple(ns.serve_concurrency))
+    if "serve" in ns.workloads and importlib.util.find_spec("pocketllm_server") is None:
+        raise SystemExit("the serve workload needs pocketllm-server (pip install pocketllm[server]); "
+                         "or leave it out with --workloads")
     backends = tuple(ns.backends or [b for b in KNOWN_BACKENDS if b in installed])
     if not backends:
         raise SystemExit(f"no PocketLLM backend to measure: none of {', '.join(KNOWN_BACKENDS)} is installed")

@@ -8,8 +8,11 @@ from pathlib import Path
 from typing import Any
 
 PEERS = ("llama.cpp", "transformers")
-WORKLOADS = ("prefill", "decode", "batch", "ttft", "fidelity")
+WORKLOADS = ("prefill", "decode", "batch", "ttft", "serve", "fidelity")
 KNOWN_BACKENDS = ("torch", "cpp")  # PocketLLM backends measured by default, where installed
+# The serve workload's goal: aggregate tok/s over HTTP at least this fraction of the library's, at these clients.
+SERVE_TARGET_RATIO = 0.9
+SERVE_TARGET_CLIENTS = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,12 +25,13 @@ class Sizes:
     concurrency: tuple[int, ...] = (1, 4, 8, 16)
     ttft_requests: int = 8
     ttft_new_tokens: int = 32
+    serve_concurrency: tuple[int, ...] = (1, 8, 16)  # clients of the serve workload (HTTP against AsyncLLM)
     fidelity_prompts: int = 3
     fidelity_tokens: int = 32
 
     @property
     def max_seqs(self) -> int:
-        return max(*self.concurrency, self.ttft_requests, 1)
+        return max(*self.concurrency, self.ttft_requests, *self.serve_concurrency, 1)
 
     @property
     def max_len(self) -> int:
@@ -38,14 +42,14 @@ class Sizes:
 
 FULL = Sizes()
 QUICK = Sizes(prefill_tokens=128, prompt_tokens=32, new_tokens=16, concurrency=(1, 4), ttft_requests=4,
-              ttft_new_tokens=4, fidelity_prompts=1, fidelity_tokens=8)
+              ttft_new_tokens=4, serve_concurrency=(1, 2), fidelity_prompts=1, fidelity_tokens=8)
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineSpec:
     """How a worker process loads one engine; travels to the worker as JSON."""
 
-    kind: str  # "pocketllm" | "llama.cpp" | "transformers"
+    kind: str  # "pocketllm" | "pocketllm-async" (AsyncLLM, serve workload) | "llama.cpp" | "transformers"
     model: str  # a PocketLLM model string (alias, .gguf path or directory)
     model_path: str  # the resolved file or directory, for the peers
     threads: int
@@ -56,7 +60,11 @@ class EngineSpec:
 
     @property
     def label(self) -> str:
-        return f"pocketllm-{self.backend}" if self.kind == "pocketllm" else self.kind
+        if self.kind == "pocketllm":
+            return f"pocketllm-{self.backend}"
+        if self.kind == "pocketllm-async":
+            return f"pocketllm-{self.backend}-async"
+        return self.kind
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

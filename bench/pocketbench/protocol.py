@@ -1,7 +1,8 @@
 """The worker protocol: one JSON object per line each way.
 
 Requests are ``{"op": name, ...arguments}``; replies are ``{"ok": true, "result": {...}}`` or
-``{"ok": false, "error": traceback text}``. Ops: ``info``, ``generate``, ``stream``, ``rss``.
+``{"ok": false, "error": traceback text}``. Ops: ``generate``, ``stream``, ``serve`` (the
+``pocketllm-async`` engine only), ``rss``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The markdown report: settings, the figures table with PocketLLM/peer ratios, and the fidelity check."""
+"""The markdown report: settings, the figures table with PocketLLM/peer and HTTP/library ratios, fidelity."""
 
 from __future__ import annotations
 
+from pocketbench.config import SERVE_TARGET_CLIENTS, SERVE_TARGET_RATIO
 from pocketbench.fidelity import differences
 from pocketbench.results import BenchResults
 from pocketbench.stats import Summary
@@ -28,6 +29,8 @@ def markdown(results: BenchResults) -> str:
         "",
         *_figures_table(results),
     ]
+    if results.serving:
+        lines += ["", *_serving(results)]
     if results.fidelity:
         lines += ["", *_fidelity(results)]
     return "\n".join(lines) + "\n"
@@ -49,19 +52,44 @@ def _info(info: dict[str, object]) -> str:
 
 def _figures_table(results: BenchResults) -> list[str]:
     labels = list(results.engines)
-    pairs = [(o, p) for o in results.ours for p in results.peers]
-    header = ["figure", "unit", *labels, *(f"{_short(o)} / {p}" for o, p in pairs)]
+    # PocketLLM / peer, then HTTP / library for the serve workload.
+    pairs = [*((o, p) for o in results.ours for p in results.peers), *((h, lib) for lib, h in results.serving)]
+    header = ["figure", "unit", *labels, *(f"{_short(a)} / {_short(b)}" for a, b in pairs)]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for figure in results.figures:
         cells = [figure.label, f"{figure.unit} {'↑' if figure.higher_is_better else '↓'}"]
         for label in labels:
             s = results.summary(figure.key, label)
             cells.append("-" if s is None else _summary(s))
-        for ours, peer in pairs:
-            a, b = results.summary(figure.key, ours), results.summary(figure.key, peer)
-            cells.append("-" if a is None or b is None else f"{a.median / b.median:.2f}x")
+        for a, b in pairs:
+            ratio = results.ratio(figure.key, a, b)
+            cells.append("-" if ratio is None else f"{ratio:.2f}x")
         rows.append("| " + " | ".join(cells) + " |")
     return rows
+
+
+def _serving(results: BenchResults) -> list[str]:
+    clients = results.meta["sizes"]["serve_concurrency"]
+    lines = [
+        "## Serving: HTTP / library",
+        "",
+        "The serve rows: the same streamed requests (token-id prompts, greedy, EOS ignored) through "
+        "`pocketllm-server` over HTTP (`-http`: `/v1/completions` with `stream: true`, httpx clients in the bench "
+        "process) and through `AsyncLLM` in a worker process (`-async`), same engine settings, runs interleaved. "
+        "Client and server share the machine's cores, as the library's consumer tasks share its worker's. "
+        "Aggregate tok/s = tokens streamed / (last token of any request - first send); TTFT = send -> first "
+        f"streamed token. Target: HTTP >= {SERVE_TARGET_RATIO:.2f}x library at {SERVE_TARGET_CLIENTS} clients.",
+        "",
+    ]
+    for library, http in results.serving:
+        ratios = {n: results.ratio(f"serve{n}_tok_s", http, library) for n in clients}
+        shown = ", ".join(f"{n} client{'s' if n > 1 else ''} {'-' if r is None else f'{r:.2f}x'}"
+                          for n, r in ratios.items())
+        target = ratios.get(SERVE_TARGET_CLIENTS)
+        verdict = ("not measured" if target is None else
+                   "met" if target >= SERVE_TARGET_RATIO else "**missed**")
+        lines.append(f"- {_short(http)} / {_short(library)} aggregate tok/s: {shown}; target {verdict}")
+    return lines
 
 
 def _fidelity(results: BenchResults) -> list[str]:

@@ -19,6 +19,7 @@ class BenchResults:
     engines: dict[str, dict[str, Any]]  # label -> the worker's info, plus peak_rss_mb
     ours: list[str]  # labels of the PocketLLM engines
     peers: list[str]
+    serving: list[tuple[str, str]] = field(default_factory=list)  # (library, HTTP) labels of the serve workload
     figures: list[Figure] = field(default_factory=list)
     values: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # figure key -> label -> runs
     raw: dict[str, dict[str, list[dict[str, Any]]]] = field(default_factory=dict)  # measurement -> label -> replies
@@ -35,8 +36,20 @@ class BenchResults:
         runs = self.values.get(figure, {}).get(label)
         return Summary.of(runs) if runs else None
 
+    def ratio(self, figure: str, label: str, reference: str) -> float | None:
+        """Median of ``label`` / median of ``reference``; None when either has no runs."""
+        a, b = self.summary(figure, label), self.summary(figure, reference)
+        return None if a is None or b is None else a.median / b.median
+
+    def serving_ratios(self) -> dict[str, dict[str, float]]:
+        """HTTP / library medians of every serve figure, keyed "HTTP label / library label"."""
+        return {f"{http} / {library}": {f.key: r for f in self.figures
+                                        if (r := self.ratio(f.key, http, library)) is not None}
+                for library, http in self.serving}
+
     def write_json(self, path: Path) -> None:
         data = dataclasses.asdict(self)
         data["summaries"] = {f.key: {label: dataclasses.asdict(s) for label in self.engines
                                      if (s := self.summary(f.key, label)) is not None} for f in self.figures}
+        data["serving_ratios"] = self.serving_ratios()
         path.write_text(json.dumps(data, indent=1) + "\n")

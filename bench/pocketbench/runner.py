@@ -1,4 +1,4 @@
-"""One bench run: start the workers, check fidelity, time the workloads interleaved, write the results."""
+"""One bench run: start the workers (and servers), check fidelity, time the workloads interleaved, write the results."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import dataclasses
 import datetime
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 from tqdm import tqdm
 
@@ -18,16 +20,43 @@ from pocketbench.plot import plot_batch_scaling
 from pocketbench.prompts import PromptSet, build_prompts
 from pocketbench.report import markdown
 from pocketbench.results import BenchResults
+from pocketbench.server import ServerTarget
 from pocketbench.workers import Worker
-from pocketbench.workloads import RSS, plan
+from pocketbench.workloads import RSS, Measurement, plan
 from pocketllm.checkpoint import load_checkpoint
 
 
+class Target(Protocol):
+    """What the runner times: a worker process, or a server process with its HTTP clients (``server``)."""
+
+    label: str
+    info: dict[str, Any]
+
+    def call(self, op: str, **arguments: Any) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def _common(config: BenchConfig, model_path: Path) -> dict[str, Any]:
+    return {"model": config.model, "model_path": str(model_path), "threads": config.threads,
+            "max_seqs": config.sizes.max_seqs, "max_len": config.sizes.max_len}
+
+
 def engine_specs(config: BenchConfig, model_path: Path) -> list[EngineSpec]:
-    common = {"model": config.model, "model_path": str(model_path), "threads": config.threads,
-              "max_seqs": config.sizes.max_seqs, "max_len": config.sizes.max_len}
+    """The engines of every workload but serve; none when serve is the only one."""
+    if not set(config.workloads) - {"serve"}:
+        return []
+    common = _common(config, model_path)
     return [*(EngineSpec(kind="pocketllm", backend=b, dtype=config.dtype, **common) for b in config.backends),
             *(EngineSpec(kind=peer, **common) for peer in config.peers)]
+
+
+def serving_specs(config: BenchConfig, model_path: Path) -> list[EngineSpec]:
+    """The library (AsyncLLM) worker of each backend for the serve workload; its server copies its settings."""
+    if "serve" not in config.workloads:
+        return []
+    common = _common(config, model_path)
+    return [EngineSpec(kind="pocketllm-async", backend=b, dtype=config.dtype, **common) for b in config.backends]
 
 
 def run(config: BenchConfig) -> BenchResults:
@@ -36,6 +65,7 @@ def run(config: BenchConfig) -> BenchResults:
     prompts = build_prompts(checkpoint, prefill_tokens=sizes.prefill_tokens, prompt_tokens=sizes.prompt_tokens,
                             count=sizes.max_seqs, fidelity_prompts=sizes.fidelity_prompts)
     specs = engine_specs(config, checkpoint.path)
+    serve_specs = serving_specs(config, checkpoint.path)
     log_dir = Path(tempfile.mkdtemp(prefix="pocketbench-"))
     results = BenchResults(
         meta={"date": datetime.date.today().isoformat(), "machine": config.machine, "host": describe(),
@@ -45,20 +75,44 @@ def run(config: BenchConfig) -> BenchResults:
         engines={}, ours=[s.label for s in specs if s.kind == "pocketllm"],
         peers=[s.label for s in specs if s.kind != "pocketllm"])
     with contextlib.ExitStack() as stack:
-        workers = []
-        for spec in tqdm(specs, desc="loading engines", unit="engine"):
-            worker = Worker(spec, log_dir)
-            stack.callback(worker.close)
-            workers.append(worker)
-            results.engines[spec.label] = worker.info
+        workers, serving = _load(stack, specs, serve_specs, log_dir)
+        for target in (*workers, *serving):
+            results.engines[target.label] = target.info
+        results.serving = [(library.label, http.label) for library, http in zip(serving[::2], serving[1::2],
+                                                                                 strict=True)]
         if "fidelity" in config.workloads:
             results.fidelity = _fidelity(workers, prompts, sizes.fidelity_tokens)
-        _timed(config, workers, prompts, results)
-        for worker in workers:
-            results.values.setdefault(RSS.key, {})[worker.spec.label] = [worker.call("rss")["peak_rss_mb"]]
+        _timed(config, workers, serving, prompts, results)
+        for target in (*workers, *serving):
+            results.values.setdefault(RSS.key, {})[target.label] = [target.call("rss")["peak_rss_mb"]]
         results.figures.append(RSS)
     results.meta["load_average_after"] = os.getloadavg()
     return results
+
+
+def _load(stack: contextlib.ExitStack, specs: list[EngineSpec], serve_specs: list[EngineSpec],
+          log_dir: Path) -> tuple[list[Worker], list[Target]]:
+    """Start the engine workers, then per backend the serve workload's library worker and its server."""
+    workers: list[Worker] = []
+    serving: list[Target] = []  # library, HTTP, library, HTTP ...
+    with tqdm(total=len(specs) + 2 * len(serve_specs), desc="loading engines", unit="engine") as bar:
+        for spec in specs:
+            workers.append(_closing(stack, Worker(spec, log_dir)))
+            bar.update()
+        for spec in serve_specs:
+            library = _closing(stack, Worker(spec, log_dir))
+            bar.update()
+            serving += [library, _closing(stack, ServerTarget(spec, library.info["backend_options"], log_dir))]
+            bar.update()
+    return workers, serving
+
+
+T = TypeVar("T", bound=Target)
+
+
+def _closing(stack: contextlib.ExitStack, target: T) -> T:
+    stack.callback(target.close)
+    return target
 
 
 def _fidelity(workers: list[Worker], prompts: PromptSet, tokens: int) -> list[FidelityCase]:
@@ -70,19 +124,24 @@ def _fidelity(workers: list[Worker], prompts: PromptSet, tokens: int) -> list[Fi
     return cases
 
 
-def _timed(config: BenchConfig, workers: list[Worker], prompts: PromptSet, results: BenchResults) -> None:
+def _timed(config: BenchConfig, workers: list[Worker], serving: list[Target], prompts: PromptSet,
+           results: BenchResults) -> None:
     measurements = plan(config.workloads, config.sizes, prompts)
     rounds = config.warmup + config.runs
-    with tqdm(total=len(measurements) * rounds * len(workers), desc="measuring", unit="run") as bar:
+
+    def targets(m: Measurement) -> Sequence[Target]:
+        return serving if m.op == "serve" else workers
+
+    with tqdm(total=sum(len(targets(m)) for m in measurements) * rounds, desc="measuring", unit="run") as bar:
         for m in measurements:
             results.figures.extend(m.figures)
             for i in range(rounds):
-                for worker in workers:  # A B C A B C ...: drift of the machine hits every engine alike
-                    bar.set_postfix_str(f"{m.key}, {worker.spec.label}, {'warm-up' if i < config.warmup else i}")
-                    reply = worker.call(m.op, prompts=m.prompts, max_tokens=m.max_tokens)
+                for target in targets(m):  # A B C A B C ...: drift of the machine hits every engine alike
+                    bar.set_postfix_str(f"{m.key}, {target.label}, {'warm-up' if i < config.warmup else i}")
+                    reply = target.call(m.op, prompts=m.prompts, max_tokens=m.max_tokens)
                     values = m.values(reply)
                     if i >= config.warmup:
-                        results.record(m.key, worker.spec.label, reply, values)
+                        results.record(m.key, target.label, reply, values)
                     bar.update()
 
 

@@ -16,7 +16,7 @@ import traceback
 from typing import IO, Any
 
 from pocketbench.config import EngineSpec
-from pocketbench.engines import Engine, load_engine
+from pocketbench.engines import Engine, ServingEngine, load_engine
 from pocketbench.protocol import read_message, write_message
 
 
@@ -24,19 +24,23 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def handle(engine: Engine, request: dict[str, Any]) -> dict[str, Any]:
+def handle(engine: Engine | ServingEngine, request: dict[str, Any]) -> dict[str, Any]:
     op = request["op"]
     if op == "rss":
         return {"peak_rss_mb": peak_rss_mb()}
     prompts, max_tokens = request["prompts"], request["max_tokens"]
     start = time.perf_counter()
-    if op == "generate":
+    timings: list[Any]
+    if op == "generate" and isinstance(engine, Engine):
         token_ids = engine.generate(prompts, max_tokens)
         return {"seconds": time.perf_counter() - start, "token_ids": token_ids}
-    if op == "stream":
+    if op == "stream" and isinstance(engine, Engine):
         timings = engine.stream(prompts, max_tokens)
-        return {"seconds": time.perf_counter() - start, "timings": [dataclasses.asdict(t) for t in timings]}
-    raise ValueError(f"unknown op {op!r}")
+    elif op == "serve" and isinstance(engine, ServingEngine):
+        timings = engine.serve(prompts, max_tokens)
+    else:
+        raise ValueError(f"op {op!r} is not one of {type(engine).__name__}'s")
+    return {"seconds": time.perf_counter() - start, "timings": [dataclasses.asdict(t) for t in timings]}
 
 
 def serve(spec: EngineSpec, channel: IO[str]) -> None:

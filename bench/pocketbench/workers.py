@@ -26,14 +26,17 @@ class Worker:
     def __init__(self, spec: EngineSpec, log_dir: Path) -> None:
         self.spec = spec
         self.log_path = log_dir / f"{spec.label}.log"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HARNESS_ROOT),
-                                                                            os.environ.get("PYTHONPATH")]))}
-        env.update(dict.fromkeys(THREAD_VARIABLES, str(spec.threads)))
+        env = engine_env(spec.threads)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HARNESS_ROOT), os.environ.get("PYTHONPATH")]))
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "pocketbench.worker", json.dumps(spec.to_json())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         self.info: dict[str, Any] = self._reply()
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
 
     def call(self, op: str, **arguments: Any) -> dict[str, Any]:
         assert self.process.stdin is not None
@@ -45,7 +48,7 @@ class Worker:
         message = read_message(self.process.stdout)
         if message is None:
             raise WorkerError(f"{self.spec.label} worker exited (code {self.process.wait()}); "
-                              f"log: {self.log_path}\n{_tail(self.log_path)}")
+                              f"log: {self.log_path}\n{tail(self.log_path)}")
         if not message["ok"]:
             raise WorkerError(f"{self.spec.label} worker failed; log: {self.log_path}\n{message['error']}")
         return message["result"]
@@ -56,5 +59,10 @@ class Worker:
         self.process.wait()
 
 
-def _tail(path: Path, lines: int = 20) -> str:
+def engine_env(threads: int) -> dict[str, str]:
+    """The environment of an engine process: ours, with every thread-count variable set to ``threads``."""
+    return {**os.environ, **dict.fromkeys(THREAD_VARIABLES, str(threads))}
+
+
+def tail(path: Path, lines: int = 20) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

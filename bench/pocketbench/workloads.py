@@ -24,7 +24,7 @@ class Measurement:
     """One worker request, repeated per run, and how to read figures from its reply."""
 
     key: str
-    op: str  # "generate" or "stream"
+    op: str  # "generate" or "stream" (every engine), or "serve" (the library and HTTP targets of the serve workload)
     prompts: list[list[int]]
     max_tokens: int
     figures: tuple[Figure, ...]
@@ -73,6 +73,23 @@ def ttft(sizes: Sizes, prompts: PromptSet) -> Measurement:
                        lambda r: [1000 * percentile([t["first_token_s"] for t in r["timings"]], q) for q in (50, 99)])
 
 
+def serve_values(timings: list[dict[str, Any]]) -> list[float]:
+    """Aggregate tok/s (every streamed token / (last token of any - first send)), then TTFT p50 and p99 in ms."""
+    span = max(t["last_token_s"] for t in timings) - min(t["sent_s"] for t in timings)
+    ttfts = [t["first_token_s"] - t["sent_s"] for t in timings]
+    return [sum(t["num_tokens"] for t in timings) / span, *(1000 * percentile(ttfts, q) for q in (50, 99))]
+
+
+def serve(n: int, sizes: Sizes, prompts: PromptSet) -> Measurement:
+    clients = f"{n} streaming client{'s' if n > 1 else ''}"
+    what = f"serve, {clients} x ({sizes.prompt_tokens} in + {sizes.new_tokens} out)"
+    return Measurement(f"serve{n}", "serve", prompts.prompts[:n], sizes.new_tokens,
+                       (Figure(f"serve{n}_tok_s", f"{what}, aggregate", "tok/s", True),
+                        Figure(f"serve{n}_ttft_p50_ms", f"{what}, TTFT p50", "ms", False),
+                        Figure(f"serve{n}_ttft_p99_ms", f"{what}, TTFT p99", "ms", False)),
+                       lambda r: serve_values(r["timings"]))
+
+
 def plan(workloads: tuple[str, ...], sizes: Sizes, prompts: PromptSet) -> list[Measurement]:
     """The measurements of the selected workloads, in report order."""
     plans: list[Measurement] = []
@@ -84,4 +101,6 @@ def plan(workloads: tuple[str, ...], sizes: Sizes, prompts: PromptSet) -> list[M
         plans.extend(batch(n, sizes, prompts) for n in sizes.concurrency)
     if "ttft" in workloads:
         plans.append(ttft(sizes, prompts))
+    if "serve" in workloads:
+        plans.extend(serve(n, sizes, prompts) for n in sizes.serve_concurrency)
     return plans

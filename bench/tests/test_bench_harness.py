@@ -11,12 +11,14 @@ import pytest
 
 from pocketbench.cli import build_parser, config_from
 from pocketbench.config import FULL, QUICK, Sizes
+from pocketbench.engines import RequestTiming
 from pocketbench.fidelity import FidelityCase, first_difference
 from pocketbench.protocol import read_message, write_message
 from pocketbench.report import markdown
 from pocketbench.results import BenchResults
+from pocketbench.serving import EventStream, ServeError, StreamTally, completion_body
 from pocketbench.stats import Summary, percentile
-from pocketbench.workloads import Figure, decode
+from pocketbench.workloads import Figure, decode, serve, serve_values
 from pocketllm import bench as bench_command
 
 
@@ -57,6 +59,51 @@ def test_measurement_checks_token_counts() -> None:
         m.values({"timings": [{**timing, "num_tokens": 4}]})
 
 
+def test_event_stream_splits_events_across_reads() -> None:
+    events = EventStream()
+    assert events.feed(b'data: {"a": 1}\n\nda') == [b'{"a": 1}']
+    assert events.feed(b"ta: [DONE]") == []
+    assert events.feed(b"\n\n: a comment\n\ndata:x\r\ndata: y\r\n\r\n") == [b"[DONE]", b"x\ny"]
+    assert events.buffer == b""
+
+
+def _chunk(text: str, usage: int | None = None, finish: str | None = None) -> bytes:
+    choices = [{"index": 0, "text": text, "finish_reason": finish}] if usage is None else []
+    body: dict[str, object] = {"object": "text_completion", "choices": choices}
+    if usage is not None:
+        body["usage"] = {"prompt_tokens": 4, "completion_tokens": usage, "total_tokens": 4 + usage}
+    return json.dumps(body).encode()
+
+
+def test_stream_tally_times_chunks_and_reads_usage() -> None:
+    tally = StreamTally(sent_s=0.5)
+    for payload, now in ((_chunk("a"), 1.0), (_chunk("b"), 1.5), (_chunk("c", finish="length"), 2.0),
+                         (_chunk("", usage=3), 2.1), (b"[DONE]", 2.1)):
+        tally.add(payload, now)
+    assert tally.timing() == RequestTiming(sent_s=0.5, first_token_s=1.0, last_token_s=2.0, num_tokens=3,
+                                           num_chunks=3)
+    with pytest.raises(ServeError, match="incomplete"):
+        StreamTally(sent_s=0.0).timing()
+    with pytest.raises(ServeError, match="mid-stream"):
+        StreamTally(sent_s=0.0).add(b'{"error": {"message": "engine died"}}', 1.0)
+    assert completion_body([1, 2], 8) == {"prompt": [1, 2], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                                          "stream": True, "stream_options": {"include_usage": True}}
+
+
+def test_serve_figures_and_token_check() -> None:
+    timings = [{"sent_s": 0.0, "first_token_s": 0.1, "last_token_s": 1.0, "num_tokens": 4, "num_chunks": 4},
+               {"sent_s": 0.2, "first_token_s": 0.5, "last_token_s": 2.0, "num_tokens": 4, "num_chunks": 3}]
+    tok_s, p50, p99 = serve_values(timings)
+    assert tok_s == 4.0  # 8 tokens over 2 s: first send to the last token of any request
+    assert (p50, p99) == (pytest.approx(200.0), pytest.approx(298.0))  # TTFTs 100 and 300 ms
+    prompts_stub = type("Prompts", (), {"prompts": [[1] * 4] * 3})()
+    m = serve(2, dataclasses.replace(QUICK, new_tokens=4), prompts_stub)  # type: ignore[arg-type]
+    assert (m.key, m.op, len(m.prompts)) == ("serve2", "serve", 2)
+    assert m.values({"timings": timings})["serve2_tok_s"] == 4.0
+    with pytest.raises(RuntimeError, match="expected 4 tokens"):
+        m.values({"timings": [timings[0], {**timings[1], "num_tokens": 3}]})
+
+
 def _results() -> BenchResults:
     results = BenchResults(
         meta={"date": "2026-01-01", "machine": "test-2c", "model": "m", "model_file": "m.gguf", "threads": 2,
@@ -82,6 +129,25 @@ def test_markdown_reports_ratios_and_first_difference() -> None:
     assert "| pocketllm-torch | 5 6 7 | - |" in text
 
 
+def test_markdown_reports_http_over_library_and_the_target() -> None:
+    results = _results()
+    results.engines.update({"pocketllm-torch-async": {"engine": "lib"}, "pocketllm-torch-http": {"engine": "srv"}})
+    results.serving = [("pocketllm-torch-async", "pocketllm-torch-http")]
+    results.meta["sizes"] = {**results.meta["sizes"], "serve_concurrency": [1, 16]}
+    for n, (lib, http) in ((1, (10.0, 10.0)), (16, (100.0, 85.0))):
+        figure = Figure(f"serve{n}_tok_s", f"serve {n}", "tok/s", True)
+        results.figures.append(figure)
+        results.record(f"serve{n}", "pocketllm-torch-async", {}, {figure.key: lib})
+        results.record(f"serve{n}", "pocketllm-torch-http", {}, {figure.key: http})
+    text = markdown(results)
+    assert "| torch / llama.cpp | torch-http / torch-async |" in text
+    assert "| serve 16 | tok/s ↑ | - | - | 100 (100-100) | 85.0 (85.0-85.0) | - | 0.85x |" in text
+    assert "| decode | tok/s ↑ | 30.0 (20.0-40.0) | 15.0 (10.0-20.0) | - | - | 2.00x | - |" in text
+    assert "torch-http / torch-async aggregate tok/s: 1 client 1.00x, 16 clients 0.85x; target **missed**" in text
+    assert results.serving_ratios() == {"pocketllm-torch-http / pocketllm-torch-async": {
+        "serve1_tok_s": 1.0, "serve16_tok_s": 0.85}}
+
+
 def test_json_keeps_raw_figures_without_token_ids(tmp_path: Path) -> None:
     _results().write_json(tmp_path / "r.json")
     data = json.loads((tmp_path / "r.json").read_text())
@@ -93,9 +159,12 @@ def test_config_defaults_and_quick() -> None:
     parser = build_parser()
     full = config_from(parser.parse_args([]), installed=["echo", "torch"])
     assert (full.backends, full.runs, full.sizes) == (("torch",), 5, FULL)
-    quick = config_from(parser.parse_args(["--quick", "--concurrency", "2", "3"]), installed=["torch"])
+    assert "serve" in full.workloads and FULL.serve_concurrency == (1, 8, 16)
+    quick = config_from(parser.parse_args(["--quick", "--concurrency", "2", "3", "--serve-concurrency", "1", "5"]),
+                        installed=["torch"])
     assert quick.runs == 1
-    assert quick.sizes == dataclasses.replace(QUICK, concurrency=(2, 3))
+    assert quick.sizes == dataclasses.replace(QUICK, concurrency=(2, 3), serve_concurrency=(1, 5))
+    assert quick.sizes.max_seqs == 5  # every engine gets room for the most serve clients too
     with pytest.raises(SystemExit):
         config_from(parser.parse_args([]), installed=["echo"])
 
@@ -116,13 +185,40 @@ def test_full_run_on_the_echo_backend(tmp_path: Path) -> None:
     from pocketbench.runner import run, write
 
     sizes = Sizes(prefill_tokens=16, prompt_tokens=8, new_tokens=4, concurrency=(1, 2), ttft_requests=2,
-                  ttft_new_tokens=2, fidelity_prompts=1, fidelity_tokens=4)
+                  ttft_new_tokens=2, serve_concurrency=(2,), fidelity_prompts=1, fidelity_tokens=4)
     parser = build_parser()
     ns = parser.parse_args(["--backend", "echo", "--peers", "--runs", "2", "--out", str(tmp_path),
                             "--machine", "test"])
     config = dataclasses.replace(config_from(ns, installed=["echo"]), sizes=sizes)
     results = run(config)
     assert [len(runs) for runs in results.values["batch2_tok_s"].values()] == [2]
+    # The serve workload: AsyncLLM in a worker and a pocketllm-server process, interleaved, two runs each.
+    assert results.serving == [("pocketllm-echo-async", "pocketllm-echo-http")]
+    assert {label: len(runs) for label, runs in results.values["serve2_tok_s"].items()} == {
+        "pocketllm-echo-async": 2, "pocketllm-echo-http": 2}
+    http_runs = results.raw["serve2"]["pocketllm-echo-http"]
+    assert [t["num_tokens"] for run_ in http_runs for t in run_["timings"]] == [4] * 4
+    assert set(results.values["peak_rss_mb"]) == {"pocketllm-echo", "pocketllm-echo-async", "pocketllm-echo-http"}
     paths = write(results, config)
     assert [p.suffix for p in paths] == [".md", ".json", ".png"]
-    assert "aggregate decode, 2 x (8 in + 4 out)" in paths[0].read_text()
+    text = paths[0].read_text()
+    assert "aggregate decode, 2 x (8 in + 4 out)" in text
+    assert "serve, 2 streaming clients x (8 in + 4 out), aggregate" in text
+    assert "echo-http / echo-async aggregate tok/s: 2 clients " in text
+    data = json.loads(paths[1].read_text())
+    assert "serve2_tok_s" in data["serving_ratios"]["pocketllm-echo-http / pocketllm-echo-async"]
+
+
+def test_serve_only_starts_no_other_engine(tmp_path: Path) -> None:
+    pytest.importorskip("pocketllm_echo")
+    pytest.importorskip("tqdm")
+    from pocketbench.runner import run
+
+    sizes = dataclasses.replace(QUICK, prompt_tokens=8, new_tokens=3, serve_concurrency=(1,))
+    ns = build_parser().parse_args(["--backend", "echo", "--peers", "--runs", "1", "--workloads", "serve",
+                                    "--out", str(tmp_path)])
+    results = run(dataclasses.replace(config_from(ns, installed=["echo"]), sizes=sizes))
+    assert list(results.engines) == ["pocketllm-echo-async", "pocketllm-echo-http"]
+    assert (results.ours, results.peers) == ([], [])
+    assert [f.key for f in results.figures] == ["serve1_tok_s", "serve1_ttft_p50_ms", "serve1_ttft_p99_ms",
+                                                "peak_rss_mb"]

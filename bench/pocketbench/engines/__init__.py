@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from pocketbench.config import EngineSpec
 
@@ -17,6 +17,21 @@ class Timing:
     num_tokens: int
 
 
+@dataclass(frozen=True)
+class RequestTiming:
+    """One request of the serve workload, in seconds from the start of its run (its first send).
+
+    ``num_chunks``: streamed chunks that carried a choice (HTTP), or events that carried tokens (library).
+    """
+
+    sent_s: float
+    first_token_s: float
+    last_token_s: float
+    num_tokens: int
+    num_chunks: int
+
+
+@runtime_checkable
 class Engine(Protocol):
     def info(self) -> dict[str, Any]:
         """Versions and settings, for the report."""
@@ -31,11 +46,27 @@ class Engine(Protocol):
         ...
 
 
-def load_engine(spec: EngineSpec) -> Engine:
+@runtime_checkable
+class ServingEngine(Protocol):
+    """The library side of the serve workload (``pocketllm-async``)."""
+
+    def info(self) -> dict[str, Any]:
+        ...
+
+    def serve(self, prompts: list[list[int]], max_tokens: int) -> list[RequestTiming]:
+        """Stream every prompt as its own concurrent request, exactly ``max_tokens`` each (greedy, EOS ignored)."""
+        ...
+
+
+def load_engine(spec: EngineSpec) -> Engine | ServingEngine:
     if spec.kind == "pocketllm":
         from pocketbench.engines.pocket import PocketEngine
 
         return PocketEngine(spec)
+    if spec.kind == "pocketllm-async":
+        from pocketbench.engines.pocket_async import AsyncPocketEngine
+
+        return AsyncPocketEngine(spec)
     if spec.kind == "llama.cpp":
         from pocketbench.engines.llamacpp import LlamaCppEngine
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pocketllm
@@ -16,31 +17,49 @@ from pocketllm.plugins import BackendRegistry
 THREADS_OPTION = "num_threads"
 
 
-class PocketEngine:
-    def __init__(self, spec: EngineSpec) -> None:
+@dataclass(frozen=True)
+class BackendSetup:
+    """What LLM and AsyncLLM (and, through the serve workload, pocketllm-server) are built with."""
+
+    registry: BackendRegistry
+    version: str  # the backend's distribution and version
+    options: dict[str, Any]  # backend_options
+
+    @classmethod
+    def of(cls, spec: EngineSpec) -> BackendSetup:
         assert spec.backend is not None
         registry = BackendRegistry(allow={spec.backend})
         plugin = registry.get(spec.backend)
         entry = next(e for e in registry.entries() if e.name == spec.backend)
         # Backends without a thread option follow OMP_NUM_THREADS, which the harness sets for every worker.
         options = {THREADS_OPTION: spec.threads} if THREADS_OPTION in plugin.capabilities().backend_options else {}
+        return cls(registry, f"{entry.distribution} {entry.version}", options)
+
+    def engine_kwargs(self, spec: EngineSpec) -> dict[str, Any]:
+        return {"backend": spec.backend, "dtype": spec.dtype, "max_model_len": spec.max_len,
+                "max_num_seqs": spec.max_seqs, "backend_options": self.options, "registry": self.registry}
+
+    def info(self, spec: EngineSpec) -> dict[str, Any]:
+        return {"engine": f"PocketLLM {pocketllm.__version__}, backend {self.version}", "dtype": spec.dtype,
+                "threads": spec.threads,
+                "threads_set_by": "backend_options.num_threads" if self.options else "OMP_NUM_THREADS"}
+
+
+class PocketEngine:
+    def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
-        self.version = f"{entry.distribution} {entry.version}"
-        self.llm = LLM(spec.model, backend=spec.backend, dtype=spec.dtype, max_model_len=spec.max_len,
-                       max_num_seqs=spec.max_seqs, backend_options=options, registry=registry)
-        self.threads_option = bool(options)
+        self.setup = BackendSetup.of(spec)
+        self.llm = LLM(spec.model, **self.setup.engine_kwargs(spec))
 
     def info(self) -> dict[str, Any]:
-        return {"engine": f"PocketLLM {pocketllm.__version__}, backend {self.version}", "dtype": self.spec.dtype,
-                "threads": self.spec.threads,
-                "threads_set_by": "backend_options.num_threads" if self.threads_option else "OMP_NUM_THREADS"}
+        return self.setup.info(self.spec)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        outputs = self.llm.generate(prompts, _params(max_tokens))
+        outputs = self.llm.generate(prompts, greedy_params(max_tokens))
         return [out.outputs[0].token_ids for out in outputs]
 
     def stream(self, prompts: list[list[int]], max_tokens: int) -> list[Timing]:
-        params = _params(max_tokens)
+        params = greedy_params(max_tokens)
         streams: list[tuple[float, Iterator[StreamEvent]]] = []
         for prompt in prompts:  # each call submits its request before returning
             streams.append((time.perf_counter(), self.llm.generate_stream(prompt, params)))
@@ -66,5 +85,5 @@ class PocketEngine:
         return [t for t in timings if t is not None]
 
 
-def _params(max_tokens: int) -> SamplingParams:
+def greedy_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
