@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import gguf
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 from pocketllm.checkpoint import DEFAULT_MODEL_ALIAS, MODEL_ALIASES, Checkpoint, load_checkpoint
 from pocketllm.checkpoint.configs import config_from_hf
+from pocketllm.checkpoint.int4 import Int4Groups
 from pocketllm.errors import CheckpointError, ConfigError
 
 requires_default_model = pytest.mark.skipif(
@@ -136,7 +139,7 @@ def _write_gguf(
     heads: int = 4,
     kv_heads: int = 2,
     head_dim: int | None = None,
-    quantize: frozenset[str] = frozenset(),
+    quantize: Mapping[str, str] = MappingProxyType({}),
     yarn: bool = False,
 ) -> None:
     writer = gguf.GGUFWriter(path, arch)
@@ -159,8 +162,8 @@ def _write_gguf(
     writer.add_eot_token_id(4)
     for name, array in tensors.items():
         if name in quantize:
-            quantized = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            qtype = gguf.GGMLQuantizationType[quantize[name]]
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -210,7 +213,7 @@ def test_gguf_written_from_hf_roundtrips(tmp_path: Path, arch: str) -> None:
         elif arch == "llama" and ".attn_k." in gguf_name:
             w = _permute(w, 2)
         tensors[gguf_name] = w.astype(np.float16) if gguf_name.endswith("ffn_up.weight") else w
-    quantized = frozenset({"blk.0.ffn_gate.weight"})
+    quantized = {"blk.0.ffn_gate.weight": "Q8_0"}
     path = tmp_path / "model.gguf"
     qwen = arch == "qwen3"
     _write_gguf(path, arch, tensors, head_dim=32 if qwen else None, quantize=quantized, yarn=qwen)
@@ -236,6 +239,38 @@ def test_gguf_written_from_hf_roundtrips(tmp_path: Path, arch: str) -> None:
     assert checkpoint.quantization is None  # no file type written, and most matrices are F32
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     assert c.rope_scaling == (yarn if qwen else None)
+
+
+def test_gguf_4bit_groups_are_exact_and_unpermuted(tmp_path: Path) -> None:
+    hf = _tiny("llama", tmp_path / "hf", tie=False)
+    names = _gguf_names(hf)
+    tensors = {g: _permute(hf[h], 4) if ".attn_q." in g else _permute(hf[h], 2) if ".attn_k." in g else hf[h]
+               for g, h in names.items()}
+    formats = {"blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_1", "blk.1.ffn_gate.weight": "Q4_0",
+               "blk.1.ffn_up.weight": "Q4_1", "blk.1.attn_v.weight": "Q8_0"}
+    path = tmp_path / "q4.gguf"
+    _write_gguf(path, "llama", tensors, quantize=formats)
+
+    checkpoint = load_checkpoint(str(path))
+    dense = dict(checkpoint.weights())
+    grouped = dict(checkpoint.weights(int4_groups=True))
+    for gguf_name, fmt in formats.items():
+        hf_name = names[gguf_name]
+        item = grouped[hf_name]
+        assert isinstance(item, Int4Groups) == fmt.startswith("Q4"), hf_name
+        if isinstance(item, Int4Groups):
+            assert item.codes.max() <= 15 and item.shape == dense[hf_name].shape
+            np.testing.assert_array_equal(item.dequantize(), dense[hf_name], err_msg=hf_name)
+            # gguf's own dequantizer agrees, once rows are back in the file's (permuted) order.
+            qtype = gguf.GGMLQuantizationType[fmt]
+            ref = gguf.quants.dequantize(gguf.quants.quantize(tensors[gguf_name], qtype), qtype)
+            got = item.dequantize()
+            if ".attn_q." in gguf_name or ".attn_k." in gguf_name:
+                got = _permute(got, 4 if ".attn_q." in gguf_name else 2)
+            np.testing.assert_array_equal(got, ref, err_msg=hf_name)
+    untouched = set(grouped) - {names[g] for g in formats}
+    assert all(np.array_equal(grouped[n], dense[n]) for n in untouched)
+
 
 
 @pytest.fixture(scope="module")

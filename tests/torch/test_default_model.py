@@ -49,3 +49,18 @@ def test_greedy_ids_equal_transformers_on_the_same_gguf(llm: LLM, hf_model) -> N
             ref = hf_model.generate(prompt, max_new_tokens=32, do_sample=False, attention_mask=torch.ones_like(prompt))
         assert len(out.outputs[0].token_ids) >= 16
         assert out.outputs[0].token_ids == ref[0, prompt.shape[1]:].tolist()
+
+
+def test_default_dtype_keeps_q4_matrices_4bit_and_stays_coherent() -> None:
+    pytest.importorskip("pocketllm_torch")
+    from pocketllm_torch.linear import Int4Linear, uses_int4
+
+    llm = LLM("smollm2-135m-instruct", backend="torch")  # dtype auto: bf16 on AVX2/AVX-512 CPUs
+    try:
+        [out] = llm.chat([{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0.0, max_tokens=24))
+        engine = llm.driver.engine
+        if uses_int4(engine.config.device, engine.config.dtype):
+            assert isinstance(engine.runner.model.layers[0].attn.qkv_proj, Int4Linear)
+        assert "Paris" in out.outputs[0].text
+    finally:
+        llm.shutdown()

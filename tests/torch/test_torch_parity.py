@@ -16,15 +16,18 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
                   "original_max_position_embeddings": 64}
 
 
-def our_logits(checkpoint, prompts: list[list[int]], block_size: int = 4) -> list[torch.Tensor]:
+def our_logits(checkpoint, prompts: list[list[int]], block_size: int = 4, dtype: torch.dtype = torch.float32,
+               int4_groups: bool = False) -> list[torch.Tensor]:
     """Logits of every prompt position, all prompts prefilled in one batch over a paged cache."""
     config = checkpoint.config
-    model = LlamaModel.from_weights(config, checkpoint.weights(), torch.device("cpu"), torch.float32, 256)
-    cache = torch.zeros(config.num_hidden_layers, 2, 200 * block_size, config.num_key_value_heads, config.head_dim)
+    model = LlamaModel.from_weights(config, checkpoint.weights(int4_groups=int4_groups), torch.device("cpu"), dtype,
+                                    256)
+    cache = torch.zeros(config.num_hidden_layers, 2, 200 * block_size, config.num_key_value_heads, config.head_dim,
+                        dtype=model.dtype)
     # Interleaved, out-of-order blocks: the cache layout must not assume contiguity.
     tables = [list(range(1 + i, 200, len(prompts)))[::-1] for i in range(len(prompts))]
     positions, meta = build_metadata([0] * len(prompts), [len(p) for p in prompts], tables, block_size,
-                                     torch.device("cpu"), torch.float32)
+                                     torch.device("cpu"), model.dtype)
     with torch.inference_mode():
         hidden = model(torch.tensor([t for p in prompts for t in p]), positions, list(cache.unbind(0)), meta)
         logits = model.compute_logits(hidden)

@@ -7,10 +7,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 
 from pocketllm.args import EngineArgs
+from pocketllm.checkpoint.int4 import Int4Groups, from_gguf_blocks
 from pocketllm.model_config import ModelConfig
 from pocketllm.sampling_params import SamplingParams
 from pocketllm_torch.backend import TorchBackend
@@ -26,13 +28,19 @@ DEVICE = os.environ.get("POCKETLLM_TORCH_TEST_DEVICE", "cpu")
 class FakeCheckpoint:
     config: ModelConfig
     state_dict: dict[str, torch.Tensor] = field(repr=False)
-    quantization: str | None = None
+    quantization: str | None = None  # "Q4_0"/"Q4_1": decoder matrices are stored in that GGUF format
 
-    def weights(self) -> Iterator[tuple[str, np.ndarray]]:
+    def weights(self, *, int4_groups: bool = False) -> Iterator[tuple[str, np.ndarray | Int4Groups]]:
         for name, tensor in self.state_dict.items():
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            yield name, tensor.detach().float().numpy()
+            array = tensor.detach().float().numpy()
+            if self.quantization is None or not name.startswith("model.layers.") or array.ndim != 2:
+                yield name, array
+                continue
+            qtype = gguf.GGMLQuantizationType[self.quantization]
+            groups = from_gguf_blocks(gguf.quants.quantize(array, qtype), qtype, *array.shape)
+            yield name, groups if int4_groups else groups.dequantize()
 
 
 def tiny_model(arch: str = "llama", tie: bool = False, layers: int = 2, seed: int = 0,

@@ -3,20 +3,31 @@
 On CPUs, decode is bound by the bytes of weight streamed per step; prefill and batched decode by arithmetic.
 Stock ``F.linear`` is good at neither on every CPU: MKL's fp32 GEMM is slow for the few rows of a decode
 batch, and without bf16 matrix instructions (AVX512-BF16, AMX) torch's bf16 GEMM is slow beyond one row.
+Matrices a GGUF file stores in 4-bit groups (Q4_0/Q4_1) stay 4-bit for decode: torch's int4 kernel reads
+a quarter of the bytes of bf16 and takes bf16 activations, exactly the groups' affine form.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pocketllm.checkpoint.int4 import GROUP_SIZE
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from pocketllm.checkpoint.int4 import Int4Groups
+
 # Rows up to which the bf16 GEMV of a weight beats the fp32 oneDNN GEMM over twice its bytes.
 BF16_GEMV_MAX_ROWS = 1
+# Rows up to which torch's int4 CPU kernel beats the fp32 oneDNN GEMM (measured on AVX2: equal at 8, 2x slower at 64).
+INT4_MAX_ROWS = 8
 
 
 class Linear(Protocol):
@@ -62,13 +73,72 @@ class SplitBF16Linear:
         return self.packed(x)
 
 
+@dataclass(slots=True)
+class Int4Weight:
+    """``w = scale * codes + offset`` per group of 32 inputs (see ``pocketllm.checkpoint.int4``), as tensors."""
+
+    codes: Tensor  # uint8 [out, in]
+    scale: Tensor  # float32 [out, in / 32]
+    offset: Tensor
+
+    @classmethod
+    def from_groups(cls, groups: Int4Groups) -> Int4Weight:
+        return cls(*(torch.from_numpy(a) for a in (groups.codes, groups.scale, groups.offset)))
+
+    def map_rows(self, fn: Callable[[Tensor], Tensor]) -> Int4Weight:
+        return Int4Weight(fn(self.codes), fn(self.scale), fn(self.offset))
+
+    def dequantize(self) -> Tensor:
+        groups = self.codes.unflatten(1, (-1, GROUP_SIZE)).float()
+        return (groups * self.scale[..., None] + self.offset[..., None]).flatten(1)
+
+
+def concat_rows(parts: list[Tensor | Int4Weight]) -> Tensor | Int4Weight:
+    """Stack weights along output features (q/k/v, gate/up); 4-bit only if every part is."""
+    if all(isinstance(p, Int4Weight) for p in parts):
+        return Int4Weight(*(torch.cat(t) for t in zip(*((p.codes, p.scale, p.offset) for p in parts), strict=True)))
+    return torch.cat([p.dequantize() if isinstance(p, Int4Weight) else p for p in parts])
+
+
+@dataclass(slots=True)
+class Int4Linear:
+    """4-bit groups for the few rows of decode, a dense copy of the same (exact) weights for prefill."""
+
+    packed: Tensor
+    scale_zero: Tensor  # [in / 32, out, 2] bf16: the kernel's (codes - 8) * scale + zero form
+    bias: Tensor | None
+    dense: Linear
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if x.shape[0] > INT4_MAX_ROWS:
+            return self.dense(x)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scale_zero)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def uses_int4(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether 4-bit GGUF matrices are worth keeping 4-bit: torch's CPU kernel is fast only with bf16 inputs."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and _int4_available()
+
+
 def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The dtype of activations: fp32 where bf16 weights go through fp32 kernels."""
     return torch.float32 if _split_bf16(device, dtype) else dtype
 
 
-def make_linear(weight: Tensor, bias: Tensor | None, device: torch.device, dtype: torch.dtype) -> Linear:
-    """Build a linear layer from a weight of shape [out_features, in_features] in any float dtype."""
+def make_linear(weight: Tensor | Int4Weight, bias: Tensor | None, device: torch.device, dtype: torch.dtype) -> Linear:
+    """Build a linear layer from a weight of shape [out_features, in_features] in any float dtype, or 4-bit."""
+    if isinstance(weight, Int4Weight):
+        out_features = weight.codes.shape[0]
+        dense = weight.dequantize()
+        if not (uses_int4(device, dtype) and out_features % 16 == 0):  # the kernel packs 16 output rows together
+            return make_linear(dense, bias, device, dtype)
+        # The dense copy is exact in fp32 where bf16 GEMM is slow, else it is what plain bf16 would use anyway.
+        dense_linear = make_linear(dense, bias, device, compute_dtype(device, dtype))
+        zero = weight.offset + 8 * weight.scale
+        scale_zero = torch.stack((weight.scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+        return Int4Linear(packed, scale_zero, None if bias is None else bias.to(torch.bfloat16), dense_linear)
     if _split_bf16(device, dtype):
         weight = weight.to(torch.bfloat16)
         packed_bias = None if bias is None else bias.to(torch.bfloat16).float()
@@ -88,6 +158,18 @@ def _split_bf16(device: torch.device, dtype: torch.dtype) -> bool:
 def _pack(weight: Tensor) -> Tensor:
     # The batch-size hint only tunes the layout; any number of rows works afterwards.
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 8)
+
+
+@functools.cache
+def _int4_available() -> bool:
+    """Whether this torch build has the int4 CPU kernel (a private op): try it rather than trust it."""
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.full((16, 32), 9, dtype=torch.int32), 1)
+        scale_zero = torch.ones(1, 16, 2, dtype=torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.ones(1, 32, dtype=torch.bfloat16), packed, 32, scale_zero)
+    except (RuntimeError, AttributeError):
+        return False
+    return bool(y.eq(64).all())  # 32 inputs x ((9 - 8) * 1 + 1)
 
 
 @functools.cache

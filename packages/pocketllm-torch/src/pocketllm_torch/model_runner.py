@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pocketllm_torch.attention import build_metadata
+from pocketllm_torch.linear import uses_int4
 from pocketllm_torch.models.llama import LlamaModel
 from pocketllm_torch.sampler import sample
 
@@ -23,8 +24,8 @@ class ModelRunner:
     def __init__(self, config: TorchConfig, checkpoint: Checkpoint) -> None:
         self.device = config.device
         self.block_size = config.block_size
-        self.model = LlamaModel.from_weights(config.model, checkpoint.weights(), config.device, config.dtype,
-                                             config.max_model_len)
+        weights = checkpoint.weights(int4_groups=uses_int4(config.device, config.dtype))
+        self.model = LlamaModel.from_weights(config.model, weights, config.device, config.dtype, config.max_model_len)
         # Sized after the weights are loaded, so a GPU's budget is what they left free.
         self.num_kv_blocks = config.resolve_num_kv_blocks()
         m = config.model

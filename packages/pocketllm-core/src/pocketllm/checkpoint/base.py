@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from pocketllm.checkpoint.int4 import Int4Groups
 from pocketllm.model_config import ModelConfig
 
 
@@ -28,8 +29,12 @@ class Checkpoint(ABC):
         self.quantization = quantization
 
     @abstractmethod
-    def weights(self) -> Iterator[tuple[str, np.ndarray]]:
-        """Yield ``(hf_name, array)`` pairs, reading each tensor only when it is reached."""
+    def weights(self, *, int4_groups: bool = False) -> Iterator[tuple[str, np.ndarray | Int4Groups]]:
+        """Yield ``(hf_name, array)`` pairs, reading each tensor only when it is reached.
+
+        With ``int4_groups``, matrices the file stores as 4-bit groups (GGUF Q4_0/Q4_1) come as
+        :class:`Int4Groups` instead of being dequantized; every other tensor is an array as usual.
+        """
 
     def tokenizer_files(self) -> dict[str, Path]:
         """Tokenizer files shipped next to the weights, by file name (``tokenizer.json``, ...)."""

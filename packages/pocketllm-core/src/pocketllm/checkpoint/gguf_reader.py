@@ -12,6 +12,7 @@ import numpy as np
 
 from pocketllm.checkpoint.base import Checkpoint
 from pocketllm.checkpoint.configs import config_from_gguf
+from pocketllm.checkpoint.int4 import INT4_TYPES, Int4Groups, from_gguf_blocks
 from pocketllm.errors import CheckpointError
 
 # GGUF tensor base names (without .weight/.bias) -> Hugging Face module names.
@@ -64,7 +65,7 @@ class GGUFCheckpoint(Checkpoint):
     def gguf_metadata(self) -> Mapping[str, Any]:
         return self._metadata
 
-    def weights(self) -> Iterator[tuple[str, np.ndarray]]:
+    def weights(self, *, int4_groups: bool = False) -> Iterator[tuple[str, np.ndarray | Int4Groups]]:
         permute = _PERMUTES_QK[self.config.architecture]
         heads = {"q_proj": self.config.num_attention_heads, "k_proj": self.config.num_key_value_heads}
         for tensor in self._reader.tensors:
@@ -72,11 +73,18 @@ class GGUFCheckpoint(Checkpoint):
                 continue
             name = hf_name(tensor.name, self.path)
             # GGUF lists dimensions fastest-first; Hugging Face layout is the reverse.
-            array = _dequantize(tensor, self.path).reshape([int(d) for d in reversed(tensor.shape)])
+            shape = [int(d) for d in reversed(tensor.shape)]
+            weight: np.ndarray | Int4Groups
+            if int4_groups and tensor.tensor_type in INT4_TYPES and len(shape) == 2:
+                weight = _int4(tensor, shape, self.path)
+            else:
+                weight = _dequantize(tensor, self.path).reshape(shape)
             module = name.split(".")[-2]
             if permute and module in heads:
-                array = _unpermute_rows(array, heads[module])
-            yield name, array
+                n_head = heads[module]
+                weight = (weight.map_rows(lambda rows, n=n_head: _unpermute_rows(rows, n))
+                          if isinstance(weight, Int4Groups) else _unpermute_rows(weight, n_head))
+            yield name, weight
 
 
 def hf_name(name: str, path: Path) -> str:
@@ -121,6 +129,13 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
     try:
         return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as e:
+        raise CheckpointError(f"{path}: tensor {tensor.name!r}: {e}") from None
+
+
+def _int4(tensor: Any, shape: list[int], path: Path) -> Int4Groups:
+    try:
+        return from_gguf_blocks(tensor.data, tensor.tensor_type, *shape)
+    except ValueError as e:
         raise CheckpointError(f"{path}: tensor {tensor.name!r}: {e}") from None
 
 

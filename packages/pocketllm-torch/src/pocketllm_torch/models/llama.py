@@ -12,16 +12,17 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pocketllm.checkpoint.int4 import Int4Groups
 from pocketllm.errors import CheckpointError, UnsupportedOptionError
 from pocketllm_torch.attention import AttentionMetadata, paged_attention
 from pocketllm_torch.backend import NAME
-from pocketllm_torch.linear import Linear, compute_dtype, make_linear
+from pocketllm_torch.linear import Int4Weight, Linear, compute_dtype, concat_rows, make_linear
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 # Old checkpoints store RoPE frequencies as buffers; they are recomputed from the config here.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+T = TypeVar("T", Tensor, Int4Weight)
 
 
 @dataclass(slots=True)
@@ -145,28 +147,41 @@ class LlamaModel:
         return self.lm_head(self.norm(hidden)).float()
 
     @classmethod
-    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray]], device: torch.device,
+    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray | Int4Groups]],
+                     device: torch.device,
                      dtype: torch.dtype, max_model_len: int) -> LlamaModel:
-        """Build from Hugging Face names and layouts; weights are stored in ``dtype`` on ``device``."""
-        tensors = {name: torch.tensor(array, dtype=dtype) for name, array in weights if not _IGNORED.match(name)}
+        """Build from Hugging Face names and layouts; weights are stored in ``dtype`` on ``device``.
+
+        4-bit matrices (:class:`Int4Groups`) stay 4-bit where a kernel reads them, else they are dequantized.
+        """
+        tensors = {name: Int4Weight.from_groups(w) if isinstance(w, Int4Groups) else torch.tensor(w, dtype=dtype)
+                   for name, w in weights if not _IGNORED.match(name)}
         act_dtype = compute_dtype(device, dtype)
 
-        def take(name: str) -> Tensor:
+        def take(name: str) -> Tensor | Int4Weight:
             if name not in tensors:
                 raise CheckpointError(f"checkpoint has no weight {name!r}")
             return tensors.pop(name)
 
+        def take_dense(name: str) -> Tensor:
+            weight = take(name)
+            return weight.dequantize().to(dtype) if isinstance(weight, Int4Weight) else weight
+
         def linear(prefix: str, parts: tuple[str, ...], has_bias: bool) -> Linear:
-            weight = torch.cat([rope_layout(part, take(f"{prefix}.{part}.weight")) for part in parts])
-            bias = torch.cat([rope_layout(part, take(f"{prefix}.{part}.bias")) for part in parts]) if has_bias else None
+            weight = concat_rows([rope_layout(part, take(f"{prefix}.{part}.weight")) for part in parts])
+            bias = (torch.cat([rope_layout(part, take_dense(f"{prefix}.{part}.bias")) for part in parts])
+                    if has_bias else None)
             return make_linear(weight, bias, device, dtype)
 
         def norm(name: str) -> RMSNorm:
-            return RMSNorm(rope_layout(name, take(name)).to(device, act_dtype), config.rms_norm_eps)
+            return RMSNorm(rope_layout(name, take_dense(name)).to(device, act_dtype), config.rms_norm_eps)
 
-        def rope_layout(name: str, tensor: Tensor) -> Tensor:
-            rotated = any(part in name for part in ("q_proj", "k_proj", "q_norm", "k_norm"))
-            return _interleave_halves(tensor, config.head_dim) if rotated else tensor
+        def rope_layout(name: str, weight: T) -> T:
+            if not any(part in name for part in ("q_proj", "k_proj", "q_norm", "k_norm")):
+                return weight
+            if isinstance(weight, Int4Weight):
+                return weight.map_rows(lambda rows: _interleave_halves(rows, config.head_dim))
+            return _interleave_halves(weight, config.head_dim)
 
         qk_norm = config.architecture == "qwen3"
         layers = []
@@ -188,12 +203,13 @@ class LlamaModel:
 
         embed = take("model.embed_tokens.weight")
         head = tensors.pop("lm_head.weight", None) if config.tie_word_embeddings else take("lm_head.weight")
+        embed_dense = embed.dequantize().to(dtype) if isinstance(embed, Int4Weight) else embed
         final_norm = norm("model.norm.weight")
         if tensors:
             raise CheckpointError(f"checkpoint has weights this model does not use: {sorted(tensors)[:5]}")
         angles = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(config))
         return cls(
-            embed_tokens=embed.to(device),
+            embed_tokens=embed_dense.to(device),
             layers=layers,
             norm=final_norm,
             lm_head=make_linear(embed if head is None else head, None, device, dtype),

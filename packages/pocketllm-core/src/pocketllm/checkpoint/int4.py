@@ -1,0 +1,57 @@
+"""Matrices kept in 4-bit groups, as GGUF's Q4_0 and Q4_1 store them, for backends with a 4-bit kernel.
+
+Both formats are affine per group of 32 weights along a row: ``w = scale * code + offset`` with codes in
+[0, 15] (Q4_0: offset = -8 * scale). Handing a backend the codes instead of float32 arrays lets it keep a
+quarter of the bytes and run kernels that stream them; dequantizing is still one call away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+
+GROUP_SIZE = 32
+# The GGUF block types an Int4Groups represents exactly.
+INT4_TYPES = frozenset({gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1})
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Groups:
+    """``w[r, c] = scale[r, c // 32] * codes[r, c] + offset[r, c // 32]``; rows are output features."""
+
+    codes: np.ndarray  # uint8 [rows, cols], each in [0, 15]
+    scale: np.ndarray  # float32 [rows, cols // 32]
+    offset: np.ndarray  # float32 [rows, cols // 32]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape  # type: ignore[return-value]
+
+    def dequantize(self) -> np.ndarray:
+        rows, cols = self.shape
+        groups = self.codes.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE).astype(np.float32)
+        return (groups * self.scale[..., None] + self.offset[..., None]).reshape(rows, cols)
+
+    def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> Int4Groups:
+        """Apply the same row reordering (a function of the leading axis only) to codes, scales and offsets."""
+        return Int4Groups(fn(self.codes), fn(self.scale), fn(self.offset))
+
+
+def from_gguf_blocks(blocks: np.ndarray, qtype: gguf.GGMLQuantizationType, rows: int, cols: int) -> Int4Groups:
+    """Unpack the raw bytes of a Q4_0/Q4_1 matrix of ``rows`` x ``cols`` (GGUF order: a row's blocks in turn)."""
+    if qtype not in INT4_TYPES:
+        raise ValueError(f"{qtype.name} is not a 4-bit affine format")
+    if cols % GROUP_SIZE:
+        raise ValueError(f"row length {cols} is not a multiple of {GROUP_SIZE}")
+    header = 4 if qtype == gguf.GGMLQuantizationType.Q4_1 else 2
+    blocks = np.ascontiguousarray(blocks).view(np.uint8).reshape(rows * cols // GROUP_SIZE, header + GROUP_SIZE // 2)
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    offset = blocks[:, 2:4].copy().view(np.float16).astype(np.float32) if header == 4 else -8 * scale
+    packed = blocks[:, header:]
+    # Byte j of a block holds element j in its low nibble and element j + 16 in its high nibble.
+    codes = np.concatenate((packed & 0x0F, packed >> 4), axis=1)
+    groups = cols // GROUP_SIZE
+    return Int4Groups(codes.reshape(rows, cols), scale.reshape(rows, groups), offset.reshape(rows, groups))
