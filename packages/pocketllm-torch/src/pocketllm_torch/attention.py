@@ -1,9 +1,13 @@
 """Paged attention over this backend's KV cache, in plain torch.
 
-The cache of one layer is a tensor [2, num_slots, num_kv_heads, head_dim] where slot = block_id * block_size +
-offset. A step writes its new keys and values into their slots, gathers every sequence's context into a padded
-[B, L, ...] batch and runs one ``scaled_dot_product_attention`` over it, with a mask that is causal and hides
-padding. Block 0 is never allocated and stays zero: padding reads it, so no uninitialised memory reaches SDPA.
+The cache of one layer is a tensor [2, num_kv_heads, num_slots, head_dim] where slot = block_id * block_size +
+offset. A step writes its new keys and values into their slots and gathers every sequence's context into a
+padded [kv heads, B, L, D] batch, with a mask that is causal and hides padding. Block 0 is never allocated and
+stays zero: padding reads it, so no uninitialised memory reaches the softmax.
+
+Prefill runs ``scaled_dot_product_attention``. Decode (one query per sequence) runs two batched matmuls
+instead, which beat SDPA's CPU kernel at a single query row: the heads-first layout makes the gathered keys of
+each (kv head, sequence) pair one contiguous matrix, and the query heads sharing a kv head are its rows.
 """
 
 from __future__ import annotations
@@ -61,20 +65,44 @@ def build_metadata(starts: list[int], lengths: list[int], block_tables: list[lis
     return query_pos[valid].to(device), meta
 
 
+def allocate_kv_cache(num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      device: torch.device, block_size: int) -> list[Tensor]:
+    """One [2, kv heads, slots, head dim] cache per layer; only the null block (block 0) is zeroed.
+
+    torch.empty leaves pages untouched until a block is first used, so an idle cache costs no memory.
+    """
+    cache = torch.empty(num_layers, 2, num_kv_heads, num_slots, head_dim, dtype=dtype, device=device)
+    cache[:, :, :, :block_size].zero_()
+    return list(cache.unbind(0))
+
+
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
                     scale: float) -> Tensor:
     """Attention of the step's queries q [T, H, D] over the cached context plus the new k, v [T, Hkv, D].
 
-    Returns [T, H * D]. ``kv_cache`` is this layer's [2, num_slots, Hkv, D] cache, updated in place.
+    Returns [T, H * D]. ``kv_cache`` is this layer's [2, Hkv, num_slots, D] cache, updated in place.
     """
-    kv_cache[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+    kv_cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
+    kv_cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
     batch, _, max_query, context_len = meta.mask.shape
-    # index_select over flat slots is several times faster than advanced indexing with a 2-D index.
-    kv = kv_cache.flatten(2).index_select(1, meta.context_slots.flatten()).to(q.dtype)
-    keys, values = kv.view(2, batch, context_len, *k.shape[1:]).transpose(2, 3).unbind(0)  # [B, Hkv, L, D]
-    queries = q if meta.query_index is None else q[meta.query_index]
-    out = F.scaled_dot_product_attention(queries.view(batch, max_query, *q.shape[1:]).transpose(1, 2), keys, values,
-                                         attn_mask=meta.mask, scale=scale, enable_gqa=True)
-    out = out.transpose(1, 2).reshape(batch * max_query, -1)
-    return out if meta.token_index is None else out[meta.token_index]
+    kv_heads, dim = k.shape[1:]
+    kv = kv_cache.index_select(2, meta.context_slots.flatten()).to(q.dtype)  # [2, Hkv, B * L, D]
+    keys, values = kv.view(2, kv_heads * batch, context_len, dim).unbind(0)
+    if meta.query_index is None:
+        return _decode_attention(q, keys, values, meta.mask, scale)
+    queries = q[meta.query_index].view(batch, max_query, -1, dim).transpose(1, 2)
+    keys, values = (t.view(kv_heads, batch, context_len, dim).transpose(0, 1) for t in (keys, values))
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(batch * max_query, -1)[meta.token_index]
+
+
+def _decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """One query per sequence: q [B, H, D]; keys and values [Hkv * B, L, D]; mask [B, 1, 1, L]."""
+    batch, heads, dim = q.shape
+    kv_heads = keys.shape[0] // batch
+    group = heads // kv_heads  # query heads h = kv_head * group + g share kv head h // group
+    queries = q.view(batch, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads * batch, group, dim)
+    scores = torch.bmm(queries, keys.transpose(1, 2)).view(kv_heads, batch, group, -1)
+    scores = scores.mul_(scale).add_(mask.view(1, batch, 1, -1)).view(kv_heads * batch, group, -1)
+    out = torch.bmm(scores.softmax(-1), values)  # [Hkv * B, group, D]
+    return out.view(kv_heads, batch, heads * dim // kv_heads).transpose(0, 1).reshape(batch, heads * dim)

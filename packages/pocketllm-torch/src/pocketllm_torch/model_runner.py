@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pocketllm_torch.attention import build_metadata
+from pocketllm_torch.attention import allocate_kv_cache, build_metadata
 from pocketllm_torch.linear import uses_int4
 from pocketllm_torch.models.llama import LlamaModel
 from pocketllm_torch.sampler import sample
@@ -29,12 +29,10 @@ class ModelRunner:
         # Sized after the weights are loaded, so a GPU's budget is what they left free.
         self.num_kv_blocks = config.resolve_num_kv_blocks()
         m = config.model
-        # [layers, k/v, slots, kv heads, head dim]; one spare block up front is the null block padding reads.
-        # torch.empty leaves pages untouched until a block is first used; only the null block needs zeros.
-        self.kv_cache = torch.empty(m.num_hidden_layers, 2, (self.num_kv_blocks + 1) * self.block_size,
-                                    m.num_key_value_heads, m.head_dim, dtype=config.kv_cache_dtype, device=self.device)
-        self.kv_cache[:, :, :self.block_size].zero_()
-        self.kv_caches = list(self.kv_cache.unbind(0))
+        # One spare block up front is the null block that padding reads.
+        self.kv_caches = allocate_kv_cache(m.num_hidden_layers, (self.num_kv_blocks + 1) * self.block_size,
+                                           m.num_key_value_heads, m.head_dim, config.kv_cache_dtype, self.device,
+                                           self.block_size)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[Sampled | None]:
