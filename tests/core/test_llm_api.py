@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pocketllm import LLM, AsyncLLM, ConfigError, SamplingParams
+from pocketllm import LLM, AsyncLLM, ConfigError, SamplingParams, StreamEvent
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -55,6 +55,38 @@ def test_request_ids_are_honoured_and_unique(llm: LLM) -> None:
     finally:
         release.set()
     accepted.result()
+
+
+def test_a_late_abort_spares_a_new_request_reusing_the_id(llm: LLM) -> None:
+    release, finished = threading.Event(), threading.Event()
+
+    def blocking_sink(event: StreamEvent) -> None:  # holds the engine thread inside the first request's last event
+        if event.finish_reason is not None:
+            finished.set()
+            release.wait(10)
+
+    _, accepted = llm.driver.add_request(llm.tokenizer.encode("x"), GREEDY, blocking_sink, "reused")
+    accepted.result()
+    assert finished.wait(10)
+    try:
+        # The client cancels the request it saw running and reuses its id at once: both commands reach the
+        # engine thread together, and the abort must not hit the new request.
+        llm.driver.abort("reused")
+        second: list[StreamEvent] = []
+        second_done = threading.Event()
+
+        def sink(event: StreamEvent) -> None:
+            second.append(event)
+            if event.finish_reason is not None:
+                second_done.set()
+
+        _, accepted = llm.driver.add_request(llm.tokenizer.encode("x"), GREEDY, sink, "reused")
+    finally:
+        release.set()
+    accepted.result()
+    assert second_done.wait(10)
+    assert second[-1].finish_reason == "length"
+    assert sum(len(e.token_ids) for e in second) == GREEDY.max_tokens
 
 
 def test_chat_renders_the_template(llm: LLM) -> None:

@@ -129,8 +129,12 @@ class EngineDriver:
     def abort(self, request_id: str) -> None:
         """Cancel at the next step boundary; the request's sink gets final ``abort`` events."""
         with self._cond:
-            self._commands.append(("abort", request_id, None))
-            self._cond.notify()
+            # The request itself is queued, not its id: a client-chosen id may be reused by a new request
+            # before this abort is applied, and that request must not be cancelled by it.
+            request = self._requests.get(request_id)
+            if request is not None:
+                self._commands.append(("abort", request, None))
+                self._cond.notify()
 
     def stats(self) -> BackendStats:
         return self._stats
@@ -212,10 +216,9 @@ class EngineDriver:
             return
         future.set_result(None)
 
-    def _abort(self, request_id: str) -> None:
-        request = self._requests.get(request_id)
-        if request is None:
-            return
+    def _abort(self, request: _Request) -> None:
+        if self._requests.get(request.request_id) is not request:
+            return  # already finished
         running = [c for c in request.choices if c.finish_reason is None]
         self.engine.abort([c.backend_id for c in running])
         for choice in running:
@@ -223,8 +226,8 @@ class EngineDriver:
             self._emit(request, choice, [], None)
 
     def _abort_all(self) -> None:
-        for request_id in list(self._requests):
-            self._abort(request_id)
+        for request in list(self._requests.values()):
+            self._abort(request)
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         to_abort: list[str] = []
@@ -274,7 +277,7 @@ class EngineDriver:
         except Exception:  # the consumer went away (e.g. its event loop closed): stop generating for it
             log.warning("dropping request %s: its consumer is gone", request.request_id)
             if not done:
-                self._abort(request.request_id)
+                self._abort(request)
 
     def _die(self, error: BaseException) -> None:
         with self._cond:
