@@ -35,6 +35,19 @@ def test_block_manager_allocates_and_frees() -> None:
     assert seq.block_table == [] and manager.num_used_blocks == 0 and set(manager.ref_counts) == {0}
 
 
+def test_freed_blocks_are_reused_before_untouched_ones() -> None:
+    manager = BlockManager(num_blocks=8, block_size=4)
+    first = make_seq("a", 8)
+    manager.allocate(first, 8)
+    used = set(first.block_table)
+    manager.free(first)
+    for name in "bcd":  # one request after another touches no block beyond the first request's
+        seq = make_seq(name, 8)
+        manager.allocate(seq, 8)
+        assert set(seq.block_table) == used
+        manager.free(seq)
+
+
 def test_prefix_cache_adopts_full_blocks_and_evicts_tails_first() -> None:
     manager = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
     first = make_seq("a", 10)

@@ -4,6 +4,10 @@ With prefix caching, every full block a sequence computes is filed under a hash 
 the hash of the block before it, so the hash names the whole prefix. A new sequence adopts the cached blocks
 of its longest cached prefix instead of recomputing them. A freed block keeps its contents and its hash until
 it is handed out again, least recently freed first.
+
+Freed blocks that hold no cached prefix are handed out before any other, most recently freed first: their
+memory is already paged in (and warm in CPU caches), so a long-running engine without prefix caching touches
+only as much of its lazily allocated cache as its busiest moment needed, not all of it.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ class BlockManager:
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self.free_block_ids[block_id] = None
+                if block_id not in self.block_hashes:
+                    self.free_block_ids.move_to_end(block_id, last=False)
         seq.block_table.clear()
         seq.block_hashes.clear()
 
