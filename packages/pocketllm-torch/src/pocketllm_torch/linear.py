@@ -17,12 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pocketllm.checkpoint.int4 import GROUP_SIZE
+from pocketllm.checkpoint.int4 import GROUP_SIZE, Int4Groups
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    from pocketllm.checkpoint.int4 import Int4Groups
 
 # Rows up to which the bf16 GEMV of a weight beats the fp32 oneDNN GEMM over twice its bytes.
 BF16_GEMV_MAX_ROWS = 1
@@ -89,8 +87,8 @@ class Int4Weight:
         return Int4Weight(fn(self.codes), fn(self.scale), fn(self.offset))
 
     def dequantize(self) -> Tensor:
-        groups = self.codes.unflatten(1, (-1, GROUP_SIZE)).float()
-        return (groups * self.scale[..., None] + self.offset[..., None]).flatten(1)
+        """float32 [out, in], by the checkpoint reader's own formula."""
+        return torch.from_numpy(Int4Groups(self.codes.numpy(), self.scale.numpy(), self.offset.numpy()).dequantize())
 
 
 def concat_rows(parts: list[Tensor | Int4Weight]) -> Tensor | Int4Weight:

@@ -148,8 +148,7 @@ class LlamaModel:
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray | Int4Groups]],
-                     device: torch.device,
-                     dtype: torch.dtype, max_model_len: int) -> LlamaModel:
+                     device: torch.device, dtype: torch.dtype, max_model_len: int) -> LlamaModel:
         """Build from Hugging Face names and layouts; weights are stored in ``dtype`` on ``device``.
 
         4-bit matrices (:class:`Int4Groups`) stay 4-bit where a kernel reads them, else they are dequantized.
@@ -163,9 +162,11 @@ class LlamaModel:
                 raise CheckpointError(f"checkpoint has no weight {name!r}")
             return tensors.pop(name)
 
-        def take_dense(name: str) -> Tensor:
-            weight = take(name)
+        def dense(weight: Tensor | Int4Weight) -> Tensor:
             return weight.dequantize().to(dtype) if isinstance(weight, Int4Weight) else weight
+
+        def take_dense(name: str) -> Tensor:
+            return dense(take(name))
 
         def linear(prefix: str, parts: tuple[str, ...], has_bias: bool) -> Linear:
             weight = concat_rows([rope_layout(part, take(f"{prefix}.{part}.weight")) for part in parts])
@@ -203,13 +204,12 @@ class LlamaModel:
 
         embed = take("model.embed_tokens.weight")
         head = tensors.pop("lm_head.weight", None) if config.tie_word_embeddings else take("lm_head.weight")
-        embed_dense = embed.dequantize().to(dtype) if isinstance(embed, Int4Weight) else embed
         final_norm = norm("model.norm.weight")
         if tensors:
             raise CheckpointError(f"checkpoint has weights this model does not use: {sorted(tensors)[:5]}")
         angles = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(config))
         return cls(
-            embed_tokens=embed_dense.to(device),
+            embed_tokens=dense(embed).to(device),
             layers=layers,
             norm=final_norm,
             lm_head=make_linear(embed if head is None else head, None, device, dtype),
