@@ -31,18 +31,14 @@ from pocketllm_server.protocol import (
     ChatCompletionRequest,
     DeltaMessage,
     UsageInfo,
-    decode,
     json_response,
 )
-from pocketllm_server.state import EngineStream, state_of
+from pocketllm_server.state import EngineStream, read_model_request
 from pocketllm_server.streaming import DONE, EventStreamResponse, sse
 
 
 async def create_chat_completion(request: Request) -> Response:
-    state = state_of(request)
-    req = decode(await request.body(), ChatCompletionRequest)
-    state.check_model(req.model)
-    llm = state.require_llm()
+    state, req, llm = await read_model_request(request, ChatCompletionRequest)
     _check_options(req)
     try:
         _, prompt_ids = llm.render_chat([msgspec.to_builtins(m) for m in req.messages],

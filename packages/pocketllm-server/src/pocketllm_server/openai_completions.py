@@ -21,8 +21,8 @@ from pocketllm_server.generation import (
     usage_info,
 )
 from pocketllm_server.logprobs import TokenTexts, completion_logprobs
-from pocketllm_server.protocol import Completion, CompletionChoice, CompletionRequest, UsageInfo, decode, json_response
-from pocketllm_server.state import EngineStream, state_of
+from pocketllm_server.protocol import Completion, CompletionChoice, CompletionRequest, UsageInfo, json_response
+from pocketllm_server.state import EngineStream, read_model_request
 from pocketllm_server.streaming import DONE, EventStreamResponse, merge, sse
 
 # OpenAI's (and vLLM's) default for this endpoint; chat instead fills the context.
@@ -30,10 +30,7 @@ DEFAULT_MAX_TOKENS = 16
 
 
 async def create_completion(request: Request) -> Response:
-    state = state_of(request)
-    req = decode(await request.body(), CompletionRequest)
-    state.check_model(req.model)
-    llm = state.require_llm()
+    state, req, llm = await read_model_request(request, CompletionRequest)
     _check_options(req)
     rid = request_id(request, "cmpl")
     prompts = _prompts(req.prompt, llm)

@@ -13,17 +13,13 @@ from pocketllm_server.protocol import (
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
-    decode,
     json_response,
 )
-from pocketllm_server.state import state_of
+from pocketllm_server.state import read_model_request
 
 
 async def tokenize(request: Request) -> Response:
-    state = state_of(request)
-    req = decode(await request.body(), TokenizeRequest)
-    state.check_model(req.model)
-    llm = state.require_llm()
+    _, req, llm = await read_model_request(request, TokenizeRequest)
     if (req.prompt is None) == (req.messages is None):
         raise invalid_request("give exactly one of prompt and messages", "prompt")
     if req.prompt is not None:
@@ -42,10 +38,7 @@ async def tokenize(request: Request) -> Response:
 
 
 async def detokenize(request: Request) -> Response:
-    state = state_of(request)
-    req = decode(await request.body(), DetokenizeRequest)
-    state.check_model(req.model)
-    llm = state.require_llm()
+    _, req, llm = await read_model_request(request, DetokenizeRequest)
     vocab_size = llm.tokenizer.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < vocab_size), None)
     if bad is not None:

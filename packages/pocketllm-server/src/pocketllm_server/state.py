@@ -6,12 +6,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Protocol, TypeVar
 
 from starlette.requests import Request
 
 from pocketllm import AsyncLLM, BackendStats, EngineArgs, SamplingParams, StreamEvent
 from pocketllm_server.errors import APIError, unavailable
 from pocketllm_server.metrics import ServerMetrics
+from pocketllm_server.protocol import decode
 
 log = logging.getLogger("pocketllm_server")
 
@@ -24,6 +26,22 @@ def load_engine(engine_args: EngineArgs) -> AsyncLLM:
 def state_of(request: Request) -> ServerState:
     state: ServerState = request.app.state.server  # set by create_app
     return state
+
+
+class _NamesModel(Protocol):
+    model: str | None
+
+
+ModelRequest = TypeVar("ModelRequest", bound=_NamesModel)
+
+
+async def read_model_request(request: Request, kind: type[ModelRequest]) -> tuple[ServerState, ModelRequest, AsyncLLM]:
+    """The prologue of every route that runs the model: decode the body as ``kind``, check that it names the
+    served model (404 otherwise) and require a running engine (503 otherwise)."""
+    state = state_of(request)
+    body = decode(await request.body(), kind)
+    state.check_model(body.model)
+    return state, body, state.require_llm()
 
 
 class ServerState:
