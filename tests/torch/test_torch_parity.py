@@ -9,7 +9,7 @@ from tests.torch.torch_testkit import greedy, hf_greedy, make_engine, prompt, ru
 
 pytest.importorskip("transformers")
 
-from pocketllm_torch.attention import allocate_kv_cache, build_metadata
+from pocketllm_torch.attention import KVCache, build_metadata
 from pocketllm_torch.models.llama import LlamaModel
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -22,14 +22,16 @@ def our_logits(checkpoint, prompts: list[list[int]], block_size: int = 4, dtype:
     config = checkpoint.config
     model = LlamaModel.from_weights(config, checkpoint.weights(int4_groups=int4_groups), torch.device("cpu"), dtype,
                                     256)
-    cache = allocate_kv_cache(config.num_hidden_layers, 200 * block_size, config.num_key_value_heads,
-                              config.head_dim, model.dtype, torch.device("cpu"), block_size)
+    cache = KVCache(config.num_hidden_layers, 200, block_size, config.num_key_value_heads, config.head_dim,
+                    model.dtype, torch.device("cpu"))
     # Interleaved, out-of-order blocks: the cache layout must not assume contiguity.
     tables = [list(range(1 + i, 200, len(prompts)))[::-1] for i in range(len(prompts))]
+    cache.blocks[:, :, :, 1:].fill_(float("nan"))  # what torch.empty may hand back: must never reach the output
+    cache.zero_new_blocks(tables)
     positions, meta = build_metadata([0] * len(prompts), [len(p) for p in prompts], tables, block_size,
                                      torch.device("cpu"), model.dtype)
     with torch.inference_mode():
-        hidden = model(torch.tensor([t for p in prompts for t in p]), positions, cache, meta)
+        hidden = model(torch.tensor([t for p in prompts for t in p]), positions, cache.layers, meta)
         logits = model.compute_logits(hidden)
     return list(logits.split([len(p) for p in prompts]))
 

@@ -1,9 +1,12 @@
 """Paged attention over this backend's KV cache, in plain torch.
 
 The cache of one layer is a tensor [2, num_kv_heads, num_slots, head_dim] where slot = block_id * block_size +
-offset. A step writes its new keys and values into their slots and gathers every sequence's context into a
-padded [kv heads, B, L, D] batch, with a mask that is causal and hides padding. Block 0 is never allocated and
-stays zero: padding reads it, so no uninitialised memory reaches the softmax.
+offset. A step writes its new keys and values into their slots and gathers every sequence's context, block by
+block, into a padded [kv heads, B, L, D] batch (L a whole number of blocks), with a mask that is causal and hides
+padding. Block 0 is never allocated and stays zero: padding reads it. Whole blocks are copied because a gather
+of 4 KB runs is several times faster than one of single slots; the unwritten tail of a sequence's last block is
+masked, and :class:`KVCache` zeroes each block before its first use so that no uninitialised memory (possibly
+NaN, which a -inf mask would not hide) reaches the matmuls.
 
 Prefill runs ``scaled_dot_product_attention``. Decode (one query per sequence) runs two batched matmuls
 instead, which beat SDPA's CPU kernel at a single query row: the heads-first layout makes the gathered keys of
@@ -13,18 +16,22 @@ each (kv head, sequence) pair one contiguous matrix, and the query heads sharing
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-NULL_SLOT = 0  # in block 0, which the block manager never hands out
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+NULL_BLOCK = 0  # never handed out by the block manager
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: Tensor  # [T]: cache slot of each new token
-    context_slots: Tensor  # [B, L]: cache slot of each sequence's positions 0..L-1, NULL_SLOT past its end
+    context_blocks: Tensor  # [B, N]: block ids of each sequence's positions 0..N * block_size - 1, NULL_BLOCK past its end
     mask: Tensor  # [B, 1, Q, L]: 0 where query row q of a sequence may attend its position l, else -inf
     query_index: Tensor | None  # [B * Q]: token behind each padded query row; None when each sequence has one token
     token_index: Tensor | None  # [T]: padded query row of each token; None likewise
@@ -38,56 +45,64 @@ def build_metadata(starts: list[int], lengths: list[int], block_tables: list[lis
     """
     start = torch.tensor(starts)
     length = torch.tensor(lengths)
-    context_len = start + length
-    max_context, max_query = int(context_len.max()), max(lengths)
-    num_blocks = -(-max_context // block_size)
-    table = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t)) for t in block_tables])
-    pos = torch.arange(max_context)
-    context_slots = table[:, pos // block_size] * block_size + pos % block_size
-    context_slots = torch.where(pos < context_len[:, None], context_slots, NULL_SLOT)
+    num_blocks = -(-int((start + length).max()) // block_size)
+    table = torch.tensor([t[:num_blocks] + [NULL_BLOCK] * (num_blocks - len(t)) for t in block_tables])
+    pos = torch.arange(num_blocks * block_size)
 
-    row = torch.arange(max_query)
+    row = torch.arange(max(lengths))
     valid = row < length[:, None]  # [B, Q]
     # Padding rows sit at position 0: attending one real key keeps their (discarded) output finite.
     query_pos = torch.where(valid, start[:, None] + row, 0)
     # Additive, in the activations' dtype: SDPA would otherwise convert a boolean mask in every layer.
     mask = torch.zeros(query_pos.shape + pos.shape, dtype=dtype).masked_fill_(pos > query_pos[:, :, None],
                                                                               float("-inf")).unsqueeze(1)
-    slot_mapping = context_slots.gather(1, query_pos)[valid]
-    if max_query == 1:
+    slot_mapping = (table.gather(1, query_pos // block_size) * block_size + query_pos % block_size)[valid]
+    if row.numel() == 1:
         query_index = token_index = None
     else:
         first_token = torch.cumsum(length, 0) - length
         query_index = torch.where(valid, first_token[:, None] + row, 0).flatten().to(device)
         token_index = valid.flatten().nonzero().squeeze(1).to(device)
-    meta = AttentionMetadata(slot_mapping.to(device), context_slots.to(device), mask.to(device), query_index,
-                             token_index)
+    meta = AttentionMetadata(slot_mapping.to(device), table.to(device), mask.to(device), query_index, token_index)
     return query_pos[valid].to(device), meta
 
 
-def allocate_kv_cache(num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      device: torch.device, block_size: int) -> list[Tensor]:
-    """One [2, kv heads, slots, head dim] cache per layer; only the null block (block 0) is zeroed.
+class KVCache:
+    """Every layer's cache, in one allocation; ``layers[i]`` is layer i's [2, kv heads, slots, head dim] view.
 
-    torch.empty leaves pages untouched until a block is first used, so an idle cache costs no memory.
+    torch.empty leaves pages untouched until a block is first used, so an idle cache costs no memory; a block
+    is zeroed on its first use instead (see the module docstring).
     """
-    cache = torch.empty(num_layers, 2, num_kv_heads, num_slots, head_dim, dtype=dtype, device=device)
-    cache[:, :, :, :block_size].zero_()
-    return list(cache.unbind(0))
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.blocks = torch.empty(num_layers, 2, num_kv_heads, num_blocks, block_size * head_dim, dtype=dtype,
+                                  device=device)
+        self.layers = list(self.blocks.view(num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim).unbind(0))
+        self._zeroed = bytearray(num_blocks)
+        self.zero_new_blocks([[NULL_BLOCK]])
+
+    def zero_new_blocks(self, block_tables: Iterable[list[int]]) -> None:
+        """Zero the blocks of these tables that were never used before."""
+        new = {b for table in block_tables for b in table if not self._zeroed[b]}
+        if new:
+            self.blocks.index_fill_(3, torch.tensor(sorted(new), device=self.blocks.device), 0)
+            for b in new:
+                self._zeroed[b] = 1
 
 
-def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
-                    scale: float) -> Tensor:
-    """Attention of the step's queries q [T, H, D] over the cached context plus the new k, v [T, Hkv, D].
+def paged_attention(q: Tensor, kv: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    """Attention of the step's queries q [T, H, D] over the cached context plus the new keys and values.
 
-    Returns [T, H * D]. ``kv_cache`` is this layer's [2, Hkv, num_slots, D] cache, updated in place.
+    ``kv`` [2, Hkv, T, D] holds the new keys and values; returns [T, H * D]. ``kv_cache`` is this layer's
+    [2, Hkv, num_slots, D] cache, updated in place.
     """
-    kv_cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
-    kv_cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
+    kv_cache.index_copy_(2, meta.slot_mapping, kv.to(kv_cache.dtype))
     batch, _, max_query, context_len = meta.mask.shape
-    kv_heads, dim = k.shape[1:]
-    kv = kv_cache.index_select(2, meta.context_slots.flatten()).to(q.dtype)  # [2, Hkv, B * L, D]
-    keys, values = kv.view(2, kv_heads * batch, context_len, dim).unbind(0)
+    kv_heads, dim = kv.shape[1], kv.shape[3]
+    blocks = kv_cache.view(2, kv_heads, -1, context_len // meta.context_blocks.shape[1] * dim)
+    context = blocks.index_select(2, meta.context_blocks.flatten()).to(q.dtype)  # [2, Hkv, B * N, block * D]
+    keys, values = context.view(2, kv_heads * batch, context_len, dim).unbind(0)
     if meta.query_index is None:
         return _decode_attention(q, keys, values, meta.mask, scale)
     queries = q[meta.query_index].view(batch, max_query, -1, dim).transpose(1, 2)

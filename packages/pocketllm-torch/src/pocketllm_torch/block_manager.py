@@ -24,7 +24,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # Block 0 is never handed out: attention padding reads its zeros (see attention.NULL_SLOT).
+        # Block 0 is never handed out: attention padding reads its zeros (see attention.NULL_BLOCK).
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks + 1))
         self.ref_counts = [0] * (num_blocks + 1)
         self.cached_block_ids: dict[int, int] = {}  # prefix hash -> block holding that prefix's last block

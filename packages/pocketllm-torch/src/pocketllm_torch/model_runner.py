@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pocketllm_torch.attention import allocate_kv_cache, build_metadata
+from pocketllm_torch.attention import KVCache, build_metadata
 from pocketllm_torch.linear import uses_int4
 from pocketllm_torch.models.llama import LlamaModel
 from pocketllm_torch.sampler import sample
@@ -30,9 +30,8 @@ class ModelRunner:
         self.num_kv_blocks = config.resolve_num_kv_blocks()
         m = config.model
         # One spare block up front is the null block that padding reads.
-        self.kv_caches = allocate_kv_cache(m.num_hidden_layers, (self.num_kv_blocks + 1) * self.block_size,
-                                           m.num_key_value_heads, m.head_dim, config.kv_cache_dtype, self.device,
-                                           self.block_size)
+        self.kv_cache = KVCache(m.num_hidden_layers, self.num_kv_blocks + 1, self.block_size, m.num_key_value_heads,
+                                m.head_dim, config.kv_cache_dtype, self.device)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[Sampled | None]:
@@ -48,9 +47,11 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 last_rows.append(len(token_ids) - 1)
                 samplers.append(i)
-        positions, meta = build_metadata(starts, batch.num_new_tokens, [seq.block_table for seq in batch.seqs],
-                                         self.block_size, self.device, self.model.dtype)
-        hidden = self.model(torch.tensor(token_ids, device=self.device), positions, self.kv_caches, meta)
+        block_tables = [seq.block_table for seq in batch.seqs]
+        self.kv_cache.zero_new_blocks(block_tables)
+        positions, meta = build_metadata(starts, batch.num_new_tokens, block_tables, self.block_size, self.device,
+                                         self.model.dtype)
+        hidden = self.model(torch.tensor(token_ids, device=self.device), positions, self.kv_cache.layers, meta)
         results: list[Sampled | None] = [None] * len(batch.seqs)
         if not samplers:
             return results

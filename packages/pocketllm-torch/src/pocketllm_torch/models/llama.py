@@ -45,10 +45,12 @@ class RMSNorm:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
-    """Rotate x [T, heads, D], head dims in (real, imaginary) pairs, by rotation [T, 1, D/2] (complex)."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+def apply_rope_(x: Tensor, rotation: Tensor) -> None:
+    """Rotate x [T, heads, D], head dims in (real, imaginary) pairs, by rotation [T, 1, D/2] (complex), in place."""
+    if x.dtype == torch.float32:
+        torch.view_as_complex(x.unflatten(-1, (-1, 2))).mul_(rotation)
+    else:
+        x.copy_(torch.view_as_real(torch.view_as_complex(x.float().unflatten(-1, (-1, 2))) * rotation).flatten(-2))
 
 
 def _interleave_halves(weight: Tensor, head_dim: int) -> Tensor:
@@ -94,13 +96,15 @@ class Attention:
 
     def __call__(self, x: Tensor, rotation: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
         num_tokens, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).to(x.dtype)  # attention runs in the activations' dtype
-        qk = qkv[:, :(heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
+        # A fresh tensor in the activations' dtype, rotated in place: k and v then sit side by side for the cache.
+        qkv = self.qkv_proj(x).to(x.dtype).view(num_tokens, heads + 2 * kv_heads, dim)
+        qk = qkv[:, :heads + kv_heads]
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
-        q, k = apply_rope(qk, rotation).split((heads, kv_heads), dim=1)  # one rotation for q and k together
-        v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)
-        return self.o_proj(paged_attention(q, k, v, kv_cache, meta, dim ** -0.5))
+            qk[:, :heads] = self.q_norm(qk[:, :heads])
+            qk[:, heads:] = self.k_norm(qk[:, heads:])
+        apply_rope_(qk, rotation)  # one rotation for q and k together
+        kv = qkv[:, heads:].view(num_tokens, 2, kv_heads, dim).permute(1, 2, 0, 3)
+        return self.o_proj(paged_attention(qkv[:, :heads], kv, kv_cache, meta, dim ** -0.5))
 
 
 @dataclass(slots=True)
