@@ -31,7 +31,7 @@ NULL_BLOCK = 0  # never handed out by the block manager
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: Tensor  # [T]: cache slot of each new token
-    context_blocks: Tensor  # [B, N]: block ids of each sequence's positions 0..N * block_size - 1, NULL_BLOCK past its end
+    context_blocks: Tensor  # [B, N]: each sequence's first N blocks, NULL_BLOCK past its end
     mask: Tensor  # [B, 1, Q, L]: 0 where query row q of a sequence may attend its position l, else -inf
     query_index: Tensor | None  # [B * Q]: token behind each padded query row; None when each sequence has one token
     token_index: Tensor | None  # [T]: padded query row of each token; None likewise
