@@ -38,11 +38,19 @@ T = TypeVar("T", Tensor, Int4Weight)
 
 @dataclass(slots=True)
 class RMSNorm:
+    """``x / sqrt(mean(x^2) + eps) * weight``, in float32, cast back before the weight as Hugging Face does.
+
+    F.rms_norm runs about seven kernels on CPU, this four: a decode step of a small model is bound by its number
+    of small ops (measured: 6% off a single-stream SmolLM2-135M step).
+    """
+
     weight: Tensor
-    eps: float
+    eps: Tensor  # float32 scalar on the weight's device
 
     def __call__(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+        scale = torch.addcmul(self.eps, norm, norm, value=1 / x.shape[-1]).rsqrt_()
+        return torch.mul(x, scale).to(x.dtype).mul_(self.weight)
 
 
 def apply_rope_(x: Tensor, rotation: Tensor) -> None:
@@ -179,7 +187,8 @@ class LlamaModel:
             return make_linear(weight, bias, device, dtype)
 
         def norm(name: str) -> RMSNorm:
-            return RMSNorm(rope_layout(name, take_dense(name)).to(device, act_dtype), config.rms_norm_eps)
+            return RMSNorm(rope_layout(name, take_dense(name)).to(device, act_dtype),
+                           torch.tensor(config.rms_norm_eps, device=device))
 
         def rope_layout(name: str, weight: T) -> T:
             if not any(part in name for part in ("q_proj", "k_proj", "q_norm", "k_norm")):
