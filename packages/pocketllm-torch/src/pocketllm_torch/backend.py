@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 NAME = "torch"
 ARCHITECTURES = ("llama", "qwen3")
-BACKEND_OPTIONS = ("block_size", "num_kv_blocks", "num_threads")
+BACKEND_OPTIONS = ("block_size", "decode_graphs", "num_kv_blocks", "num_threads")
 MAX_LOGPROBS = 20
 
 

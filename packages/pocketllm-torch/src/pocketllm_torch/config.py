@@ -36,6 +36,7 @@ class TorchConfig:
     block_size: int
     num_kv_blocks: int | None  # None: size the cache from memory once the weights are loaded
     enable_prefix_caching: bool
+    decode_graphs: bool  # replay decode steps from TorchScript traces (see decode_graphs.py)
 
     @classmethod
     def from_args(cls, args: EngineArgs, model: ModelConfig) -> TorchConfig:
@@ -64,6 +65,8 @@ class TorchConfig:
             block_size=_positive_option(options, "block_size") if "block_size" in options else DEFAULT_BLOCK_SIZE,
             num_kv_blocks=_positive_option(options, "num_kv_blocks") if "num_kv_blocks" in options else None,
             enable_prefix_caching=args.enable_prefix_caching,
+            # On by default where it was measured: CPUs, where a small model's decode is bound by Python overhead.
+            decode_graphs=_bool_option(options, "decode_graphs", default=device.type == "cpu"),
         )
 
     def kv_bytes_per_block(self) -> int:
@@ -124,6 +127,13 @@ def _positive_option(options: dict, key: str) -> int:
     value = options[key]
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError("backend_options", f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _bool_option(options: dict, key: str, *, default: bool) -> bool:
+    value = options.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError("backend_options", f"{key} must be true or false, got {value!r}")
     return value
 
 

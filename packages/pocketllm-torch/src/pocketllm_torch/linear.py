@@ -29,7 +29,14 @@ INT4_MAX_ROWS = 8
 
 
 class Linear(Protocol):
+    """A linear layer; its choice of kernel may depend on the number of rows only through ``kernel_key``."""
+
     def __call__(self, x: Tensor) -> Tensor: ...
+
+
+def kernel_key(rows: int) -> tuple[bool, ...]:
+    """What every linear layer's choice of kernel depends on, for an input of ``rows`` rows."""
+    return rows <= BF16_GEMV_MAX_ROWS, rows <= INT4_MAX_ROWS
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pocketllm_torch.attention import KVCache, build_metadata
+from pocketllm_torch.decode_graphs import DecodeGraphs
 from pocketllm_torch.linear import uses_int4
 from pocketllm_torch.models.llama import LlamaModel
 from pocketllm_torch.sampler import sample
@@ -32,6 +33,7 @@ class ModelRunner:
         # One spare block up front is the null block that padding reads.
         self.kv_cache = KVCache(m.num_hidden_layers, self.num_kv_blocks + 1, self.block_size, m.num_key_value_heads,
                                 m.head_dim, config.kv_cache_dtype, self.device)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache) if config.decode_graphs else None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[Sampled | None]:
@@ -51,7 +53,11 @@ class ModelRunner:
         self.kv_cache.zero_new_blocks(block_tables)
         positions, meta = build_metadata(starts, batch.num_new_tokens, block_tables, self.block_size, self.device,
                                          self.model.dtype)
-        hidden = self.model(torch.tensor(token_ids, device=self.device), positions, self.kv_cache.layers, meta)
+        input_ids = torch.tensor(token_ids, device=self.device)
+        if self.decode_graphs is not None and meta.query_index is None:
+            hidden = self.decode_graphs(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
         results: list[Sampled | None] = [None] * len(batch.seqs)
         if not samplers:
             return results
