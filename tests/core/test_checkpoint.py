@@ -15,6 +15,7 @@ import pytest
 from pocketllm.checkpoint import DEFAULT_MODEL_ALIAS, MODEL_ALIASES, Checkpoint, load_checkpoint
 from pocketllm.checkpoint.configs import config_from_hf
 from pocketllm.checkpoint.int4 import Int4Groups
+from pocketllm.checkpoint.int8 import Int8Groups
 from pocketllm.errors import CheckpointError, ConfigError
 
 requires_default_model = pytest.mark.skipif(
@@ -241,36 +242,38 @@ def test_gguf_written_from_hf_roundtrips(tmp_path: Path, arch: str) -> None:
     assert c.rope_scaling == (yarn if qwen else None)
 
 
-def test_gguf_4bit_groups_are_exact_and_unpermuted(tmp_path: Path) -> None:
+def test_gguf_4bit_and_8bit_groups_are_exact_and_unpermuted(tmp_path: Path) -> None:
     hf = _tiny("llama", tmp_path / "hf", tie=False)
     names = _gguf_names(hf)
     tensors = {g: _permute(hf[h], 4) if ".attn_q." in g else _permute(hf[h], 2) if ".attn_k." in g else hf[h]
                for g, h in names.items()}
     formats = {"blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_1", "blk.1.ffn_gate.weight": "Q4_0",
-               "blk.1.ffn_up.weight": "Q4_1", "blk.1.attn_v.weight": "Q8_0"}
+               "blk.1.ffn_up.weight": "Q4_1", "blk.1.attn_v.weight": "Q8_0", "blk.1.attn_q.weight": "Q8_0"}
     path = tmp_path / "q4.gguf"
     _write_gguf(path, "llama", tensors, quantize=formats)
 
     checkpoint = load_checkpoint(str(path))
     dense = dict(checkpoint.weights())
-    grouped = dict(checkpoint.weights(int4_groups=True))
+    only4 = dict(checkpoint.weights(int4_groups=True))
+    grouped = dict(checkpoint.weights(int4_groups=True, int8_groups=True))
     for gguf_name, fmt in formats.items():
         hf_name = names[gguf_name]
         item = grouped[hf_name]
-        assert isinstance(item, Int4Groups) == fmt.startswith("Q4"), hf_name
-        if isinstance(item, Int4Groups):
-            assert item.codes.max() <= 15 and item.shape == dense[hf_name].shape
-            np.testing.assert_array_equal(item.dequantize(), dense[hf_name], err_msg=hf_name)
-            # gguf's own dequantizer agrees, once rows are back in the file's (permuted) order.
-            qtype = gguf.GGMLQuantizationType[fmt]
-            ref = gguf.quants.dequantize(gguf.quants.quantize(tensors[gguf_name], qtype), qtype)
-            got = item.dequantize()
-            if ".attn_q." in gguf_name or ".attn_k." in gguf_name:
-                got = _permute(got, 4 if ".attn_q." in gguf_name else 2)
-            np.testing.assert_array_equal(got, ref, err_msg=hf_name)
+        kind = Int4Groups if fmt.startswith("Q4") else Int8Groups
+        assert isinstance(item, kind), hf_name
+        assert isinstance(only4[hf_name], Int4Groups if kind is Int4Groups else np.ndarray), hf_name
+        assert item.shape == dense[hf_name].shape
+        assert item.codes.max() <= 15 if kind is Int4Groups else item.codes.dtype == np.int8
+        np.testing.assert_array_equal(item.dequantize(), dense[hf_name], err_msg=hf_name)
+        # gguf's own dequantizer agrees, once rows are back in the file's (permuted) order.
+        qtype = gguf.GGMLQuantizationType[fmt]
+        ref = gguf.quants.dequantize(gguf.quants.quantize(tensors[gguf_name], qtype), qtype)
+        got = item.dequantize()
+        if ".attn_q." in gguf_name or ".attn_k." in gguf_name:
+            got = _permute(got, 4 if ".attn_q." in gguf_name else 2)
+        np.testing.assert_array_equal(got, ref, err_msg=hf_name)
     untouched = set(grouped) - {names[g] for g in formats}
     assert all(np.array_equal(grouped[n], dense[n]) for n in untouched)
-
 
 
 @pytest.fixture(scope="module")

@@ -53,14 +53,14 @@ def test_greedy_ids_equal_transformers_on_the_same_gguf(llm: LLM, hf_model) -> N
 
 def test_default_dtype_keeps_q4_matrices_4bit_and_stays_coherent() -> None:
     pytest.importorskip("pocketllm_torch")
-    from pocketllm_torch.linear import Int4Linear, uses_int4
+    from pocketllm_torch.linear import GroupedLinear, uses_int4
 
     llm = LLM("smollm2-135m-instruct", backend="torch")  # dtype auto: bf16 on AVX2/AVX-512 CPUs
     try:
         [out] = llm.chat([{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0.0, max_tokens=24))
         engine = llm.driver.engine
         if uses_int4(engine.config.device, engine.config.dtype):
-            assert isinstance(engine.runner.model.layers[0].attn.qkv_proj, Int4Linear)
+            assert isinstance(engine.runner.model.layers[0].attn.qkv_proj, GroupedLinear)
         assert "Paris" in out.outputs[0].text
     finally:
         llm.shutdown()

@@ -17,11 +17,11 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 
 
 def our_logits(checkpoint, prompts: list[list[int]], block_size: int = 4, dtype: torch.dtype = torch.float32,
-               int4_groups: bool = False) -> list[torch.Tensor]:
+               groups: bool = False) -> list[torch.Tensor]:
     """Logits of every prompt position, all prompts prefilled in one batch over a paged cache."""
     config = checkpoint.config
-    model = LlamaModel.from_weights(config, checkpoint.weights(int4_groups=int4_groups), torch.device("cpu"), dtype,
-                                    256)
+    weights = checkpoint.weights(int4_groups=groups, int8_groups=groups)
+    model = LlamaModel.from_weights(config, weights, torch.device("cpu"), dtype, 256)
     cache = KVCache(config.num_hidden_layers, 200, block_size, config.num_key_value_heads, config.head_dim,
                     model.dtype, torch.device("cpu"))
     # Interleaved, out-of-order blocks: the cache layout must not assume contiguity.

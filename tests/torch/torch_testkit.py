@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pocketllm.args import EngineArgs
-from pocketllm.checkpoint.int4 import Int4Groups, from_gguf_blocks
+from pocketllm.checkpoint import int4, int8
 from pocketllm.model_config import ModelConfig
 from pocketllm.sampling_params import SamplingParams
 from pocketllm_torch.backend import TorchBackend
@@ -28,19 +28,22 @@ DEVICE = os.environ.get("POCKETLLM_TORCH_TEST_DEVICE", "cpu")
 class FakeCheckpoint:
     config: ModelConfig
     state_dict: dict[str, torch.Tensor] = field(repr=False)
-    quantization: str | None = None  # "Q4_0"/"Q4_1": decoder matrices are stored in that GGUF format
+    # "Q4_0"/"Q4_1": decoder matrices are stored in that GGUF format; "Q8_0": every matrix, embeddings included
+    quantization: str | None = None
 
-    def weights(self, *, int4_groups: bool = False) -> Iterator[tuple[str, np.ndarray | Int4Groups]]:
+    def weights(self, *, int4_groups: bool = False,
+                int8_groups: bool = False) -> Iterator[tuple[str, np.ndarray | int4.Int4Groups | int8.Int8Groups]]:
         for name, tensor in self.state_dict.items():
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             array = tensor.detach().float().numpy()
-            if self.quantization is None or not name.startswith("model.layers.") or array.ndim != 2:
+            eight = self.quantization == "Q8_0"
+            if self.quantization is None or not (eight or name.startswith("model.layers.")) or array.ndim != 2:
                 yield name, array
                 continue
             qtype = gguf.GGMLQuantizationType[self.quantization]
-            groups = from_gguf_blocks(gguf.quants.quantize(array, qtype), qtype, *array.shape)
-            yield name, groups if int4_groups else groups.dequantize()
+            groups = (int8 if eight else int4).from_gguf_blocks(gguf.quants.quantize(array, qtype), qtype, *array.shape)
+            yield name, groups if (int8_groups if eight else int4_groups) else groups.dequantize()
 
 
 def tiny_model(arch: str = "llama", tie: bool = False, layers: int = 2, seed: int = 0,

@@ -8,9 +8,11 @@ of 4 KB runs is several times faster than one of single slots; the unwritten tai
 masked, and :class:`KVCache` zeroes each block before its first use so that no uninitialised memory (possibly
 NaN, which a -inf mask would not hide) reaches the matmuls.
 
-Prefill runs ``scaled_dot_product_attention``. Decode (one query per sequence) runs two batched matmuls
-instead, which beat SDPA's CPU kernel at a single query row: the heads-first layout makes the gathered keys of
-each (kv head, sequence) pair one contiguous matrix, and the query heads sharing a kv head are its rows.
+Prefill runs ``scaled_dot_product_attention``. Decode (one query per sequence) runs the native kernel
+(``native.paged_decode_attention``) on CPUs where it is built: it reads each sequence's keys and values through
+its block table, with no gathered copy. Elsewhere decode runs two batched matmuls, which beat SDPA's CPU kernel
+at a single query row: the heads-first layout makes the gathered keys of each (kv head, sequence) pair one
+contiguous matrix, and the query heads sharing a kv head are its rows.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pocketllm_torch import native
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -32,6 +36,7 @@ NULL_BLOCK = 0  # never handed out by the block manager
 class AttentionMetadata:
     slot_mapping: Tensor  # [T]: cache slot of each new token
     context_blocks: Tensor  # [B, N]: each sequence's first N blocks, NULL_BLOCK past its end
+    context_lens: Tensor  # [B]: each sequence's context length once this step's tokens are cached
     mask: Tensor  # [B, 1, Q, L]: 0 where query row q of a sequence may attend its position l, else -inf
     query_index: Tensor | None  # [B * Q]: token behind each padded query row; None when each sequence has one token
     token_index: Tensor | None  # [T]: padded query row of each token; None likewise
@@ -63,7 +68,8 @@ def build_metadata(starts: list[int], lengths: list[int], block_tables: list[lis
         first_token = torch.cumsum(length, 0) - length
         query_index = torch.where(valid, first_token[:, None] + row, 0).flatten().to(device)
         token_index = valid.flatten().nonzero().squeeze(1).to(device)
-    meta = AttentionMetadata(slot_mapping.to(device), table.to(device), mask.to(device), query_index, token_index)
+    meta = AttentionMetadata(slot_mapping.to(device), table.to(device), (start + length).to(device), mask.to(device),
+                             query_index, token_index)
     return query_pos[valid].to(device), meta
 
 
@@ -99,6 +105,10 @@ def paged_attention(q: Tensor, kv: Tensor, kv_cache: Tensor, meta: AttentionMeta
     """
     kv_cache.index_copy_(2, meta.slot_mapping, kv.to(kv_cache.dtype))
     batch, _, max_query, context_len = meta.mask.shape
+    if meta.query_index is None and _native_decode(q, kv_cache):
+        block_size = context_len // meta.context_blocks.shape[1]
+        return native.paged_decode_attention(q.contiguous(), kv_cache, meta.context_blocks, meta.context_lens,
+                                             block_size, scale).to(q.dtype)
     kv_heads, dim = kv.shape[1], kv.shape[3]
     blocks = kv_cache.view(2, kv_heads, -1, context_len // meta.context_blocks.shape[1] * dim)
     context = blocks.index_select(2, meta.context_blocks.flatten()).to(q.dtype)  # [2, Hkv, B * N, block * D]
@@ -109,6 +119,10 @@ def paged_attention(q: Tensor, kv: Tensor, kv_cache: Tensor, meta: AttentionMeta
     keys, values = (t.view(kv_heads, batch, context_len, dim).transpose(0, 1) for t in (keys, values))
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(batch * max_query, -1)[meta.token_index]
+
+
+def _native_decode(q: Tensor, kv_cache: Tensor) -> bool:
+    return kv_cache.device.type == "cpu" and q.dtype == kv_cache.dtype == torch.float32 and native.available()
 
 
 def _decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:

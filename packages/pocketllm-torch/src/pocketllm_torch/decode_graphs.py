@@ -42,7 +42,7 @@ class DecodeGraphs:
 
     def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         """The model's hidden states for a decode step (``meta.query_index`` is None); fills the KV cache."""
-        args = (input_ids, positions, meta.slot_mapping, meta.context_blocks, meta.mask)
+        args = (input_ids, positions, meta.slot_mapping, meta.context_blocks, meta.context_lens, meta.mask)
         key = kernel_key(input_ids.shape[0])
         if key not in self.traces:
             self.traces[key] = self._record(args)
@@ -61,6 +61,6 @@ class DecodeGraphs:
             return None
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, context_blocks: Tensor,
-                 mask: Tensor) -> Tensor:
-        meta = AttentionMetadata(slot_mapping, context_blocks, mask, None, None)
+                 context_lens: Tensor, mask: Tensor) -> Tensor:
+        meta = AttentionMetadata(slot_mapping, context_blocks, context_lens, mask, None, None)
         return self.model(input_ids, positions, self.kv_cache.layers, meta)

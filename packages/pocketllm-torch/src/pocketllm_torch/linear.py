@@ -3,21 +3,26 @@
 On CPUs, decode is bound by the bytes of weight streamed per step; prefill and batched decode by arithmetic.
 Stock ``F.linear`` is good at neither on every CPU: MKL's fp32 GEMM is slow for the few rows of a decode
 batch, and without bf16 matrix instructions (AVX512-BF16, AMX) torch's bf16 GEMM is slow beyond one row.
-Matrices a GGUF file stores in 4-bit groups (Q4_0/Q4_1) stay 4-bit for decode: torch's int4 kernel reads
-a quarter of the bytes of bf16 and takes bf16 activations, exactly the groups' affine form.
+Matrices a GGUF file stores in 4-bit groups (Q4_0/Q4_1) stay 4-bit for decode and small batches: the native
+kernel (``native.py``) takes float32 activations, or else torch's int4 kernel takes bf16 ones; both read a
+quarter of the bytes of bf16 and compute exactly the groups' affine form. 8-bit groups (Q8_0) stay 8-bit where
+the native kernels are built.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+import math
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from pocketllm.checkpoint.int4 import GROUP_SIZE, Int4Groups
+from pocketllm.checkpoint.int8 import Int8Groups
+from pocketllm_torch import native
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -25,7 +30,9 @@ if TYPE_CHECKING:
 # Rows up to which the bf16 GEMV of a weight beats the fp32 oneDNN GEMM over twice its bytes.
 BF16_GEMV_MAX_ROWS = 1
 # Rows up to which torch's int4 CPU kernel beats the fp32 oneDNN GEMM (measured on AVX2: equal at 8, 2x slower at 64).
-INT4_MAX_ROWS = 8
+TORCH_INT4_MAX_ROWS = 8
+# Rows up to which the native int4 kernel beats the fp32 oneDNN GEMM (measured on AVX2: 1.4x faster at 16).
+NATIVE_INT4_MAX_ROWS = 16
 
 
 class Linear(Protocol):
@@ -36,7 +43,7 @@ class Linear(Protocol):
 
 def kernel_key(rows: int) -> tuple[bool, ...]:
     """What every linear layer's choice of kernel depends on, for an input of ``rows`` rows."""
-    return rows <= BF16_GEMV_MAX_ROWS, rows <= INT4_MAX_ROWS
+    return rows <= BF16_GEMV_MAX_ROWS, rows <= TORCH_INT4_MAX_ROWS, rows <= NATIVE_INT4_MAX_ROWS
 
 
 @dataclass(slots=True)
@@ -90,40 +97,100 @@ class Int4Weight:
     def from_groups(cls, groups: Int4Groups) -> Int4Weight:
         return cls(*(torch.from_numpy(a) for a in (groups.codes, groups.scale, groups.offset)))
 
-    def map_rows(self, fn: Callable[[Tensor], Tensor]) -> Int4Weight:
-        return Int4Weight(fn(self.codes), fn(self.scale), fn(self.offset))
-
     def dequantize(self) -> Tensor:
         """float32 [out, in], by the checkpoint reader's own formula."""
-        return torch.from_numpy(Int4Groups(self.codes.numpy(), self.scale.numpy(), self.offset.numpy()).dequantize())
-
-
-def concat_rows(parts: list[Tensor | Int4Weight]) -> Tensor | Int4Weight:
-    """Stack weights along output features (q/k/v, gate/up); 4-bit only if every part is."""
-    if all(isinstance(p, Int4Weight) for p in parts):
-        return Int4Weight(*(torch.cat(t) for t in zip(*((p.codes, p.scale, p.offset) for p in parts), strict=True)))
-    return torch.cat([p.dequantize() if isinstance(p, Int4Weight) else p for p in parts])
+        return torch.from_numpy(Int4Groups(*(t.numpy() for t in astuple(self))).dequantize())
 
 
 @dataclass(slots=True)
-class Int4Linear:
-    """4-bit groups for the few rows of decode, a dense copy of the same (exact) weights for prefill."""
+class Int8Weight:
+    """``w = scale * codes`` per group of 32 inputs (see ``pocketllm.checkpoint.int8``), as tensors."""
 
+    codes: Tensor  # int8 [out, in]
+    scale: Tensor  # float32 [out, in / 32]
+
+    @classmethod
+    def from_groups(cls, groups: Int8Groups) -> Int8Weight:
+        return cls(torch.from_numpy(groups.codes), torch.from_numpy(groups.scale))
+
+    def dequantize(self) -> Tensor:
+        """float32 [out, in], by the checkpoint reader's own formula."""
+        return torch.from_numpy(Int8Groups(*(t.numpy() for t in astuple(self))).dequantize())
+
+
+GroupedWeight = TypeVar("GroupedWeight", Int4Weight, Int8Weight)
+
+
+def astuple(weight: Int4Weight | Int8Weight) -> tuple[Tensor, ...]:
+    """The weight's tensors, each with output features first (unlike dataclasses.astuple, without copies)."""
+    return tuple(getattr(weight, f.name) for f in fields(weight))
+
+
+def map_rows(weight: GroupedWeight, fn: Callable[[Tensor], Tensor]) -> GroupedWeight:
+    """Apply the same reordering of output features (a function of the leading axis only) to every tensor."""
+    return type(weight)(*map(fn, astuple(weight)))
+
+
+def concat_rows(parts: list[Tensor | Int4Weight | Int8Weight]) -> Tensor | Int4Weight | Int8Weight:
+    """Stack weights along output features (q/k/v, gate/up); grouped only if every part has the same format."""
+    kind = type(parts[0])
+    if kind is not Tensor and all(type(p) is kind for p in parts):
+        return kind(*(torch.cat(t) for t in zip(*map(astuple, parts), strict=True)))
+    return torch.cat([p if isinstance(p, Tensor) else p.dequantize() for p in parts])
+
+
+@dataclass(slots=True)
+class NativeGrouped:
+    """A native kernel (``native.int4_linear`` or ``int8_linear``): float32 activations, packed weights."""
+
+    op: Callable[[Tensor, Tensor, int], Tensor]
     packed: Tensor
-    scale_zero: Tensor  # [in / 32, out, 2] bf16: the kernel's (codes - 8) * scale + zero form
-    bias: Tensor | None
-    dense: Linear
+    out_features: int
+    max_rows: int | float  # beyond it, GroupedLinear's dense copy
 
     def __call__(self, x: Tensor) -> Tensor:
-        if x.shape[0] > INT4_MAX_ROWS:
+        return self.op(x.float(), self.packed, self.out_features).to(x.dtype)
+
+
+@dataclass(slots=True)
+class TorchInt4:
+    """torch's int4 CPU kernel (a private op): bf16 activations, bf16 ``(codes - 8) * scale + zero``.
+
+    Its bf16 output is kept: the next op converts it only where it must (as ``SplitBF16Linear``'s does).
+    """
+
+    packed: Tensor
+    scale_zero: Tensor  # [in / 32, out, 2] bf16
+    max_rows = TORCH_INT4_MAX_ROWS
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE,
+                                                          self.scale_zero)
+
+
+@dataclass(slots=True)
+class GroupedLinear:
+    """Weights kept in 4- or 8-bit groups for the few rows of decode, and a dense copy (if any) for prefill."""
+
+    kernel: NativeGrouped | TorchInt4
+    bias: Tensor | None
+    dense: Linear | None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.dense is not None and x.shape[0] > self.kernel.max_rows:
             return self.dense(x)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scale_zero)
+        y = self.kernel(x)
         return y if self.bias is None else y.add_(self.bias)
 
 
 def uses_int4(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether 4-bit GGUF matrices are worth keeping 4-bit: torch's CPU kernel is fast only with bf16 inputs."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and _int4_available()
+    """Whether 4-bit GGUF matrices are worth keeping 4-bit: with the native kernel, or torch's with bf16 inputs."""
+    return device.type == "cpu" and (native.available() or (dtype == torch.bfloat16 and _int4_available()))
+
+
+def uses_int8(device: torch.device) -> bool:
+    """Whether 8-bit GGUF matrices are kept 8-bit: with the native kernel only."""
+    return device.type == "cpu" and native.available()
 
 
 def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -133,17 +200,21 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 def make_linear(weight: Tensor | Int4Weight, bias: Tensor | None, device: torch.device, dtype: torch.dtype) -> Linear:
     """Build a linear layer from a weight of shape [out_features, in_features] in any float dtype, or 4-bit."""
+    if isinstance(weight, Int8Weight):
+        if not (uses_int8(device) and native.packs(weight.codes.shape)):
+            return make_linear(weight.dequantize(), bias, device, dtype)
+        # No dense copy: an 8-bit matrix is a quarter of fp32's bytes, and the kernel serves any number of rows
+        # (in practice the lm_head, which sees only the rows that sample).
+        kernel = NativeGrouped(native.int8_linear, native.pack_int8(*astuple(weight)), len(weight.codes), math.inf)
+        return GroupedLinear(kernel, None if bias is None else bias.to(compute_dtype(device, dtype)), None)
     if isinstance(weight, Int4Weight):
-        out_features = weight.codes.shape[0]
-        dense = weight.dequantize()
-        if not (uses_int4(device, dtype) and out_features % 16 == 0):  # the kernel packs 16 output rows together
-            return make_linear(dense, bias, device, dtype)
+        # torch's int4 kernel packs 16 outputs together, as the native one does
+        if not (uses_int4(device, dtype) and native.packs(weight.codes.shape)):
+            return make_linear(weight.dequantize(), bias, device, dtype)
         # The dense copy is exact in fp32 where bf16 GEMM is slow, else it is what plain bf16 would use anyway.
-        dense_linear = make_linear(dense, bias, device, compute_dtype(device, dtype))
-        zero = weight.offset + 8 * weight.scale
-        scale_zero = torch.stack((weight.scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
-        return Int4Linear(packed, scale_zero, None if bias is None else bias.to(torch.bfloat16), dense_linear)
+        dense = make_linear(weight.dequantize(), bias, device, compute_dtype(device, dtype))
+        return GroupedLinear(_int4_kernel(weight), None if bias is None else bias.to(compute_dtype(device, dtype)),
+                             dense)
     if _split_bf16(device, dtype):
         weight = weight.to(torch.bfloat16)
         packed_bias = None if bias is None else bias.to(torch.bfloat16).float()
@@ -153,6 +224,15 @@ def make_linear(weight: Tensor | Int4Weight, bias: Tensor | None, device: torch.
         return PackedLinear(_pack(weight.float()), None if bias is None else bias.float())
     weight = weight.to(device, dtype)
     return DenseLinear(weight, None if bias is None else bias.to(device, dtype))
+
+
+def _int4_kernel(weight: Int4Weight) -> NativeGrouped | TorchInt4:
+    if native.available():
+        return NativeGrouped(native.int4_linear, native.pack_int4(*astuple(weight)), len(weight.codes),
+                             NATIVE_INT4_MAX_ROWS)
+    zero = weight.offset + 8 * weight.scale
+    scale_zero = torch.stack((weight.scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return TorchInt4(torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1), scale_zero)
 
 
 def _split_bf16(device: torch.device, dtype: torch.dtype) -> bool:

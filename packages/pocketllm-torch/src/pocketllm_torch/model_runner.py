@@ -8,7 +8,7 @@ import torch
 
 from pocketllm_torch.attention import KVCache, build_metadata
 from pocketllm_torch.decode_graphs import DecodeGraphs
-from pocketllm_torch.linear import uses_int4
+from pocketllm_torch.linear import uses_int4, uses_int8
 from pocketllm_torch.models.llama import LlamaModel
 from pocketllm_torch.sampler import sample
 
@@ -25,7 +25,8 @@ class ModelRunner:
     def __init__(self, config: TorchConfig, checkpoint: Checkpoint) -> None:
         self.device = config.device
         self.block_size = config.block_size
-        weights = checkpoint.weights(int4_groups=uses_int4(config.device, config.dtype))
+        weights = checkpoint.weights(int4_groups=uses_int4(config.device, config.dtype),
+                                     int8_groups=uses_int8(config.device))
         self.model = LlamaModel.from_weights(config.model, weights, config.device, config.dtype, config.max_model_len)
         # Sized after the weights are loaded, so a GPU's budget is what they left free.
         self.num_kv_blocks = config.resolve_num_kv_blocks()

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from pocketllm.checkpoint.int4 import Int4Groups
+from pocketllm.checkpoint.int8 import Int8Groups
 from pocketllm.model_config import ModelConfig
 
 
@@ -29,11 +30,13 @@ class Checkpoint(ABC):
         self.quantization = quantization
 
     @abstractmethod
-    def weights(self, *, int4_groups: bool = False) -> Iterator[tuple[str, np.ndarray | Int4Groups]]:
+    def weights(self, *, int4_groups: bool = False,
+                int8_groups: bool = False) -> Iterator[tuple[str, np.ndarray | Int4Groups | Int8Groups]]:
         """Yield ``(hf_name, array)`` pairs, reading each tensor only when it is reached.
 
         With ``int4_groups``, matrices the file stores as 4-bit groups (GGUF Q4_0/Q4_1) come as
-        :class:`Int4Groups` instead of being dequantized; every other tensor is an array as usual.
+        :class:`Int4Groups` instead of being dequantized; with ``int8_groups``, those it stores as 8-bit
+        groups (Q8_0) come as :class:`Int8Groups`. Every other tensor is an array as usual.
         """
 
     def tokenizer_files(self) -> dict[str, Path]:

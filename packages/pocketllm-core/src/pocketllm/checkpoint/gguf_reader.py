@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import gguf
 import numpy as np
 
+from pocketllm.checkpoint import int4, int8
 from pocketllm.checkpoint.base import Checkpoint
 from pocketllm.checkpoint.configs import config_from_gguf
-from pocketllm.checkpoint.int4 import INT4_TYPES, Int4Groups, from_gguf_blocks
+from pocketllm.checkpoint.int4 import Int4Groups
+from pocketllm.checkpoint.int8 import Int8Groups
 from pocketllm.errors import CheckpointError
+
+T = TypeVar("T", Int4Groups, Int8Groups)
 
 # GGUF tensor base names (without .weight/.bias) -> Hugging Face module names.
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -65,7 +69,8 @@ class GGUFCheckpoint(Checkpoint):
     def gguf_metadata(self) -> Mapping[str, Any]:
         return self._metadata
 
-    def weights(self, *, int4_groups: bool = False) -> Iterator[tuple[str, np.ndarray | Int4Groups]]:
+    def weights(self, *, int4_groups: bool = False,
+                int8_groups: bool = False) -> Iterator[tuple[str, np.ndarray | Int4Groups | Int8Groups]]:
         permute = _PERMUTES_QK[self.config.architecture]
         heads = {"q_proj": self.config.num_attention_heads, "k_proj": self.config.num_key_value_heads}
         for tensor in self._reader.tensors:
@@ -74,16 +79,18 @@ class GGUFCheckpoint(Checkpoint):
             name = hf_name(tensor.name, self.path)
             # GGUF lists dimensions fastest-first; Hugging Face layout is the reverse.
             shape = [int(d) for d in reversed(tensor.shape)]
-            weight: np.ndarray | Int4Groups
-            if int4_groups and tensor.tensor_type in INT4_TYPES and len(shape) == 2:
-                weight = _int4(tensor, shape, self.path)
+            weight: np.ndarray | Int4Groups | Int8Groups
+            if int4_groups and tensor.tensor_type in int4.INT4_TYPES and len(shape) == 2:
+                weight = _groups(int4.from_gguf_blocks, tensor, shape, self.path)
+            elif int8_groups and tensor.tensor_type in int8.INT8_TYPES and len(shape) == 2:
+                weight = _groups(int8.from_gguf_blocks, tensor, shape, self.path)
             else:
                 weight = _dequantize(tensor, self.path).reshape(shape)
             module = name.split(".")[-2]
             if permute and module in heads:
                 n_head = heads[module]
-                weight = (weight.map_rows(lambda rows, n=n_head: _unpermute_rows(rows, n))
-                          if isinstance(weight, Int4Groups) else _unpermute_rows(weight, n_head))
+                weight = (_unpermute_rows(weight, n_head) if isinstance(weight, np.ndarray)
+                          else weight.map_rows(lambda rows, n=n_head: _unpermute_rows(rows, n)))
             yield name, weight
 
 
@@ -132,9 +139,9 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
         raise CheckpointError(f"{path}: tensor {tensor.name!r}: {e}") from None
 
 
-def _int4(tensor: Any, shape: list[int], path: Path) -> Int4Groups:
+def _groups(unpack: Callable[..., T], tensor: Any, shape: list[int], path: Path) -> T:
     try:
-        return from_gguf_blocks(tensor.data, tensor.tensor_type, *shape)
+        return unpack(tensor.data, tensor.tensor_type, *shape)
     except ValueError as e:
         raise CheckpointError(f"{path}: tensor {tensor.name!r}: {e}") from None
 

@@ -40,8 +40,8 @@ class SafetensorsCheckpoint(Checkpoint):
         )
         super().__init__(directory, config)
 
-    def weights(self, *, int4_groups: bool = False) -> Iterator[tuple[str, np.ndarray]]:
-        del int4_groups  # safetensors holds no 4-bit group formats: every tensor is an array
+    def weights(self, *, int4_groups: bool = False, int8_groups: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+        del int4_groups, int8_groups  # safetensors holds no group formats: every tensor is an array
         for shard in self._shards:
             with _open(shard) as f:
                 header: tuple[dict[str, Any], int] | None = None

@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pocketllm.checkpoint.int4 import Int4Groups
+from pocketllm.checkpoint.int8 import Int8Groups
 from pocketllm.errors import CheckpointError, UnsupportedOptionError
 from pocketllm_torch.attention import AttentionMetadata, paged_attention
 from pocketllm_torch.backend import NAME
-from pocketllm_torch.linear import Int4Weight, Linear, compute_dtype, concat_rows, make_linear
+from pocketllm_torch.linear import Int4Weight, Int8Weight, Linear, compute_dtype, concat_rows, make_linear, map_rows
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
 
 # Old checkpoints store RoPE frequencies as buffers; they are recomputed from the config here.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-T = TypeVar("T", Tensor, Int4Weight)
+T = TypeVar("T", Tensor, Int4Weight, Int8Weight)
+GROUPED = {Int4Groups: Int4Weight.from_groups, Int8Groups: Int8Weight.from_groups}
 
 
 @dataclass(slots=True)
@@ -159,23 +161,24 @@ class LlamaModel:
         return self.lm_head(self.norm(hidden)).float()
 
     @classmethod
-    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray | Int4Groups]],
+    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray | Int4Groups | Int8Groups]],
                      device: torch.device, dtype: torch.dtype, max_model_len: int) -> LlamaModel:
         """Build from Hugging Face names and layouts; weights are stored in ``dtype`` on ``device``.
 
-        4-bit matrices (:class:`Int4Groups`) stay 4-bit where a kernel reads them, else they are dequantized.
+        4- and 8-bit matrices (:class:`Int4Groups`, :class:`Int8Groups`) stay so where a kernel reads them, else
+        they are dequantized.
         """
-        tensors = {name: Int4Weight.from_groups(w) if isinstance(w, Int4Groups) else torch.tensor(w, dtype=dtype)
+        tensors = {name: GROUPED[type(w)](w) if type(w) in GROUPED else torch.tensor(w, dtype=dtype)
                    for name, w in weights if not _IGNORED.match(name)}
         act_dtype = compute_dtype(device, dtype)
 
-        def take(name: str) -> Tensor | Int4Weight:
+        def take(name: str) -> Tensor | Int4Weight | Int8Weight:
             if name not in tensors:
                 raise CheckpointError(f"checkpoint has no weight {name!r}")
             return tensors.pop(name)
 
-        def dense(weight: Tensor | Int4Weight) -> Tensor:
-            return weight.dequantize().to(dtype) if isinstance(weight, Int4Weight) else weight
+        def dense(weight: Tensor | Int4Weight | Int8Weight) -> Tensor:
+            return weight if isinstance(weight, Tensor) else weight.dequantize().to(dtype)
 
         def take_dense(name: str) -> Tensor:
             return dense(take(name))
@@ -193,8 +196,8 @@ class LlamaModel:
         def rope_layout(name: str, weight: T) -> T:
             if not any(part in name for part in ("q_proj", "k_proj", "q_norm", "k_norm")):
                 return weight
-            if isinstance(weight, Int4Weight):
-                return weight.map_rows(lambda rows: _interleave_halves(rows, config.head_dim))
+            if not isinstance(weight, Tensor):
+                return map_rows(weight, lambda rows: _interleave_halves(rows, config.head_dim))
             return _interleave_halves(weight, config.head_dim)
 
         qk_norm = config.architecture == "qwen3"

@@ -1,0 +1,92 @@
+"""The optional native CPU kernels (``csrc/``, built as ``pocketllm_torch._C``) and the weight layouts they read.
+
+They are torch operators (``torch.ops.pocketllm.*``), so decode traces record and replay them like any other
+op. Where the extension was not built, or was built against another torch, ``available()`` is False and the
+linear layers use torch's own kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+BLOCK_OUT = 16  # outputs per packed block
+GROUP_SIZE = 32  # inputs per packed block
+
+
+@functools.cache
+def available() -> bool:
+    try:
+        import pocketllm_torch._C  # noqa: F401  (registers torch.ops.pocketllm)
+    except ImportError as e:
+        log.info("native CPU kernels unavailable, using torch's (%s)", e)
+        return False
+    return True
+
+
+def kernel_isa(request: str = "") -> str:
+    """The instruction set of the native kernels; pass "scalar" or "avx2" to switch (for tests)."""
+    return torch.ops.pocketllm.kernel_isa(request)
+
+
+def packs(shape: torch.Size | tuple[int, ...]) -> bool:
+    """Whether a [N, K] weight is made of whole packed blocks."""
+    return shape[0] % BLOCK_OUT == 0 and shape[1] % GROUP_SIZE == 0
+
+
+def pack_int4(codes: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
+    """``w = scale * codes + offset`` per 32 inputs ([N, K] uint8 codes, [N, K/32] float32) -> int4_linear's layout.
+
+    uint8 [N/16, K/32, 384]: per block of 16 outputs x 32 inputs, 32 rows of 8 bytes (output j in the low
+    nibble of byte j, output j + 8 in its high nibble), then the 16 scales and the 16 offsets as float32.
+    """
+    blocks = _blocks(codes)
+    half = BLOCK_OUT // 2
+    nibbles = (blocks[..., :half] | (blocks[..., half:] << 4)).flatten(2)
+    return torch.cat((nibbles, _per_block(scale), _per_block(offset)), dim=-1).contiguous()
+
+
+def pack_int8(codes: Tensor, scale: Tensor) -> Tensor:
+    """``w = scale * codes`` per 32 inputs ([N, K] int8 codes, [N, K/32] float32) -> int8_linear's layout.
+
+    uint8 [N/16, K/32, 576]: per block of 16 outputs x 32 inputs, 32 rows of 16 codes, then the 16 scales.
+    """
+    return torch.cat((_blocks(codes.view(torch.uint8)).flatten(2), _per_block(scale)), dim=-1).contiguous()
+
+
+def _blocks(codes: Tensor) -> Tensor:
+    """[N, K] -> [N/16, K/32, 32 inputs, 16 outputs]."""
+    n, k = codes.shape
+    if not packs(codes.shape):
+        raise ValueError(f"a [{n}, {k}] weight is not made of {BLOCK_OUT} x {GROUP_SIZE} blocks")
+    return codes.reshape(n // BLOCK_OUT, BLOCK_OUT, k // GROUP_SIZE, GROUP_SIZE).permute(0, 2, 3, 1)
+
+
+def _per_block(t: Tensor) -> Tensor:
+    """[N, K/32] float32 -> [N/16, K/32, 16 outputs] as bytes."""
+    n, groups = t.shape
+    return t.to(torch.float32).reshape(n // BLOCK_OUT, BLOCK_OUT, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+
+def int4_linear(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    """float32 x [M, K] @ the packed 4-bit weight's [K, N] -> float32 [M, N]."""
+    return torch.ops.pocketllm.int4_linear(x, packed, out_features)
+
+
+def int8_linear(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    """float32 x [M, K] @ the packed 8-bit weight's [K, N] -> float32 [M, N]."""
+    return torch.ops.pocketllm.int8_linear(x, packed, out_features)
+
+
+def paged_decode_attention(q: Tensor, kv_cache: Tensor, context_blocks: Tensor, context_lens: Tensor,
+                           block_size: int, scale: float) -> Tensor:
+    """One query per sequence, q [B, H, D], over its cached context in kv_cache [2, Hkv, slots, D] (float32).
+
+    Sequence b reads positions 0 .. context_lens[b] - 1 through its blocks ``context_blocks[b]``; -> [B, H * D].
+    """
+    return torch.ops.pocketllm.paged_decode_attention(q, kv_cache, context_blocks, context_lens, block_size, scale)

@@ -1,0 +1,160 @@
+"""The native grouped-linear kernels: both instruction sets, any batch, bad input as Python errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pocketllm_torch import native
+
+# CI builds them (nox -s tests sets it): there, a failed build must fail these tests rather than skip them.
+REQUIRED = os.environ.get("POCKETLLM_REQUIRE_NATIVE") == "1"
+pytestmark = pytest.mark.skipif(not (native.available() or REQUIRED), reason="native kernels not built")
+
+
+def test_native_kernels_are_built() -> None:
+    assert native.available()
+
+
+def isas() -> list[str]:
+    """The scalar path everywhere, and AVX2 where this CPU has it."""
+    best = native.kernel_isa()
+    return ["scalar"] + (["avx2"] if best == "avx2" else [])
+
+
+@pytest.fixture(params=isas())
+def isa(request):
+    before = native.kernel_isa()
+    yield native.kernel_isa(request.param)
+    native.kernel_isa(before)
+
+
+def weights(bits: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed, dequantized [n, k]) for random groups of the given width."""
+    g = torch.Generator().manual_seed(n * k + bits)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02 + 0.005
+    if bits == 4:
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        offset = -8 * scale + 0.01 * torch.randn(n, k // 32, generator=g)
+        packed = native.pack_int4(codes, scale, offset)
+        dense = codes.float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
+    else:
+        codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        packed = native.pack_int8(codes, scale)
+        dense = codes.float() * scale.repeat_interleave(32, 1)
+    return packed, dense
+
+
+def op(bits: int):
+    return native.int4_linear if bits == 4 else native.int8_linear
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
+def test_matches_float32_matmul(isa: str, bits: int, rows: int) -> None:
+    packed, dense = weights(bits, 48, 96)
+    x = torch.randn(rows, 96)
+    got = op(bits)(x, packed, 48)
+    ref = x @ dense.T
+    assert got.dtype == torch.float32 and got.shape == (rows, 48)
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_gives_the_same_bits_in_any_batch(isa: str, bits: int) -> None:
+    """Rows are computed independently in the same order: batching never changes a sequence's numbers."""
+    packed, _ = weights(bits, 32, 64)
+    x = torch.randn(7, 64)
+    together = op(bits)(x, packed, 32)
+    for i in range(7):
+        assert torch.equal(op(bits)(x[i:i + 1], packed, 32)[0], together[i])
+    assert torch.equal(op(bits)(x[2:7], packed, 32), together[2:7])
+
+
+def test_isas_agree() -> None:
+    if "avx2" not in isas():
+        pytest.skip("no AVX2 here")
+    packed, _ = weights(4, 64, 128)
+    x = torch.randn(6, 128)
+    before = native.kernel_isa()
+    try:
+        results = [op(4)(x, packed, 64) for _ in (native.kernel_isa("scalar"), native.kernel_isa("avx2"))]
+    finally:
+        native.kernel_isa(before)
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_raises_instead_of_crashing() -> None:
+    packed, _ = weights(4, 32, 64)
+    x = torch.randn(2, 64)
+    cases = [
+        (x.double(), packed, 32, "float32"),
+        (x[0], packed, 32, "2-D"),
+        (torch.randn(2, 96), packed, 32, "features"),
+        (x, packed, 48, "out_features"),
+        (x, packed[..., :100], 32, "packed"),
+        (x, packed.float(), 32, "packed"),
+        (x, weights(8, 32, 64)[0], 32, "packed"),  # an 8-bit layout handed to the 4-bit kernel
+    ]
+    for args in cases:
+        with pytest.raises(RuntimeError, match=args[-1]):
+            native.int4_linear(*args[:-1])
+    with pytest.raises(RuntimeError, match="unknown instruction set"):
+        native.kernel_isa("avx512")
+    with pytest.raises(ValueError, match="blocks"):
+        native.pack_int4(torch.zeros(24, 64, dtype=torch.uint8), torch.ones(24, 2), torch.zeros(24, 2))
+
+
+def test_empty_batch() -> None:
+    packed, _ = weights(8, 16, 32)
+    assert native.int8_linear(torch.zeros(0, 32), packed, 16).shape == (0, 16)
+
+
+def reference_attention(q, cache, tables, lens, block_size, scale):
+    """Softmax attention of each sequence's query over its first lens[b] cached positions, in float64."""
+    heads, kv_heads = q.shape[1], cache.shape[1]
+    out = []
+    for b, table in enumerate(tables):
+        slots = torch.tensor([table[t // block_size] * block_size + t % block_size for t in range(lens[b])])
+        k, v = (cache[i][:, slots].double().repeat_interleave(heads // kv_heads, 0) for i in (0, 1))
+        p = torch.softmax((k @ q[b].double()[:, :, None]).squeeze(-1) * scale, -1)  # [H, L]
+        out.append((p[:, None, :] @ v).squeeze(1).flatten())
+    return torch.stack(out).float()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), [(9, 3, 64, 16), (4, 4, 40, 4), (2, 1, 16, 8)])
+def test_paged_decode_attention_matches_softmax_attention(isa: str, heads: int, kv_heads: int, dim: int,
+                                                          block_size: int) -> None:
+    g = torch.Generator().manual_seed(heads * dim)
+    num_blocks, lens = 40, [1, 5, block_size, 37, 3 * block_size + 1]
+    cache = torch.randn(2, kv_heads, num_blocks * block_size, dim, generator=g)
+    # Shuffled, interleaved tables; a row is padded with block 0 past its sequence's blocks.
+    order = torch.randperm(num_blocks - 1, generator=g) + 1
+    need = [-(-n // block_size) for n in lens]
+    tables, used = [], 0
+    for n in need:
+        tables.append(order[used:used + n].tolist() + [0] * (max(need) - n))
+        used += n
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    got = native.paged_decode_attention(q, cache, torch.tensor(tables), torch.tensor(lens), block_size, dim ** -0.5)
+    ref = reference_attention(q, cache, tables, lens, block_size, dim ** -0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_refuses_bad_tables() -> None:
+    cache = torch.randn(2, 1, 8 * 4, 16)
+    q = torch.randn(1, 2, 16)
+
+    def run(table, length, block_size=4, cache=cache, q=q):
+        return native.paged_decode_attention(q, cache, torch.tensor([table]), torch.tensor([length]), block_size, 1.0)
+
+    run([1, 2], 8)
+    for args, message in [(([1, 8], 8), "outside the cache"), (([1, -1], 5), "outside the cache"),
+                          (([1, 2], 9), "table holds 8"), (([1, 2], 0), "context length 0"),
+                          (([1, 2], 8, 3), "does not divide"),
+                          (([1, 2], 8, 4, cache.double()), "float32"),
+                          (([1], 4, 4, torch.randn(2, 2, 32, 16), torch.randn(1, 3, 16)), "kv heads evenly")]:
+        with pytest.raises(RuntimeError, match=message):
+            run(*args)
