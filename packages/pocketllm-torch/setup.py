@@ -9,7 +9,7 @@ import os
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-SOURCES = ["csrc/module.cpp", "csrc/grouped_linear.cpp", "csrc/paged_attention.cpp"]
+SOURCES = [f"csrc/{name}.cpp" for name in ("module", "grouped_linear", "paged_attention", "elementwise")]
 
 
 class OptionalBuildExtension(BuildExtension):

@@ -158,3 +158,34 @@ def test_paged_decode_attention_refuses_bad_tables() -> None:
                           (([1], 4, 4, torch.randn(2, 2, 32, 16), torch.randn(1, 3, 16)), "kv heads evenly")]:
         with pytest.raises(RuntimeError, match=message):
             run(*args)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 300])  # 300 rows of 100: more than one thread's grain
+def test_fused_row_kernels_match_torch(isa: str, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x, delta = torch.randn(rows, 100, generator=g) * 3, torch.randn(rows, 100, generator=g)
+    weight = torch.rand(100, generator=g) + 0.5
+
+    def norm(t: torch.Tensor) -> torch.Tensor:
+        return t * torch.rsqrt(t.double().pow(2).mean(-1, keepdim=True) + 1e-5).float() * weight
+
+    torch.testing.assert_close(native.rms_norm(x, weight, 1e-5), norm(x), rtol=1e-5, atol=1e-5)
+    total, normed = native.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(total, x + delta)
+    torch.testing.assert_close(normed, norm(x + delta), rtol=1e-5, atol=1e-5)
+    gate_up = torch.cat([torch.linspace(-100, 100, 50).expand(rows, 50), torch.randn(rows, 50, generator=g)], 1)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(native.silu_mul(gate_up.contiguous()), torch.nn.functional.silu(gate) * up,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_fused_row_kernels_refuse_bad_input() -> None:
+    x, w = torch.randn(2, 8), torch.ones(8)
+    for call, message in [(lambda: native.rms_norm(x.double(), w, 1e-5), "float32"),
+                          (lambda: native.rms_norm(x.t(), w, 1e-5), "contiguous"),
+                          (lambda: native.rms_norm(x, torch.ones(7), 1e-5), "8 elements"),
+                          (lambda: native.add_rms_norm(x, torch.randn(3, 8), w, 1e-5), "differ in shape"),
+                          (lambda: native.silu_mul(torch.randn(2, 7)), "even number")]:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+    assert not native.takes_rows(x.t()) and not native.takes_rows(x.double()) and native.takes_rows(x)

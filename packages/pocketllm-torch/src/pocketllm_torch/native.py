@@ -29,6 +29,11 @@ def available() -> bool:
     return True
 
 
+def takes_rows(x: Tensor) -> bool:
+    """Whether the native row kernels (rms_norm, add_rms_norm, silu_mul) take x: contiguous 2-D float32 on CPU."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and available()
+
+
 def kernel_isa(request: str = "") -> str:
     """The instruction set of the native kernels; pass "scalar" or "avx2" to switch (for tests)."""
     return torch.ops.pocketllm.kernel_isa(request)
@@ -90,3 +95,18 @@ def paged_decode_attention(q: Tensor, kv_cache: Tensor, context_blocks: Tensor, 
     Sequence b reads positions 0 .. context_lens[b] - 1 through its blocks ``context_blocks[b]``; -> [B, H * D].
     """
     return torch.ops.pocketllm.paged_decode_attention(q, kv_cache, context_blocks, context_lens, block_size, scale)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` per row of x [M, H] (float32)."""
+    return torch.ops.pocketllm.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(x + delta, rms_norm(x + delta))``: a residual add and the norm after it, in one pass."""
+    return torch.ops.pocketllm.add_rms_norm(x, delta, weight, eps)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` for gate_up [M, 2I] = [gate | up] (float32) -> [M, I]."""
+    return torch.ops.pocketllm.silu_mul(gate_up)
