@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 BF16_GEMV_MAX_ROWS = 1
 # Rows up to which torch's int4 CPU kernel beats the fp32 oneDNN GEMM (measured on AVX2: equal at 8, 2x slower at 64).
 TORCH_INT4_MAX_ROWS = 8
-# Rows up to which the native int4 kernel beats the fp32 oneDNN GEMM (measured on AVX2: 1.4x faster at 16).
+# Rows up to which the native int4 kernel beats the fp32 oneDNN GEMM (measured on AVX2: 1.04-1.4x faster at 16).
 NATIVE_INT4_MAX_ROWS = 16
 
 
@@ -198,8 +198,9 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if _split_bf16(device, dtype) else dtype
 
 
-def make_linear(weight: Tensor | Int4Weight, bias: Tensor | None, device: torch.device, dtype: torch.dtype) -> Linear:
-    """Build a linear layer from a weight of shape [out_features, in_features] in any float dtype, or 4-bit."""
+def make_linear(weight: Tensor | Int4Weight | Int8Weight, bias: Tensor | None, device: torch.device,
+                dtype: torch.dtype) -> Linear:
+    """Build a linear layer from a weight of shape [out_features, in_features]: any float dtype, or groups."""
     if isinstance(weight, Int8Weight):
         if not (uses_int8(device) and native.packs(weight.codes.shape)):
             return make_linear(weight.dequantize(), bias, device, dtype)
