@@ -10,6 +10,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>

@@ -14,6 +14,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -31,7 +32,7 @@ struct Head {
 };
 
 // One (sequence, kv head): its query heads over `len` cached positions, read block by block through the table.
-// Loops over positions go block by block (`block(i)`, then `block_size` rows of D floats) rather than through a
+// Loops over positions go block by block (`offset(i)`, then `block_size` rows of D floats) rather than through a
 // per-position helper: a lambda or call per position is not inlined into the AVX2 functions (their target
 // differs) and costs more than the arithmetic.
 struct Task {
