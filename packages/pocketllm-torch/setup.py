@@ -5,11 +5,19 @@ uses torch's own kernels. Set POCKETLLM_REQUIRE_NATIVE=1 to make a failed build 
 """
 
 import os
+from pathlib import Path
 
+import torch
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 SOURCES = [f"csrc/{name}.cpp" for name in ("module", "grouped_linear", "paged_attention", "elementwise")]
+
+
+# The torch the kernels are compiled against: native.py loads them only under that same torch. Written before
+# setup() so that the wheel's Python files include it.
+(Path(__file__).parent / "src" / "pocketllm_torch" / "_built_for.py").write_text(
+    f'"""Written by setup.py."""\n\nTORCH_VERSION = {torch.__version__!r}\n')
 
 
 class OptionalBuildExtension(BuildExtension):

@@ -18,6 +18,19 @@ def test_native_kernels_are_built() -> None:
     assert native.available()
 
 
+def test_kernels_built_for_another_torch_are_not_loaded(monkeypatch) -> None:
+    import pocketllm_torch._built_for as built_for
+
+    monkeypatch.setattr(built_for, "TORCH_VERSION", "0.0.1")
+    native.available.cache_clear()
+    try:
+        assert not native.available()
+    finally:
+        monkeypatch.undo()
+        native.available.cache_clear()
+    assert native.available()
+
+
 def isas() -> list[str]:
     """The scalar path everywhere, and AVX2 where this CPU has it."""
     best = native.kernel_isa()

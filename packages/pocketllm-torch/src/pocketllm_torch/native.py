@@ -1,8 +1,8 @@
 """The optional native CPU kernels (``csrc/``, built as ``pocketllm_torch._C``) and the weight layouts they read.
 
 They are torch operators (``torch.ops.pocketllm.*``), so decode traces record and replay them like any other
-op. Where the extension was not built, or was built against another torch, ``available()`` is False and the
-linear layers use torch's own kernels.
+op. Where the extension was not built, or was built against another torch (whose C++ ABI may differ, so it is
+not even loaded), ``available()`` is False and the model uses torch's own kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +21,14 @@ GROUP_SIZE = 32  # inputs per packed block
 
 @functools.cache
 def available() -> bool:
+    try:
+        from pocketllm_torch._built_for import TORCH_VERSION
+    except ImportError:
+        log.info("native CPU kernels not built, using torch's")
+        return False
+    if torch.__version__ != TORCH_VERSION:
+        log.info("native CPU kernels built for torch %s, not %s: using torch's", TORCH_VERSION, torch.__version__)
+        return False
     try:
         import pocketllm_torch._C  # noqa: F401  (registers torch.ops.pocketllm)
     except ImportError as e:
