@@ -23,16 +23,16 @@ from tests.torch.torch_testkit import greedy, make_engine, prompt, run_to_comple
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not uses_int4(CPU, torch.bfloat16), reason="no int4 CPU kernel in this torch")
-needs_native = pytest.mark.skipif(not native.available(), reason="native kernels not built")
+needs_native = pytest.mark.skipif(not native.enabled(), reason="native kernels not built or not vectorised here")
 
 
 @pytest.fixture(params=["native", "torch"])
 def int4_kernel(request, monkeypatch) -> str:
     """Run a test with the native int4 kernel, then with torch's (as where the extension is not built)."""
-    if request.param == "native" and not native.available():
-        pytest.skip("native kernels not built")
+    if request.param == "native" and not native.enabled():
+        pytest.skip("native kernels not built or not vectorised here")
     if request.param == "torch":
-        monkeypatch.setattr(linear.native, "available", lambda: False)
+        monkeypatch.setattr(linear.native, "enabled", lambda: False)
     return request.param
 
 

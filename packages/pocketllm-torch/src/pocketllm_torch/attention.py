@@ -122,7 +122,7 @@ def paged_attention(q: Tensor, kv: Tensor, kv_cache: Tensor, meta: AttentionMeta
 
 
 def _native_decode(q: Tensor, kv_cache: Tensor) -> bool:
-    return kv_cache.device.type == "cpu" and q.dtype == kv_cache.dtype == torch.float32 and native.available()
+    return kv_cache.device.type == "cpu" and q.dtype == kv_cache.dtype == torch.float32 and native.enabled()
 
 
 def _decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:

@@ -185,12 +185,12 @@ class GroupedLinear:
 
 def uses_int4(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether 4-bit GGUF matrices are worth keeping 4-bit: with the native kernel, or torch's with bf16 inputs."""
-    return device.type == "cpu" and (native.available() or (dtype == torch.bfloat16 and _int4_available()))
+    return device.type == "cpu" and (native.enabled() or (dtype == torch.bfloat16 and _int4_available()))
 
 
 def uses_int8(device: torch.device) -> bool:
     """Whether 8-bit GGUF matrices are kept 8-bit: with the native kernel only."""
-    return device.type == "cpu" and native.available()
+    return device.type == "cpu" and native.enabled()
 
 
 def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -228,7 +228,7 @@ def make_linear(weight: Tensor | Int4Weight | Int8Weight, bias: Tensor | None, d
 
 
 def _int4_kernel(weight: Int4Weight) -> NativeGrouped | TorchInt4:
-    if native.available():
+    if native.enabled():
         return NativeGrouped(native.int4_linear, native.pack_int4(*astuple(weight)), len(weight.codes),
                              NATIVE_INT4_MAX_ROWS)
     zero = weight.offset + 8 * weight.scale

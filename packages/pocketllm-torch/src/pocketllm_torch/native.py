@@ -2,7 +2,8 @@
 
 They are torch operators (``torch.ops.pocketllm.*``), so decode traces record and replay them like any other
 op. Where the extension was not built, or was built against another torch (whose C++ ABI may differ, so it is
-not even loaded), ``available()`` is False and the model uses torch's own kernels.
+not even loaded), ``available()`` is False; the model uses them only where ``enabled()``, on CPUs with AVX2,
+and torch's own kernels elsewhere.
 """
 
 from __future__ import annotations
@@ -37,9 +38,18 @@ def available() -> bool:
     return True
 
 
+@functools.cache
+def enabled() -> bool:
+    """Whether the model runs the native kernels: built for this torch, on a CPU with their AVX2 path.
+
+    Elsewhere (ARM, say) their scalar path would be correct but slower than torch's own vectorised kernels.
+    """
+    return available() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 def takes_rows(x: Tensor) -> bool:
     """Whether the native row kernels (rms_norm, add_rms_norm, silu_mul) take x: contiguous 2-D float32 on CPU."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and available()
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and enabled()
 
 
 def kernel_isa(request: str = "") -> str:
