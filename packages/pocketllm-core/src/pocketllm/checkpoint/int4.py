@@ -8,7 +8,8 @@ quarter of the bytes and run kernels that stream them; dequantizing is still one
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import TypeVar
 
 import gguf
 import numpy as np
@@ -17,27 +18,40 @@ GROUP_SIZE = 32
 # The GGUF block types an Int4Groups represents exactly.
 INT4_TYPES = frozenset({gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1})
 
+G = TypeVar("G", bound="GroupedMatrix")
+
+
+class GroupedMatrix:
+    """What the group formats (here and in ``int8``) share: dataclasses of codes [rows, cols] and per-group
+    arrays [rows, cols // 32], every field with rows first."""
+
+    __slots__ = ()
+    codes: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape  # type: ignore[return-value]
+
+    def code_groups(self) -> np.ndarray:
+        """The codes as float32 [rows, cols // 32, 32]."""
+        rows, cols = self.shape
+        return self.codes.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE).astype(np.float32)
+
+    def map_rows(self: G, fn: Callable[[np.ndarray], np.ndarray]) -> G:
+        """Apply the same row reordering (a function of the leading axis only) to every field."""
+        return type(self)(*(fn(getattr(self, f.name)) for f in fields(self)))  # type: ignore[arg-type]
+
 
 @dataclass(frozen=True, slots=True)
-class Int4Groups:
+class Int4Groups(GroupedMatrix):
     """``w[r, c] = scale[r, c // 32] * codes[r, c] + offset[r, c // 32]``; rows are output features."""
 
     codes: np.ndarray  # uint8 [rows, cols], each in [0, 15]
     scale: np.ndarray  # float32 [rows, cols // 32]
     offset: np.ndarray  # float32 [rows, cols // 32]
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.codes.shape  # type: ignore[return-value]
-
     def dequantize(self) -> np.ndarray:
-        rows, cols = self.shape
-        groups = self.codes.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE).astype(np.float32)
-        return (groups * self.scale[..., None] + self.offset[..., None]).reshape(rows, cols)
-
-    def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> Int4Groups:
-        """Apply the same row reordering (a function of the leading axis only) to codes, scales and offsets."""
-        return Int4Groups(fn(self.codes), fn(self.scale), fn(self.offset))
+        return (self.code_groups() * self.scale[..., None] + self.offset[..., None]).reshape(self.shape)
 
 
 def from_gguf_blocks(blocks: np.ndarray, qtype: gguf.GGMLQuantizationType, rows: int, cols: int) -> Int4Groups:

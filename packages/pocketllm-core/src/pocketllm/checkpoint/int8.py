@@ -5,35 +5,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import gguf
 import numpy as np
 
-GROUP_SIZE = 32
+from pocketllm.checkpoint.int4 import GROUP_SIZE, GroupedMatrix
+
 INT8_TYPES = frozenset({gguf.GGMLQuantizationType.Q8_0})
 
 
 @dataclass(frozen=True, slots=True)
-class Int8Groups:
+class Int8Groups(GroupedMatrix):
     """``w[r, c] = scale[r, c // 32] * codes[r, c]``; rows are output features."""
 
     codes: np.ndarray  # int8 [rows, cols]
     scale: np.ndarray  # float32 [rows, cols // 32]
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.codes.shape  # type: ignore[return-value]
-
     def dequantize(self) -> np.ndarray:
-        rows, cols = self.shape
-        groups = self.codes.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE).astype(np.float32)
-        return (groups * self.scale[..., None]).reshape(rows, cols)
-
-    def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> Int8Groups:
-        """Apply the same row reordering (a function of the leading axis only) to codes and scales."""
-        return Int8Groups(fn(self.codes), fn(self.scale))
+        return (self.code_groups() * self.scale[..., None]).reshape(self.shape)
 
 
 def from_gguf_blocks(blocks: np.ndarray, qtype: gguf.GGMLQuantizationType, rows: int, cols: int) -> Int8Groups:
