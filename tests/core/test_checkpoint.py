@@ -14,8 +14,6 @@ import pytest
 
 from pocketllm.checkpoint import DEFAULT_MODEL_ALIAS, MODEL_ALIASES, Checkpoint, load_checkpoint
 from pocketllm.checkpoint.configs import config_from_hf
-from pocketllm.checkpoint.int4 import Int4Groups
-from pocketllm.checkpoint.int8 import Int8Groups
 from pocketllm.errors import CheckpointError, ConfigError
 
 requires_default_model = pytest.mark.skipif(
@@ -242,38 +240,55 @@ def test_gguf_written_from_hf_roundtrips(tmp_path: Path, arch: str) -> None:
     assert c.rope_scaling == (yarn if qwen else None)
 
 
-def test_gguf_4bit_and_8bit_groups_are_exact_and_unpermuted(tmp_path: Path) -> None:
+def test_gguf_tensors_describe_raw_blocks(tmp_path: Path) -> None:
+    """A backend that reads blocks itself gets the file's bytes, their place in the file, and the row order."""
     hf = _tiny("llama", tmp_path / "hf", tie=False)
     names = _gguf_names(hf)
     tensors = {g: _permute(hf[h], 4) if ".attn_q." in g else _permute(hf[h], 2) if ".attn_k." in g else hf[h]
                for g, h in names.items()}
-    formats = {"blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_1", "blk.1.ffn_gate.weight": "Q4_0",
-               "blk.1.ffn_up.weight": "Q4_1", "blk.1.attn_v.weight": "Q8_0", "blk.1.attn_q.weight": "Q8_0"}
-    path = tmp_path / "q4.gguf"
+    formats = {"blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_1", "blk.1.ffn_up.weight": "Q8_0"}
+    path = tmp_path / "q.gguf"
     _write_gguf(path, "llama", tensors, quantize=formats)
+    file_bytes = path.read_bytes()
 
-    checkpoint = load_checkpoint(str(path))
-    dense = dict(checkpoint.weights())
-    only4 = dict(checkpoint.weights(int4_groups=True))
-    grouped = dict(checkpoint.weights(int4_groups=True, int8_groups=True))
-    for gguf_name, fmt in formats.items():
-        hf_name = names[gguf_name]
-        item = grouped[hf_name]
-        kind = Int4Groups if fmt.startswith("Q4") else Int8Groups
-        assert isinstance(item, kind), hf_name
-        assert isinstance(only4[hf_name], Int4Groups if kind is Int4Groups else np.ndarray), hf_name
-        assert item.shape == dense[hf_name].shape
-        assert item.codes.max() <= 15 if kind is Int4Groups else item.codes.dtype == np.int8
-        np.testing.assert_array_equal(item.dequantize(), dense[hf_name], err_msg=hf_name)
-        # gguf's own dequantizer agrees, once rows are back in the file's (permuted) order.
-        qtype = gguf.GGMLQuantizationType[fmt]
-        ref = gguf.quants.dequantize(gguf.quants.quantize(tensors[gguf_name], qtype), qtype)
-        got = item.dequantize()
-        if ".attn_q." in gguf_name or ".attn_k." in gguf_name:
-            got = _permute(got, 4 if ".attn_q." in gguf_name else 2)
-        np.testing.assert_array_equal(got, ref, err_msg=hf_name)
-    untouched = set(grouped) - {names[g] for g in formats}
-    assert all(np.array_equal(grouped[n], dense[n]) for n in untouched)
+    by_name = {t.file_name: t for t in load_checkpoint(str(path)).tensors()}
+    assert set(by_name) == set(names)
+    for gguf_name, tensor in by_name.items():
+        assert tensor.name == names[gguf_name] and tensor.path == path
+        assert tensor.dtype == formats.get(gguf_name, "F32")
+        assert tensor.shape == hf[tensor.name].shape
+        raw = tensor.data
+        assert raw.readonly and raw.nbytes == tensor.nbytes
+        assert bytes(raw) == file_bytes[tensor.offset:tensor.offset + tensor.nbytes]
+        qtype = gguf.GGMLQuantizationType[tensor.dtype]
+        in_file_order = gguf.quants.dequantize(np.frombuffer(raw, np.uint8).reshape(tensor.shape[0], -1), qtype)
+        if gguf_name in formats:
+            expected = gguf.quants.dequantize(gguf.quants.quantize(tensors[gguf_name], qtype), qtype)
+        else:
+            expected = tensors[gguf_name]
+        np.testing.assert_array_equal(in_file_order.reshape(tensor.shape), expected, err_msg=gguf_name)
+        permuted = ".attn_q." in gguf_name or ".attn_k." in gguf_name
+        if permuted:
+            assert tensor.row_permutation is not None
+            assert tensor.row_permutation.num_heads == (4 if ".attn_q." in gguf_name else 2)
+            expected = tensor.row_permutation.undo(expected)
+        else:
+            assert tensor.row_permutation is None
+        np.testing.assert_array_equal(tensor.dequantize(), expected, err_msg=gguf_name)
+    # Zero-copy: the raw view is a window on the file's memory map, not a copy of it.
+    first = next(iter(by_name.values()))
+    assert np.frombuffer(first.data, np.uint8).base is not None
+
+
+def test_safetensors_tensors_are_views_of_the_file(tmp_path: Path) -> None:
+    expected = _tiny("qwen3", tmp_path, tie=False, dtype="bfloat16")
+    checkpoint = load_checkpoint(str(tmp_path))
+    shard = tmp_path / "model.safetensors"
+    file_bytes = shard.read_bytes()
+    for tensor in checkpoint.tensors():
+        assert (tensor.dtype, tensor.path, tensor.row_permutation) == ("BF16", shard, None)
+        assert bytes(tensor.data) == file_bytes[tensor.offset:tensor.offset + tensor.nbytes]
+        np.testing.assert_array_equal(tensor.dequantize(), expected[tensor.name], err_msg=tensor.name)
 
 
 @pytest.fixture(scope="module")
@@ -455,14 +470,45 @@ def test_truncated_gguf(tmp_path: Path, small_gguf: bytes, cut: int) -> None:
         list(load_checkpoint(str(path), "gguf" if cut >= 4 or cut < 0 else "auto").weights())
 
 
-def test_garbage_and_unsupported_gguf(tmp_path: Path) -> None:
+def test_garbage_gguf(tmp_path: Path) -> None:
     path = tmp_path / "garbage.gguf"
     path.write_bytes(b"GGUF" + bytes(range(256)) * 8)
     with pytest.raises(CheckpointError, match=r"garbage\.gguf"):
         load_checkpoint(str(path))
+
+
+def test_gguf_unknown_tensors_and_architectures_keep_their_names(tmp_path: Path) -> None:
+    """The reader maps what it knows and hands the rest over; whether a backend runs it is Capabilities' call."""
     _write_gguf(tmp_path / "odd.gguf", "llama", {"blk.0.odd.weight": np.ones(4, np.float32)})
-    with pytest.raises(CheckpointError, match=r"'blk\.0\.odd\.weight' has no Hugging Face equivalent"):
-        load_checkpoint(str(tmp_path / "odd.gguf"))
-    _write_gguf(tmp_path / "mamba.gguf", "mamba", {"token_embd.weight": np.ones((4, 64), np.float32)})
-    with pytest.raises(CheckpointError, match="architecture 'mamba' is not supported"):
-        load_checkpoint(str(tmp_path / "mamba.gguf"))
+    [odd] = load_checkpoint(str(tmp_path / "odd.gguf")).tensors()
+    assert (odd.name, odd.file_name) == ("blk.0.odd.weight", "blk.0.odd.weight")
+    _write_gguf(tmp_path / "mamba.gguf", "mamba", {"token_embd.weight": np.ones((96, 64), np.float32),
+                                                   "blk.0.ssm_in.weight": np.ones((8, 64), np.float32)})
+    checkpoint = load_checkpoint(str(tmp_path / "mamba.gguf"))
+    assert checkpoint.config.architecture == "mamba"
+    assert [t.name for t in checkpoint.tensors()] == ["token_embd.weight", "blk.0.ssm_in.weight"]
+
+
+@pytest.mark.parametrize(("arch", "model_type", "gguf_name", "hf"), [
+    ("qwen2", "qwen2", "blk.1.attn_q.bias", "model.layers.1.self_attn.q_proj.bias"),
+    ("qwen3moe", "qwen3_moe", "blk.0.ffn_gate_exps.weight", "model.layers.0.mlp.experts.gate_proj.weight"),
+    ("qwen3moe", "qwen3_moe", "blk.0.ffn_norm.weight", "model.layers.0.post_attention_layernorm.weight"),
+    ("qwen3next", "qwen3_next", "blk.0.ssm_ba.weight", "model.layers.0.linear_attn.in_proj_ba.weight"),
+    # Stored as 1 + w and as -exp(A_log) by llama.cpp's converter: no Hugging Face name promises those values.
+    ("qwen3next", "qwen3_next", "blk.0.attn_norm.weight", "blk.0.attn_norm.weight"),
+    ("qwen35", "qwen3_5_text", "blk.0.ssm_a", "blk.0.ssm_a"),
+    ("qwen35", "qwen3_5_text", "blk.0.ssm_norm.weight", "model.layers.0.linear_attn.norm.weight"),
+    ("qwen35moe", "qwen3_5_moe_text", "blk.2.ffn_down_shexp.weight",
+     "model.layers.2.mlp.shared_expert.down_proj.weight"),
+])
+def test_gguf_architecture_mapping(arch: str, model_type: str, gguf_name: str, hf: str) -> None:
+    from pocketllm.checkpoint.configs import config_from_gguf
+    from pocketllm.checkpoint.gguf_reader import hf_name
+
+    meta = {"general.architecture": arch, f"{arch}.embedding_length": 64, f"{arch}.attention.head_count": 4,
+            f"{arch}.vocab_size": 96, f"{arch}.block_count": 2, f"{arch}.feed_forward_length": 80,
+            f"{arch}.expert_count": 8}
+    config = config_from_gguf(meta, source="x.gguf", tensor_names=set())
+    assert config.architecture == model_type
+    assert config.extra["num_experts"] == 8
+    assert hf_name(gguf_name, model_type) == hf

@@ -109,7 +109,8 @@ def test_stop_token_ids_and_eos(llm: LLM) -> None:
     [out] = llm.generate([5, 0, 7], SamplingParams(temperature=0.0, max_tokens=10))  # id 0 is EOS
     assert out.outputs[0].token_ids == [5, 0] and out.outputs[0].stop_reason is None
     [out] = llm.generate([5, 0, 7], SamplingParams(temperature=0.0, max_tokens=10, min_tokens=3))
-    assert out.outputs[0].token_ids[:3] == [5, 0, 7]
+    assert out.outputs[0].token_ids[:3] == [5, 7, 7]  # EOS is masked until min_tokens, then ends the request
+    assert out.outputs[0].token_ids[3:] == [5, 0] and out.outputs[0].finish_reason == "stop"
 
 
 def test_bad_token_ids_are_config_errors(llm: LLM) -> None:

@@ -26,7 +26,7 @@ def test_sampling_params_accept_vllm_spellings() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("model", ""), ("model_format", "onnx"), ("device", "tpu"), ("dtype", "int8"), ("tensor_parallel_size", 0),
-    ("tensor_parallel_rank", 1), ("max_model_len", 0), ("max_num_seqs", 0), ("max_num_batched_tokens", -1),
+    ("max_model_len", 0), ("max_num_seqs", 0), ("max_num_batched_tokens", -1),
     ("prefill_chunk_size", 0), ("num_speculative_tokens", 2), ("seed", "x"), ("backend_options", []),
     ("enable_prefix_caching", "yes"),
 ])

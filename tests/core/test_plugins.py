@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pocketllm import BackendNotFoundError, EngineArgs, UnsupportedOptionError
+from pocketllm import API_VERSION, BackendNotFoundError, Capabilities, EngineArgs, UnsupportedOptionError
 from pocketllm.plugins import BackendRegistry
 
 
@@ -31,38 +31,63 @@ def test_allow_list_limits_which_plugins_load(monkeypatch: pytest.MonkeyPatch) -
     assert registry.names() == ["echo"] and registry.failures == []
 
 
-def test_auto_picks_the_highest_score() -> None:
+class _Fake:
+    def __init__(self, name: str, score: int, api_version: object = API_VERSION) -> None:
+        self.name, self.score, self.api_version = name, score, api_version
+
+    def probe(self) -> int:
+        return self.score
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities()
+
+    def create_engine(self, args, checkpoint):
+        raise NotImplementedError
+
+
+def _registry(*backends: _Fake) -> BackendRegistry:
     registry = BackendRegistry(load_entry_points=False)
-
-    class Fake:
-        api_version = 1
-
-        def __init__(self, name: str, score: int) -> None:
-            self.name, self.score = name, score
-
-        def probe(self) -> int:
-            return self.score
-
-        def capabilities(self):
-            from pocketllm import Capabilities
-
-            return Capabilities()
-
-        def create_engine(self, args, checkpoint):
-            raise NotImplementedError
 
     class Plugin:
         @staticmethod
         def pocketllm_register_backends(register):
-            register(Fake("low", 1))
-            register(Fake("high", 5))
-            register(Fake("absent", 0))
+            for backend in backends:
+                register(backend)
 
-    registry.register_plugin(Plugin())
+    registry.register_plugin(Plugin(), name="fakes", distribution="fake-dist")
+    return registry
+
+
+def test_auto_picks_the_highest_score_and_breaks_ties_by_name() -> None:
+    registry = _registry(_Fake("low", 1), _Fake("high", 5), _Fake("absent", 0))
     assert registry.select(EngineArgs()).name == "high"
     assert registry.select(EngineArgs(backend="absent")).name == "absent"
     with pytest.raises(BackendNotFoundError, match="nope"):
         registry.select(EngineArgs(backend="nope"))
+    assert _registry(_Fake("zeta", 5), _Fake("alpha", 5), _Fake("mid", 3)).select(EngineArgs()).name == "alpha"
+
+
+def test_contract_version_compatibility_is_checked_and_reported() -> None:
+    major, minor = API_VERSION
+    registry = _registry(_Fake("same", 1), _Fake("older-minor", 1, (major, 0)),
+                         _Fake("newer-minor", 1, (major, minor + 1)), _Fake("old-major", 1, (major - 1, 0)),
+                         _Fake("bare-int", 1, major))
+    assert registry.names() == ["older-minor", "same"]
+    failures = {f.entry_point: f.error for f in registry.failures}
+    assert set(failures) == {"fakes:newer-minor", "fakes:old-major", "fakes:bare-int"}
+    assert f"contract {major}.{minor + 1}" in failures["fakes:newer-minor"]
+    assert "(major, minor)" in failures["fakes:bare-int"]
+    assert all(f.distribution == "fake-dist" for f in registry.failures)
+
+
+def test_backends_command_shows_why_a_backend_did_not_load(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from pocketllm import cli, plugins
+
+    monkeypatch.setattr(plugins, "BackendRegistry", lambda: _registry(_Fake("future", 1, (API_VERSION[0] + 1, 0))))
+    assert cli.main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "fakes:future" in out and "FAILED TO LOAD" in out and f"contract {API_VERSION[0] + 1}.0" in out
 
 
 def test_import_pocketllm_does_not_import_torch_or_a_backend() -> None:

@@ -9,13 +9,13 @@ import torch
 
 from pocketllm.errors import ConfigError
 from pocketllm_torch.linear import kernel_key, uses_int4
-from tests.torch.torch_testkit import greedy, make_engine, prompt, tiny_model
+from tests.torch.torch_testkit import add, greedy, make_engine, prompt, tiny_model
 
 
 def decode_all(engine, requests) -> dict[str, list[tuple[int, float, list[int]]]]:
     """Each request's (token, logprob, top alternatives) at every step."""
     for request_id, (ids, params) in requests.items():
-        engine.add_request(request_id, ids, params)
+        add(engine, request_id, ids, params)
     out: dict[str, list] = {request_id: [] for request_id in requests}
     while engine.has_unfinished():
         for delta in engine.step():

@@ -88,7 +88,7 @@ def test_q4_model_in_bf16_tracks_its_fp32_dequantized_self(int4_kernel: str, qty
     _, checkpoint = tiny_model()
     checkpoint = dataclasses.replace(checkpoint, quantization=qtype)
     config = checkpoint.config
-    int4 = LlamaModel.from_weights(config, checkpoint.weights(int4_groups=True), CPU, torch.bfloat16, 256)
+    int4 = LlamaModel.from_weights(config, checkpoint.weights(grouped=True), CPU, torch.bfloat16, 256)
     assert isinstance(int4.layers[0].attn.qkv_proj, GroupedLinear)
     assert isinstance(int4.layers[1].mlp.down_proj, GroupedLinear)
     # Prompts of 1 and 5 tokens run the 4-bit kernel; 90 tokens run the dense copy.
@@ -107,7 +107,7 @@ def test_grouped_fp32_model_equals_its_dequantized_self(tie: bool) -> None:
     for qtype in ("Q4_1", "Q8_0"):
         _, checkpoint = tiny_model(tie=tie)
         checkpoint = dataclasses.replace(checkpoint, quantization=qtype)
-        model = LlamaModel.from_weights(checkpoint.config, checkpoint.weights(int4_groups=True, int8_groups=True),
+        model = LlamaModel.from_weights(checkpoint.config, checkpoint.weights(grouped=True),
                                         CPU, torch.float32, 256)
         assert isinstance(model.layers[0].mlp.gate_up_proj, GroupedLinear)
         assert isinstance(model.lm_head, GroupedLinear) == (qtype == "Q8_0")  # Q8_0 quantizes the embeddings too

@@ -10,7 +10,7 @@ import torch
 
 from pocketllm.errors import ConfigError, PromptTooLongError, UnsupportedOptionError
 from pocketllm.sampling_params import SamplingParams
-from tests.torch.torch_testkit import DEVICE, EOS, greedy, make_engine, prompt, run_to_completion, tiny_model
+from tests.torch.torch_testkit import DEVICE, EOS, add, greedy, make_engine, prompt, run_to_completion, tiny_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
@@ -45,23 +45,22 @@ def test_too_few_kv_blocks_for_one_sequence_is_refused(checkpoint) -> None:
 
 
 def test_request_validation(checkpoint) -> None:
+    """What the core refuses before the engine sees a request (see pocketllm.backend.Engine.add_request)."""
     engine = make_engine(checkpoint, max_model_len=32)
     with pytest.raises(PromptTooLongError):
-        engine.add_request("long", prompt(32), greedy())
+        add(engine, "long", prompt(32), greedy())
     with pytest.raises(ConfigError):
-        engine.add_request("empty", [], greedy())
+        add(engine, "empty", [], greedy())
     with pytest.raises(ConfigError):
-        engine.add_request("oov", [10_000], greedy())
+        add(engine, "oov", [10_000], greedy())
     with pytest.raises(ConfigError):
-        engine.add_request("bias", prompt(3), SamplingParams(logit_bias={10_000: 1.0}))
-    engine.add_request("ok", prompt(3), greedy())
-    with pytest.raises(ConfigError):
-        engine.add_request("ok", prompt(3), greedy())
+        add(engine, "bias", prompt(3), SamplingParams(logit_bias={10_000: 1.0}))
+    add(engine, "ok", prompt(3), greedy())
     assert engine.stats().num_waiting == 1
 
 
 def finish(engine, request_id: str, ids: list[int], params: SamplingParams):
-    engine.add_request(request_id, ids, params)
+    add(engine, request_id, ids, params)
     deltas = []
     while engine.has_unfinished():
         deltas += [d for d in engine.step() if d.request_id == request_id]

@@ -20,7 +20,7 @@ def our_logits(checkpoint, prompts: list[list[int]], block_size: int = 4, dtype:
                groups: bool = False) -> list[torch.Tensor]:
     """Logits of every prompt position, all prompts prefilled in one batch over a paged cache."""
     config = checkpoint.config
-    weights = checkpoint.weights(int4_groups=groups, int8_groups=groups)
+    weights = checkpoint.weights(grouped=groups)
     model = LlamaModel.from_weights(config, weights, torch.device("cpu"), dtype, 256)
     cache = KVCache(config.num_hidden_layers, 200, block_size, config.num_key_value_heads, config.head_dim,
                     model.dtype, torch.device("cpu"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.torch.torch_testkit import greedy, make_engine, prompt, run_to_completion, tiny_model
+from tests.torch.torch_testkit import add, greedy, make_engine, prompt, run_to_completion, tiny_model
 
 pytest.importorskip("transformers")
 
@@ -116,11 +116,11 @@ def test_batch_of_eight_equals_each_alone(checkpoint) -> None:
 
 def test_request_added_mid_flight_joins_the_running_batch(checkpoint) -> None:
     engine = make_engine(checkpoint)
-    engine.add_request("first", prompt(10), greedy(20))
+    add(engine, "first", prompt(10), greedy(20))
     first: list[int] = []
     for _ in range(5):
         first += engine.step()[0].new_token_ids
-    engine.add_request("second", prompt(12, offset=3), greedy(6))
+    add(engine, "second", prompt(12, offset=3), greedy(6))
     steps = []
     while engine.has_unfinished():
         steps.append({d.request_id: d.new_token_ids for d in engine.step()})
@@ -160,9 +160,9 @@ def test_prefix_caching_reuses_blocks_and_keeps_outputs(checkpoint) -> None:
 
 def test_blocks_are_freed_on_finish_and_abort(checkpoint) -> None:
     engine = make_engine(checkpoint, prefill_chunk_size=8, max_num_seqs=2)
-    engine.add_request("long", prompt(60), greedy(50))  # takes several prefill steps
-    engine.add_request("short", prompt(5, offset=1), greedy(3))
-    engine.add_request("queued", prompt(5, offset=2), greedy(3))  # max_num_seqs keeps it waiting
+    add(engine, "long", prompt(60), greedy(50))  # takes several prefill steps
+    add(engine, "short", prompt(5, offset=1), greedy(3))
+    add(engine, "queued", prompt(5, offset=2), greedy(3))  # max_num_seqs keeps it waiting
     engine.step()
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (2, 1, 2)
@@ -176,7 +176,7 @@ def test_blocks_are_freed_on_finish_and_abort(checkpoint) -> None:
 
 def test_abort_while_decoding_frees_blocks(checkpoint) -> None:
     engine = make_engine(checkpoint)
-    engine.add_request("a", prompt(30), SamplingParams(max_tokens=100, seed=3))
+    add(engine, "a", prompt(30), SamplingParams(max_tokens=100, seed=3))
     for _ in range(4):
         engine.step()
     assert engine.stats().num_kv_blocks_used > 0

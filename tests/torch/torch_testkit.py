@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import gguf
@@ -12,11 +14,15 @@ import numpy as np
 import torch
 
 from pocketllm.args import EngineArgs
-from pocketllm.checkpoint import int4, int8
+from pocketllm.checkpoint import CheckpointTensor
+from pocketllm.driver import resolve_max_model_len
 from pocketllm.model_config import ModelConfig
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.support import check_engine_args, check_request
+from pocketllm_torch import groups
 from pocketllm_torch.backend import TorchBackend
 from pocketllm_torch.engine import TorchEngine
+from pocketllm_torch.groups import Int4Groups, Int8Groups
 
 VOCAB = 512
 EOS = 2
@@ -31,19 +37,26 @@ class FakeCheckpoint:
     # "Q4_0"/"Q4_1": decoder matrices are stored in that GGUF format; "Q8_0": every matrix, embeddings included
     quantization: str | None = None
 
-    def weights(self, *, int4_groups: bool = False,
-                int8_groups: bool = False) -> Iterator[tuple[str, np.ndarray | int4.Int4Groups | int8.Int8Groups]]:
+    def tensors(self) -> list[CheckpointTensor]:
+        """The state dict as a checkpoint's tensors, quantized blocks where ``quantization`` says."""
+        tensors = []
         for name, tensor in self.state_dict.items():
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             array = tensor.detach().float().numpy()
-            eight = self.quantization == "Q8_0"
-            if self.quantization is None or not (eight or name.startswith("model.layers.")) or array.ndim != 2:
-                yield name, array
-                continue
-            qtype = gguf.GGMLQuantizationType[self.quantization]
-            groups = (int8 if eight else int4).from_gguf_blocks(gguf.quants.quantize(array, qtype), qtype, *array.shape)
-            yield name, groups if (int8_groups if eight else int4_groups) else groups.dequantize()
+            quantized = self.quantization is not None and array.ndim == 2 and (
+                self.quantization == "Q8_0" or name.startswith("model.layers."))
+            dtype = self.quantization if quantized else "F32"
+            raw = gguf.quants.quantize(array, gguf.GGMLQuantizationType[dtype]) if quantized else array
+            buffer = np.frombuffer(raw.tobytes(), np.uint8)
+            tensors.append(CheckpointTensor(name=name, file_name=name, shape=array.shape, dtype=dtype,
+                                            path=Path("<memory>"), offset=0, nbytes=buffer.size, _buffer=buffer))
+        return tensors
+
+    def weights(self, *, grouped: bool = False) -> Iterator[tuple[str, np.ndarray | Int4Groups | Int8Groups]]:
+        """What the model runner loads: with ``grouped``, 4- and 8-bit matrices stay in their groups."""
+        for tensor in self.tensors():
+            yield tensor.name, groups.load(tensor, int4=grouped, int8=grouped)
 
 
 def tiny_model(arch: str = "llama", tie: bool = False, layers: int = 2, seed: int = 0,
@@ -81,11 +94,23 @@ def tiny_model(arch: str = "llama", tie: bool = False, layers: int = 2, seed: in
 
 
 def make_engine(checkpoint: FakeCheckpoint, **args: Any) -> TorchEngine:
-    args = {"device": DEVICE, "dtype": "float32", "max_model_len": 256} | args
-    return TorchBackend().create_engine(EngineArgs(**args), checkpoint)
+    """A TorchEngine behind the core's checks of its arguments, as the driver builds one."""
+    engine_args = EngineArgs(**({"device": DEVICE, "dtype": "float32", "max_model_len": 256} | args))
+    backend = TorchBackend()
+    engine_args = dataclasses.replace(engine_args, max_model_len=resolve_max_model_len(engine_args, checkpoint.config))
+    check_engine_args(backend.name, backend.capabilities(), engine_args, checkpoint)
+    return backend.create_engine(engine_args, checkpoint)
 
 
-def greedy(max_tokens: int = 32, **kwargs: Any) -> SamplingParams:
+def add(engine: TorchEngine, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    """Add a request the way the driver does: through the core's checks, which resolve max_tokens."""
+    config = engine.config
+    params = check_request("torch", TorchBackend().capabilities(), prompt_ids, params,
+                           vocab_size=config.model.vocab_size, max_model_len=config.max_model_len)
+    engine.add_request(request_id, prompt_ids, params)
+
+
+def greedy(max_tokens: int | None = 32, **kwargs: Any) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
@@ -95,7 +120,7 @@ Requests = dict[str, tuple[list[int], SamplingParams]]
 def run_to_completion(engine: TorchEngine, requests: Requests) -> dict[str, list[int]]:
     """Add every request, step until all finish, and return each request's generated tokens."""
     for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
+        add(engine, request_id, prompt, params)
     outputs: dict[str, list[int]] = {request_id: [] for request_id in requests}
     while engine.has_unfinished():
         for delta in engine.step():

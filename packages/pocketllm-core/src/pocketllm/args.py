@@ -25,8 +25,7 @@ class EngineArgs:
     device: str = "auto"  # auto | cpu | cuda[:N] | npu[:N]
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     tensor_parallel_size: int = 1
-    tensor_parallel_rank: int = 0
-    max_model_len: int | None = None  # None: the model's own limit, capped at 8192
+    max_model_len: int | None = None  # None: the model's own limit, capped at limits.MAX_MODEL_LEN_CAP
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
@@ -47,8 +46,6 @@ class EngineArgs:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _positive(self, "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size")
-        _check(_is_int(self.tensor_parallel_rank) and 0 <= self.tensor_parallel_rank < self.tensor_parallel_size,
-               "tensor_parallel_rank", f"must be in [0, tensor_parallel_size), got {self.tensor_parallel_rank}")
         _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len > 0),
                "max_model_len", f"must be a positive integer, got {self.max_model_len!r}")
         _check(isinstance(self.kv_cache_dtype, str) and bool(self.kv_cache_dtype), "kv_cache_dtype",

@@ -1,8 +1,49 @@
-"""The contract between the core and a backend.
+"""The contract between the core and a backend (version 2).
 
 A backend plugin object (registered through the ``pocketllm_register_backends``
 hook) describes itself with data and creates engines. The engine it creates is
 called directly by the core's engine loop once per step: no pluggy there.
+
+What the core does before a backend sees anything
+-------------------------------------------------
+* ``create_engine`` is called only after every :class:`EngineArgs` field was
+  checked against :class:`Capabilities` (architecture, storage types of the
+  checkpoint's tensors, device, dtype, KV-cache dtype, tensor parallelism,
+  speculative decoding, ``max_num_seqs``, ``backend_options`` keys), and after
+  every tensor's shape was checked against the model config. A refusal is an
+  :class:`~pocketllm.errors.UnsupportedOptionError` naming the option and the backend.
+* ``args.max_model_len`` arrives resolved: an int no larger than the model's
+  ``max_position_embeddings`` (by default that limit, capped at
+  :data:`pocketllm.limits.MAX_MODEL_LEN_CAP`).
+* ``create_engine`` runs on the engine thread: the thread that afterwards makes
+  every call to the engine. Thread-affine state (CUDA streams, OpenMP pools)
+  may be created there.
+
+Semantics a backend implements
+------------------------------
+* **Probe scores.** ``probe()`` returns 0 when the backend cannot run here;
+  otherwise 1-9 for a reference or test backend that should never win
+  ``backend="auto"`` over a real one, 10-19 for a general CPU engine, 20-29 for
+  an engine on an accelerator it has to itself. ``auto`` takes the highest
+  score; a tie goes to the backend whose name sorts first.
+* **Stop tokens.** A request ends with ``finish_reason="stop"`` when it samples
+  an EOS id of the model (unless ``ignore_eos``) or one of
+  ``params.stop_token_ids``. The token is part of ``new_token_ids``.
+  ``stop_token_id`` is that id whenever it is in ``params.stop_token_ids``,
+  also when it is an EOS id too; it is None when the request ended on EOS alone.
+* **min_tokens.** Until a request has ``min_tokens`` output tokens, EOS and its
+  stop token ids must not be sampled (their logits are masked, as in vLLM);
+  an engine that cannot mask them must not list ``"min_tokens"`` in
+  ``Capabilities.sampling_options``. The core likewise ignores stop strings
+  until then.
+* **Seeds.** ``params.seed`` is any signed 64-bit integer, negative ones
+  included; equal seeds give equal tokens whatever else is in the batch, and
+  different seeds give independent draws. The core fans out ``n`` choices with
+  seeds ``seed + index`` (wrapped to int64). Without a seed a request draws from
+  a stream the engine seeds from ``EngineArgs.seed``.
+* **Length.** ``params.max_tokens`` arrives resolved: prompt plus max_tokens
+  never exceeds ``max_model_len``. Reaching it ends the request with
+  ``finish_reason="length"``.
 """
 
 from __future__ import annotations
@@ -11,6 +52,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
+from pocketllm.limits import MAX_LOGPROBS, MAX_N
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -18,26 +61,48 @@ if TYPE_CHECKING:
     from pocketllm.checkpoint import Checkpoint
     from pocketllm.sampling_params import SamplingParams
 
-API_VERSION = 1
-"""Bumped when this module changes incompatibly. A backend declares the version it was built for."""
+API_VERSION = (2, 0)
+"""``(major, minor)`` of this contract. A backend built for the same major and an older or equal minor loads;
+the minor grows with additions a backend may ignore, the major with changes it may not."""
+
+SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "logit_bias", "seed", "min_tokens", "logprobs")
+"""SamplingParams fields a backend may leave unimplemented, by name. Greedy decoding, ``max_tokens``, EOS,
+``ignore_eos`` and ``stop_token_ids`` are part of every engine; ``n`` and stop strings are the core's."""
+
+FLOAT_STORAGE_TYPES = ("F32", "F16", "BF16")
 
 
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
-    """What a backend can do, as data the core checks before creating an engine."""
+    """What a backend can do, as data the core checks before creating an engine or adding a request.
 
-    batching: bool = True
-    logprobs: bool = True
-    max_logprobs: int = 20
+    Whatever is not declared here is refused by the core with UnsupportedOptionError, so an engine never
+    sees a request it would have to ignore part of.
+    """
+
+    architectures: tuple[str, ...] = ()
+    """``ModelConfig.architecture`` values this backend runs (the only architecture gate)."""
+    quantization_formats: tuple[str, ...] = FLOAT_STORAGE_TYPES
+    """Tensor storage types it can load (``CheckpointTensor.dtype``: "F32", "Q4_K", ...)."""
+    sampling_options: tuple[str, ...] = ()
+    """Names from :data:`SAMPLING_OPTIONS` it implements with the contract's semantics."""
+    max_logprobs: int = MAX_LOGPROBS
+    max_n: int = MAX_N
+    """Most choices per request (the core fans them out as separate engine requests)."""
+    max_num_seqs: int | None = None
+    """Largest batch (``EngineArgs.max_num_seqs``) it can run; None: no limit of its own."""
     prefix_caching: bool = False
     tensor_parallel: bool = False
     speculative_methods: tuple[str, ...] = ()
-    quantization_formats: tuple[str, ...] = ()
-    architectures: tuple[str, ...] = ()
     devices: tuple[str, ...] = ("cpu",)
     dtypes: tuple[str, ...] = ("float32",)
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
     backend_options: tuple[str, ...] = ()
     """Keys accepted in ``EngineArgs.backend_options``."""
+
+    @property
+    def logprobs(self) -> bool:
+        return "logprobs" in self.sampling_options
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -57,9 +122,9 @@ class SampledLogprobs(msgspec.Struct, frozen=True, array_like=True):
 class RequestDelta(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
     """What one step produced for one request.
 
-    ``finish_reason`` is ``"stop"`` (EOS or a stop token, whose id goes in
-    ``stop_token_id``), ``"length"`` (max_tokens or max_model_len reached) or
-    ``None`` while the request runs. A finished request's KV is already freed.
+    ``finish_reason`` is ``"stop"`` (EOS or a stop token; see the module docstring for ``stop_token_id``),
+    ``"length"`` (max_tokens reached) or ``None`` while the request runs. A finished request's KV is already
+    freed, and the engine never mentions it again.
     """
 
     request_id: str
@@ -85,33 +150,41 @@ class BackendStats(msgspec.Struct, kw_only=True):
 
 @runtime_checkable
 class Engine(Protocol):
-    """A running backend engine: request-level, called from one thread only.
+    """A running backend engine: request-level, called from the engine thread only.
 
     The engine owns scheduling, the KV cache (its layout is private) and
     sampling, and applies ``max_tokens``, ``min_tokens``, EOS, ``ignore_eos``
-    and ``stop_token_ids`` itself. Stop strings are the core's job: it calls
-    :meth:`abort` when one matches.
+    and ``stop_token_ids`` itself. Stop strings and ``n`` are the core's job:
+    it calls :meth:`abort` when a stop string matches.
     """
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. ``params.n`` is always 1 here: the core fans out ``n``.
+        """Queue a request. The engine may assume, without checking again, that:
 
-        Raise :class:`~pocketllm.errors.UnsupportedOptionError` for a parameter
-        this engine cannot honour, and :class:`~pocketllm.errors.PromptTooLongError`
-        for a prompt that cannot fit; nothing is queued then.
+        * ``request_id`` is not in use by a request this engine still knows;
+        * ``prompt_token_ids`` is non-empty and every id is in ``[0, vocab_size)``;
+        * ``len(prompt_token_ids) + params.max_tokens <= max_model_len`` (``max_tokens`` is an int);
+        * ``params.n == 1``; ``logit_bias`` and ``stop_token_ids`` ids are in ``[0, vocab_size)``;
+        * every sampling option in use is listed in ``Capabilities.sampling_options``, and
+          ``params.logprobs`` is at most ``Capabilities.max_logprobs``.
+
+        Raise a :class:`~pocketllm.errors.PocketLLMError` subclass for anything else it cannot take (say,
+        :class:`~pocketllm.errors.PromptTooLongError` when its KV pool could never hold the prompt); nothing
+        is queued then, and the error reaches the caller.
         """
 
     def step(self) -> list[RequestDelta]:
         """Run one scheduling step and return a delta for each request that advanced or finished."""
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        """Drop requests (unknown ids are ignored) and free their KV blocks before returning."""
+        """Drop requests, waiting or running (unknown ids are ignored), and free their KV blocks before
+        returning. An aborted request gets no further delta."""
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
 
     def stats(self) -> BackendStats:
-        """Counters and gauges for metrics and tests."""
+        """Counters and gauges for metrics and tests; all zero but the totals once every request is done."""
 
     def shutdown(self) -> None:
         """Release every resource; the engine is not used afterwards."""
@@ -122,13 +195,14 @@ class BackendPlugin(Protocol):
     """What a backend distribution registers through ``pocketllm_register_backends``."""
 
     name: str
-    api_version: int
+    api_version: tuple[int, int]
 
     def probe(self) -> int:
-        """Return a score for this machine: 0 means unavailable, higher is preferred by ``backend="auto"``."""
+        """Return a score for this machine (see "Probe scores" above): 0 means unavailable."""
 
     def capabilities(self) -> Capabilities:
         """Describe this backend; must be cheap and must not load a model."""
 
     def create_engine(self, args: EngineArgs, checkpoint: Checkpoint) -> Engine:
-        """Build an engine for ``checkpoint``. Raise UnsupportedOptionError for what it cannot do."""
+        """Build an engine for ``checkpoint`` on the engine thread, reading its tensors (see
+        :class:`~pocketllm.checkpoint.CheckpointTensor`) in whatever form suits the backend."""

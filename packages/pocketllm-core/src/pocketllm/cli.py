@@ -60,9 +60,10 @@ def _backends() -> int:
         print(f"{entry.name}  ({entry.distribution} {entry.version}, {state})")
         print(f"    architectures: {', '.join(caps.architectures)}; devices: {', '.join(caps.devices)}; "
               f"dtypes: {', '.join(caps.dtypes)}")
-        print(f"    batching: {caps.batching}; logprobs: {caps.logprobs}; prefix caching: {caps.prefix_caching}; "
-              f"tensor parallel: {caps.tensor_parallel}; speculative: {', '.join(caps.speculative_methods) or '-'}; "
-              f"quantization: {', '.join(caps.quantization_formats) or '-'}")
+        print(f"    max batch: {caps.max_num_seqs or 'any'}; prefix caching: {caps.prefix_caching}; "
+              f"tensor parallel: {caps.tensor_parallel}; speculative: {', '.join(caps.speculative_methods) or '-'}")
+        print(f"    sampling: greedy, {', '.join(caps.sampling_options) or '-'}; storage types: "
+              f"{', '.join(caps.quantization_formats)}")
     for failure in registry.failures:
         print(f"{failure.entry_point}  ({failure.distribution}, FAILED TO LOAD: {failure.error})")
     if not registry.entries() and not registry.failures:

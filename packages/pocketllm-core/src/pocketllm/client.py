@@ -6,9 +6,11 @@ from collections.abc import Sequence
 from typing import Any, Union
 
 from pocketllm.args import EngineArgs
+from pocketllm.backend import BackendStats, Capabilities
 from pocketllm.chat import ChatPromptBuilder
 from pocketllm.driver import EngineDriver
 from pocketllm.errors import ConfigError
+from pocketllm.model_config import ModelConfig
 from pocketllm.outputs import CompletionOutput, RequestOutput, StreamEvent, Usage
 from pocketllm.plugins import BackendRegistry
 from pocketllm.sampling_params import SamplingParams
@@ -18,20 +20,28 @@ Messages = list[dict[str, Any]]
 
 
 class EngineClient:
-    """Owns an EngineDriver; subclasses add the sync or async request API."""
+    """Owns an EngineDriver; subclasses add the sync or async request API.
 
-    def __init__(self, model: str | None = None, *, engine_args: EngineArgs | None = None,
+    Build it from a model (``LLM("smollm2-135m-instruct", dtype="float32")``), from an
+    :class:`EngineArgs` (``LLM(EngineArgs(model=..., backend=...))``, also as ``engine_args=``), or from
+    ``POCKETLLM_*`` variables alone (``LLM()``). This is the whole public surface a server needs.
+    """
+
+    def __init__(self, model: str | EngineArgs | None = None, *, engine_args: EngineArgs | None = None,
                  registry: BackendRegistry | None = None, **kwargs: Any) -> None:
+        if isinstance(model, EngineArgs):
+            model, engine_args = None, _one_of(model, engine_args)
         if engine_args is None:
             engine_args = EngineArgs.from_env(**({"model": model} if model else {}), **kwargs)
         elif model is not None or kwargs:
-            raise ConfigError("engine_args", "pass either engine_args or keyword arguments, not both")
+            raise ConfigError("engine_args", "pass either EngineArgs or keyword arguments, not both")
         self.driver = EngineDriver(engine_args, registry)
         self.tokenizer = self.driver.tokenizer
         self.chat_builder = ChatPromptBuilder(self.tokenizer)
 
     @property
     def args(self) -> EngineArgs:
+        """The engine's arguments as resolved at start (``max_model_len`` is an int)."""
         return self.driver.args
 
     @property
@@ -43,8 +53,25 @@ class EngineClient:
         return self.driver.model_config.vocab_size
 
     @property
+    def model_config(self) -> ModelConfig:
+        return self.driver.model_config
+
+    @property
     def backend_name(self) -> str:
         return self.driver.backend_name
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.driver.capabilities
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the engine loop has died or been shut down: no request can run then."""
+        return self.driver.is_alive
+
+    def stats(self) -> BackendStats:
+        """The backend's counters, as of the end of its latest step."""
+        return self.driver.stats()
 
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """Return ``(text or None, token ids)`` for a text or token-id prompt."""
@@ -64,6 +91,12 @@ class EngineClient:
 
     def shutdown(self) -> None:
         self.driver.shutdown()
+
+
+def _one_of(positional: EngineArgs, keyword: EngineArgs | None) -> EngineArgs:
+    if keyword is not None:
+        raise ConfigError("engine_args", "given twice: positionally and as engine_args=")
+    return positional
 
 
 def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

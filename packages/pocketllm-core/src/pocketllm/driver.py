@@ -22,17 +22,18 @@ from pocketllm.args import EngineArgs
 from pocketllm.backend import BackendPlugin, BackendStats, RequestDelta, SampledLogprobs
 from pocketllm.checkpoint import Checkpoint, load_checkpoint
 from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
-from pocketllm.errors import ConfigError, EngineDeadError, PromptTooLongError
+from pocketllm.errors import ConfigError, EngineDeadError
+from pocketllm.limits import MAX_MODEL_LEN_CAP
+from pocketllm.model_config import ModelConfig
 from pocketllm.outputs import StreamEvent, Usage
 from pocketllm.plugins import BackendRegistry
 from pocketllm.sampling_params import SamplingParams
-from pocketllm.support import check_engine_args, check_sampling_params
+from pocketllm.support import check_engine_args, check_request
 from pocketllm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 Sink = Callable[[StreamEvent | BaseException], None]
-_MAX_MODEL_LEN_CAP = 8192
 
 
 @dataclass(slots=True)
@@ -74,9 +75,8 @@ class EngineDriver:
         self.backend_name = plugin.name
         self.capabilities = plugin.capabilities()
         checkpoint = load_checkpoint(args.model, args.model_format)
-        limit = min(checkpoint.config.max_position_embeddings, _MAX_MODEL_LEN_CAP)
-        self.args = dataclasses.replace(args, max_model_len=args.max_model_len or limit)
-        check_engine_args(plugin.name, self.capabilities, self.args, checkpoint.config)
+        self.args = dataclasses.replace(args, max_model_len=resolve_max_model_len(args, checkpoint.config))
+        check_engine_args(plugin.name, self.capabilities, self.args, checkpoint)
         self.model_config = checkpoint.config
         self.checkpoint_path = checkpoint.path
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint)
@@ -84,6 +84,8 @@ class EngineDriver:
         self._cond = threading.Condition()
         self._commands: list[tuple[str, object, Future[None] | None]] = []
         self._requests: dict[str, _Request] = {}  # every request added and not finished, by request id
+        self._backend_ids: set[str] = set()  # the engine request ids of those requests' choices
+        self.num_stray_deltas = 0  # deltas the engine sent for requests it had finished or been told to abort
         self._choices: dict[str, tuple[_Request, _Choice]] = {}  # by backend id; engine thread only
         self._stats = BackendStats()
         self._error: BaseException | None = None
@@ -105,8 +107,8 @@ class EngineDriver:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, sink: Sink,
                     request_id: str | None = None) -> tuple[str, Future[None]]:
         """Queue a request; the future resolves once the backend accepted it (or holds its error)."""
-        self._check_prompt(prompt_ids, params)
-        check_sampling_params(self.backend_name, self.capabilities, params)
+        params = check_request(self.backend_name, self.capabilities, prompt_ids, params,
+                               vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
         request_id = request_id or uuid.uuid4().hex
         choices = [
             _Choice(i, request_id if params.n == 1 else f"{request_id}-{i}",
@@ -119,9 +121,11 @@ class EngineDriver:
         with self._cond:
             if self._error is not None or self._closing:
                 raise EngineDeadError(f"engine is not running: {self._error or 'shut down'}")
-            if request_id in self._requests:
+            backend_ids = {c.backend_id for c in choices}
+            if request_id in self._requests or not backend_ids.isdisjoint(self._backend_ids):
                 raise ConfigError("request_id", f"{request_id!r} is already in use")
             self._requests[request_id] = request
+            self._backend_ids |= backend_ids
             self._commands.append(("add", request, future))
             self._cond.notify()
         return request_id, future
@@ -149,18 +153,6 @@ class EngineDriver:
             self._cond.notify()
         if self._thread is not threading.current_thread():
             self._thread.join()
-
-    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ConfigError("prompt", "must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_ids):
-            raise ConfigError("prompt", f"token ids must be integers in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.logit_bias):
-            raise ConfigError("logit_bias", f"token ids must be in [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}, "
-                                     "which leaves no room to generate")
 
     # -- engine thread ---------------------------------------------------------
 
@@ -210,11 +202,10 @@ class EngineDriver:
             self.engine.abort(added)
             for backend_id in added:
                 del self._choices[backend_id]
-            with self._cond:
-                self._requests.pop(request.request_id, None)
-            future.set_exception(e)
+            self._forget(request)
+            _settle(future, e)
             return
-        future.set_result(None)
+        _settle(future, None)
 
     def _abort(self, request: _Request) -> None:
         if self._requests.get(request.request_id) is not request:
@@ -233,7 +224,10 @@ class EngineDriver:
         to_abort: list[str] = []
         for delta in deltas:
             entry = self._choices.get(delta.request_id)
-            if entry is None:
+            if entry is None:  # the engine broke its contract; the tokens have no one to go to
+                self.num_stray_deltas += 1
+                log.warning("engine sent a delta for request %s, which it had finished or was told to abort",
+                            delta.request_id)
                 continue
             request, choice = entry
             choice.token_ids.extend(delta.new_token_ids)
@@ -244,7 +238,9 @@ class EngineDriver:
                 new_text += choice.detok.flush()
                 choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_token_id
             choice.text += new_text
-            hit = request.stop.find(choice.text, len(new_text)) if new_text and request.stop.stops else None
+            # As in vLLM, stop strings wait for min_tokens, like EOS and stop tokens in the engine.
+            checks_stop = new_text and request.stop.stops and len(choice.token_ids) >= request.params.min_tokens
+            hit = request.stop.find(choice.text, len(new_text)) if checks_stop else None
             if hit is not None:
                 choice.text = choice.text[:hit[0]]
                 if choice.finish_reason is None:
@@ -267,8 +263,7 @@ class EngineDriver:
                 num_prompt_tokens=len(request.prompt_ids), num_completion_tokens=len(choice.token_ids))
             if request.finished:
                 usage = request.usage()
-                with self._cond:
-                    self._requests.pop(request.request_id, None)
+                self._forget(request)
         event = StreamEvent(request_id=request.request_id, index=choice.index, text=text, token_ids=list(token_ids),
                             logprobs=logprobs, finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
                             usage=usage)
@@ -279,6 +274,12 @@ class EngineDriver:
             if not done:
                 self._abort(request)
 
+    def _forget(self, request: _Request) -> None:
+        with self._cond:
+            if self._requests.get(request.request_id) is request:
+                del self._requests[request.request_id]
+            self._backend_ids.difference_update(c.backend_id for c in request.choices)
+
     def _die(self, error: BaseException) -> None:
         with self._cond:
             self._error = error
@@ -286,13 +287,30 @@ class EngineDriver:
             commands, self._commands = self._commands, []
         dead = EngineDeadError(f"engine failed: {type(error).__name__}: {error}")
         for _, _, future in commands:
-            if future is not None and not future.done():
-                future.set_exception(dead)
+            if future is not None:
+                _settle(future, dead)
         for request in requests:
             try:
                 request.sink(dead)
             except Exception:
                 log.warning("could not tell request %s that the engine died", request.request_id)
+
+
+def resolve_max_model_len(args: EngineArgs, config: ModelConfig) -> int:
+    """``args.max_model_len``, or the model's own limit capped at MAX_MODEL_LEN_CAP; never beyond the model's."""
+    limit = config.max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > limit:
+        raise ConfigError("max_model_len", f"{args.max_model_len} exceeds the model's limit of {limit} positions")
+    return args.max_model_len or min(limit, MAX_MODEL_LEN_CAP)
+
+
+def _settle(future: Future[None], error: BaseException | None) -> None:
+    """Resolve a caller's future unless the caller already cancelled it (it has gone away: nothing to tell)."""
+    if future.set_running_or_notify_cancel():
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
 
 
 def _wrap_int64(value: int) -> int:

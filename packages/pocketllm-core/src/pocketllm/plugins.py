@@ -72,11 +72,13 @@ class BackendRegistry:
         self.pm.register(plugin, name=name)
 
         def register(backend: BackendPlugin) -> None:
-            if not isinstance(backend, BackendPlugin):
-                raise TypeError(f"{backend!r} does not implement pocketllm.backend.BackendPlugin")
-            if backend.api_version != API_VERSION:
-                raise ImportError(f"backend {backend.name!r} targets API version {backend.api_version}, "
-                                  f"this pocketllm-core speaks {API_VERSION}")
+            # A backend this core cannot drive is reported by `pocketllm backends`, and its siblings still load.
+            problem = _incompatibility(backend)
+            if problem is not None:
+                failure = PluginFailure(f"{name or '?'}:{getattr(backend, 'name', '?')}", distribution, problem)
+                self.failures.append(failure)
+                log.warning("backend %s from %s not loaded: %s", failure.entry_point, distribution, problem)
+                return
             self._backends[backend.name] = (backend, distribution, version)
 
         hook = getattr(plugin, "pocketllm_register_backends", None)
@@ -106,10 +108,24 @@ class BackendRegistry:
         chosen = self.pm.hook.pocketllm_select_backend(args=args, scores=scores)
         if chosen is not None:
             return self.get(chosen)
-        available = [(score, name) for name, score in scores.items() if score > 0]
+        available = [(-score, name) for name, score in scores.items() if score > 0]
         if not available:
             raise BackendNotFoundError(_not_found("auto", self.names(), self.failures))
-        return self.get(max(available)[1])
+        return self.get(min(available)[1])  # the highest score; on a tie, the name that sorts first
+
+
+def _incompatibility(backend: object) -> str | None:
+    """Why the core cannot drive ``backend``, or None when it can."""
+    if not isinstance(backend, BackendPlugin):
+        return f"{backend!r} does not implement pocketllm.backend.BackendPlugin"
+    version = backend.api_version
+    if not (isinstance(version, tuple) and len(version) == 2 and all(type(v) is int for v in version)):
+        return (f"backend {backend.name!r} declares api_version {version!r}; expected (major, minor), "
+                f"this pocketllm-core speaks {API_VERSION}")
+    if version[0] != API_VERSION[0] or version[1] > API_VERSION[1]:
+        return (f"backend {backend.name!r} targets contract {version[0]}.{version[1]}, this pocketllm-core speaks "
+                f"{API_VERSION[0]}.{API_VERSION[1]} (same major and an older or equal minor are required)")
+    return None
 
 
 def _safe_probe(plugin: BackendPlugin) -> int:

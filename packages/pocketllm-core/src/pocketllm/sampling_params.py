@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from pocketllm.errors import ConfigError
+from pocketllm.limits import INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -37,7 +38,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        _check(1 <= self.n <= MAX_N, "n", f"must be between 1 and {MAX_N}, got {self.n}")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
                f"must be at least 1, got {self.max_tokens}")
         _check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
@@ -53,14 +54,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                f"must be in [-2, 2], got {self.frequency_penalty}")
         _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
                f"must be in (0, 2], got {self.repetition_penalty}")
-        _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed", "must fit in a signed 64-bit integer")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-               f"must be between 0 and 20, got {self.logprobs}")
+        _check(self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed", "must fit in a signed 64-bit integer")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+               f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative token ids")
-        _check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias",
-               "values must be in [-100, 100]")
+        _check(all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()), "logit_bias",
+               f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         _check(all(t >= 0 for t in self.logit_bias), "logit_bias", "keys must be non-negative token ids")
 
     @property

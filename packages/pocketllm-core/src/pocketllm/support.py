@@ -1,23 +1,33 @@
-"""Checks of what was asked for against what a backend declares it can do."""
+"""Checks of what was asked for against what a backend declares it can do: the one place that refuses.
+
+Everything here runs before ``create_engine`` or ``Engine.add_request``, so a backend never re-checks it.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pocketllm.errors import UnsupportedOptionError
+import msgspec
+
+from pocketllm.errors import ConfigError, PromptTooLongError, UnsupportedOptionError
 
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
     from pocketllm.backend import Capabilities
-    from pocketllm.model_config import ModelConfig
+    from pocketllm.checkpoint import Checkpoint
     from pocketllm.sampling_params import SamplingParams
 
 
-def check_engine_args(backend: str, caps: Capabilities, args: EngineArgs, config: ModelConfig) -> None:
-    """Raise UnsupportedOptionError for the first engine option ``caps`` rules out."""
-    if config.architecture not in caps.architectures:
-        raise UnsupportedOptionError("model", backend, f"architecture {config.architecture!r} is not one of "
+def check_engine_args(backend: str, caps: Capabilities, args: EngineArgs, checkpoint: Checkpoint) -> None:
+    """Raise UnsupportedOptionError for the first engine option or checkpoint property ``caps`` rules out."""
+    architecture = checkpoint.config.architecture
+    if architecture not in caps.architectures:
+        raise UnsupportedOptionError("model", backend, f"architecture {architecture!r} is not one of "
                                      f"{', '.join(caps.architectures) or 'none'}")
+    for tensor in checkpoint.tensors():
+        if tensor.dtype not in caps.quantization_formats:
+            raise UnsupportedOptionError("quantization", backend, f"tensor {tensor.name!r} is stored as "
+                                         f"{tensor.dtype}; supported: {', '.join(caps.quantization_formats)}")
     if args.tensor_parallel_size > 1 and not caps.tensor_parallel:
         raise UnsupportedOptionError("tensor_parallel_size", backend, "tensor parallelism is not implemented")
     if args.speculative_method is not None and args.speculative_method not in caps.speculative_methods:
@@ -25,6 +35,8 @@ def check_engine_args(backend: str, caps: Capabilities, args: EngineArgs, config
                                      f"{', '.join(caps.speculative_methods) or 'none'}")
     if args.enable_prefix_caching and not caps.prefix_caching:
         raise UnsupportedOptionError("enable_prefix_caching", backend)
+    if caps.max_num_seqs is not None and args.max_num_seqs > caps.max_num_seqs:
+        raise UnsupportedOptionError("max_num_seqs", backend, f"at most {caps.max_num_seqs}")
     device = args.device.split(":")[0]
     if device != "auto" and device not in caps.devices:
         raise UnsupportedOptionError("device", backend, f"{args.device!r}; supported: {', '.join(caps.devices)}")
@@ -39,9 +51,48 @@ def check_engine_args(backend: str, caps: Capabilities, args: EngineArgs, config
                                          f"accepted keys: {', '.join(caps.backend_options) or 'none'}")
 
 
-def check_sampling_params(backend: str, caps: Capabilities, params: SamplingParams) -> None:
-    """Raise UnsupportedOptionError for a sampling option ``caps`` rules out."""
-    if params.logprobs is not None and not caps.logprobs:
-        raise UnsupportedOptionError("logprobs", backend)
+def sampling_options_in_use(params: SamplingParams) -> list[str]:
+    """The optional sampling features (names from ``backend.SAMPLING_OPTIONS``) that ``params`` asks for."""
+    sampling = not params.is_greedy
+    used = {
+        "temperature": sampling,
+        # Truncation and seeds only change what a random draw picks: greedy decoding ignores them by definition.
+        "top_p": sampling and params.top_p < 1.0,
+        "top_k": sampling and params.effective_top_k > 0,
+        "min_p": sampling and params.min_p > 0.0,
+        "seed": sampling and params.seed is not None,
+        "presence_penalty": params.presence_penalty != 0.0,
+        "frequency_penalty": params.frequency_penalty != 0.0,
+        "repetition_penalty": params.repetition_penalty != 1.0,
+        "logit_bias": bool(params.logit_bias),
+        "min_tokens": params.min_tokens > 0,
+        "logprobs": params.logprobs is not None,
+    }
+    return [name for name, on in used.items() if on]
+
+
+def check_request(backend: str, caps: Capabilities, prompt_ids: list[int], params: SamplingParams, *,
+                  vocab_size: int, max_model_len: int) -> SamplingParams:
+    """Refuse a request the engine must not see, or return its parameters as the engine gets them (``max_tokens``
+    resolved against the room left): see ``Engine.add_request`` for what the engine may then assume."""
+    if not prompt_ids:
+        raise ConfigError("prompt", "must not be empty")
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt_ids):
+        raise ConfigError("prompt", f"token ids must be integers in [0, {vocab_size})")
+    if len(prompt_ids) >= max_model_len:
+        raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len}, "
+                                 "which leaves no room to generate")
+    for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise ConfigError(field, f"token ids must be in [0, {vocab_size})")
+    if params.top_k > vocab_size:
+        raise ConfigError("top_k", f"must be -1, 0 or at most the vocabulary size {vocab_size}, got {params.top_k}")
+    for option in sampling_options_in_use(params):
+        if option not in caps.sampling_options:
+            raise UnsupportedOptionError(option, backend)
     if params.logprobs is not None and params.logprobs > caps.max_logprobs:
         raise UnsupportedOptionError("logprobs", backend, f"at most {caps.max_logprobs} alternatives")
+    if params.n > caps.max_n:
+        raise UnsupportedOptionError("n", backend, f"at most {caps.max_n} choices")
+    room = max_model_len - len(prompt_ids)
+    return msgspec.structs.replace(params, max_tokens=min(params.max_tokens or room, room))

@@ -53,7 +53,7 @@ def resolve_max_tokens(requested: int | None, default: int | None, *, prompt_len
     return requested
 
 
-def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None, vocab_size: int,
+def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None,
                     fields: dict[str, str]) -> SamplingParams:
     """Build and validate the engine's parameters; ``fields`` names request fields in errors."""
     values = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
@@ -62,23 +62,20 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
-            logit_bias=_logit_bias(req.logit_bias, vocab_size), skip_special_tokens=req.skip_special_tokens,
+            logit_bias=_logit_bias(req.logit_bias), skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output, **values)
     except ConfigError as e:
         raise from_engine_error(e, fields=fields) from None
 
 
-def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's string keys as token ids; the core checks them against the vocabulary."""
     result: dict[int, float] = {}
     for key, value in (bias or {}).items():
         try:
-            token_id = int(key)
+            result[int(key)] = value
         except ValueError:
             raise invalid_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-        # The engine indexes its logits with these: an id out of range must not reach it.
-        if not 0 <= token_id < vocab_size:
-            raise invalid_request(f"logit_bias token id {token_id} is not in [0, {vocab_size})", "logit_bias")
-        result[token_id] = value
     return result
 
 

@@ -34,13 +34,12 @@ async def create_completion(request: Request) -> Response:
     _check_options(req)
     rid = request_id(request, "cmpl")
     prompts = _prompts(req.prompt, llm)
-    vocab_size = llm.driver.model_config.vocab_size
     requests = []
     for i, (text, ids) in enumerate(prompts):
         max_tokens = resolve_max_tokens(req.max_tokens, DEFAULT_MAX_TOKENS, prompt_len=len(ids),
-                                        max_model_len=llm.driver.max_model_len, param="max_tokens",
+                                        max_model_len=llm.max_model_len, param="max_tokens",
                                         prompt_param="prompt")
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=vocab_size, fields={})
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, fields={})
         if text is None and req.echo:  # show token ids as text, special tokens included: what the model was given
             text = llm.tokenizer.decode(ids, skip_special_tokens=False)
         requests.append(PromptRequest(text=text, ids=ids, params=params,

@@ -12,5 +12,5 @@ from pocketllm_server.state import state_of
 async def list_models(request: Request) -> Response:
     state = state_of(request)
     card = ModelCard(id=state.served_model_name, created=state.created, owned_by="pocketllm",
-                     root=state.engine_args.model, max_model_len=state.llm.driver.max_model_len if state.llm else None)
+                     root=state.engine_args.model, max_model_len=state.llm.max_model_len if state.llm else None)
     return json_response(ModelList(data=[card]))

@@ -13,10 +13,8 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from starlette.responses import Response
 
+from pocketllm.limits import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N
 from pocketllm_server.errors import invalid_request
-
-MAX_N = 16
-MAX_LOGPROBS = 20
 
 T = TypeVar("T")
 
@@ -40,7 +38,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # what torch.Generator takes
+    seed: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None

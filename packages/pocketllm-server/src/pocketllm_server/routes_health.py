@@ -19,13 +19,13 @@ async def health(request: Request) -> Response:
         status, error = "failed", f"{type(state.load_error).__name__}: {state.load_error}"
     elif llm is None:
         status, error = "loading", None
-    elif not llm.driver.is_alive:
+    elif not llm.is_alive:
         status, error = "dead", None
     else:
         status, error = "ok", None
     body = HealthResponse(
         status=status, model=state.served_model_name, backend=llm.backend_name if llm is not None else None,
-        engine_alive=llm is not None and llm.driver.is_alive,
+        engine_alive=llm is not None and llm.is_alive,
         num_requests_running=stats.num_running if stats else 0,
         num_requests_waiting=max(stats.num_waiting, state.pending) if stats else 0, error=error)
     return json_response(body, status=200 if status in ("ok", "loading") else 503)

@@ -34,7 +34,7 @@ async def tokenize(request: Request) -> Response:
             raise from_engine_error(e) from None
         if req.add_special_tokens:  # on top of what the template already wrote, as vLLM does
             ids = llm.tokenizer.encode(text, add_special_tokens=True)
-    return json_response(TokenizeResponse(count=len(ids), max_model_len=llm.driver.max_model_len, tokens=ids))
+    return json_response(TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len, tokens=ids))
 
 
 async def detokenize(request: Request) -> Response:

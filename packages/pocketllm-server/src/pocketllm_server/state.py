@@ -106,10 +106,10 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.llm is not None and self.llm.driver.is_alive and not self.draining
+        return self.llm is not None and self.llm.is_alive and not self.draining
 
     def stats(self) -> BackendStats | None:
-        return self.llm.driver.stats() if self.llm is not None else None
+        return self.llm.stats() if self.llm is not None else None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -123,7 +123,7 @@ class ServerState:
             raise unavailable(f"the model failed to load: {self.load_error}", "model_load_failed")
         if self.llm is None:
             raise unavailable("the model is still loading", "model_loading")
-        if not self.llm.driver.is_alive:
+        if not self.llm.is_alive:
             raise unavailable("the engine has stopped", "engine_dead")
         return self.llm
 
@@ -135,7 +135,7 @@ class ServerState:
         Raises APIError (503) when the queue is full, or the engine's error for a bad request.
         """
         llm = self.require_llm()
-        stats = llm.driver.stats()
+        stats = llm.stats()
         if self.max_queue_len is not None and max(stats.num_waiting, self.pending) >= self.max_queue_len:
             raise unavailable(f"too many requests waiting (max_queue_len={self.max_queue_len}); retry later",
                               "queue_full")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pocketllm.backend import API_VERSION, Capabilities
+from pocketllm.backend import API_VERSION, FLOAT_STORAGE_TYPES, SAMPLING_OPTIONS, Capabilities
 
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 NAME = "torch"
 ARCHITECTURES = ("llama", "qwen3")
 BACKEND_OPTIONS = ("block_size", "decode_graphs", "num_kv_blocks", "num_threads")
-MAX_LOGPROBS = 20
+# Every GGUF block type the gguf package dequantizes (4- and 8-bit groups stay so where a kernel reads them).
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M",
+               "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")
 
 
 class TorchBackend:
@@ -32,13 +34,10 @@ class TorchBackend:
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
-            batching=True,
-            logprobs=True,
-            max_logprobs=MAX_LOGPROBS,
-            prefix_caching=True,
-            tensor_parallel=False,
-            speculative_methods=(),
             architectures=ARCHITECTURES,
+            quantization_formats=(*FLOAT_STORAGE_TYPES, "F64", *BLOCK_TYPES),
+            sampling_options=SAMPLING_OPTIONS,
+            prefix_caching=True,
             devices=("cpu", "cuda"),
             dtypes=("float32", "bfloat16", "float16"),
             kv_cache_dtypes=("auto", "float32", "bfloat16", "float16"),

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pocketllm.errors import ConfigError, UnsupportedOptionError
-from pocketllm_torch.backend import ARCHITECTURES, BACKEND_OPTIONS, NAME
+from pocketllm_torch.backend import NAME
 from pocketllm_torch.linear import compute_dtype
 
 if TYPE_CHECKING:
@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_BLOCK_SIZE = 16
-MAX_DEFAULT_MODEL_LEN = 8192
 CPU_KV_MEMORY_FRACTION = 0.25  # of physical RAM: the weights and the rest of the process need the remainder
 GPU_KV_MEMORY_FRACTION = 0.9  # of the memory still free once the weights are loaded
 
@@ -40,7 +39,7 @@ class TorchConfig:
 
     @classmethod
     def from_args(cls, args: EngineArgs, model: ModelConfig) -> TorchConfig:
-        _refuse_unsupported(args, model)
+        # The core has refused every option outside this backend's Capabilities; values are checked here.
         options = args.backend_options
         if "num_threads" in options:
             torch.set_num_threads(_positive_option(options, "num_threads"))
@@ -49,16 +48,13 @@ class TorchConfig:
         # "auto" stores what attention computes in, so that reading the cache converts nothing.
         kv_cache_dtype = (compute_dtype(device, dtype) if args.kv_cache_dtype == "auto"
                           else _resolve_dtype(args.kv_cache_dtype, device))
-        max_model_len = args.max_model_len or min(model.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
-        if max_model_len > model.max_position_embeddings:
-            raise ConfigError("max_model_len", f"{max_model_len} exceeds the model's limit of "
-                                               f"{model.max_position_embeddings} positions")
+        assert args.max_model_len is not None  # resolved by the core
         return cls(
             model=model,
             device=device,
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
-            max_model_len=max_model_len,
+            max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             prefill_chunk_size=args.prefill_chunk_size,
@@ -86,26 +82,9 @@ class TorchConfig:
         return num_blocks
 
 
-def _refuse_unsupported(args: EngineArgs, model: ModelConfig) -> None:
-    unknown = sorted(set(args.backend_options) - set(BACKEND_OPTIONS))
-    if unknown:
-        raise UnsupportedOptionError(f"backend_options.{unknown[0]}", NAME,
-                                     f"known backend_options are {', '.join(BACKEND_OPTIONS)}")
-    if model.architecture not in ARCHITECTURES:
-        raise UnsupportedOptionError("architecture", NAME, f"{model.architecture!r} is not one of {ARCHITECTURES}")
-    if args.tensor_parallel_size > 1:
-        raise UnsupportedOptionError("tensor_parallel_size", NAME)
-    if args.speculative_method is not None:
-        raise UnsupportedOptionError("speculative_method", NAME)
-    if args.kv_cache_dtype != "auto" and args.kv_cache_dtype not in DTYPES:
-        raise UnsupportedOptionError("kv_cache_dtype", NAME, f"{args.kv_cache_dtype!r} is not auto or a float dtype")
-
-
 def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.partition(":")[0] not in ("cpu", "cuda"):
-        raise UnsupportedOptionError("device", NAME, f"{name!r} is not cpu or cuda")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UnsupportedOptionError("device", NAME, "CUDA is not available")
     return torch.device(name)

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from pocketllm.backend import BackendStats, RequestDelta
-from pocketllm.errors import ConfigError, PromptTooLongError, UnsupportedOptionError
-from pocketllm_torch.backend import MAX_LOGPROBS, NAME
 from pocketllm_torch.block_manager import BlockManager
 from pocketllm_torch.config import TorchConfig
 from pocketllm_torch.model_runner import ModelRunner
@@ -38,33 +36,20 @@ class TorchEngine:
         self._seeds = random.Random(args.seed)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        model, max_model_len = self.config.model, self.config.max_model_len
-        if request_id in self.seqs:
-            raise ConfigError("request_id", f"{request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ConfigError("prompt_token_ids", "must not be empty")
-        if len(prompt_token_ids) >= max_model_len:
-            raise PromptTooLongError(f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate within "
-                                     f"max_model_len={max_model_len}")
-        if not all(0 <= t < model.vocab_size for t in prompt_token_ids):
-            raise ConfigError("prompt_token_ids", f"token ids must be in [0, {model.vocab_size})")
-        if not all(t < model.vocab_size for t in params.logit_bias):
-            raise ConfigError("logit_bias", f"token ids must be below the vocabulary size {model.vocab_size}")
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise UnsupportedOptionError("logprobs", NAME, f"at most {MAX_LOGPROBS} alternatives")
+        # The core has checked the prompt, the ids in it and the parameters (see pocketllm.backend.Engine).
         generator = None
         if not params.is_greedy:
             seed = self._seeds.getrandbits(63) if params.seed is None else params.seed
             generator = torch.Generator(self.config.device).manual_seed(seed)
-        stop_ids = set(params.stop_token_ids) if params.ignore_eos else {*params.stop_token_ids, *model.eos_token_ids}
-        room = max_model_len - len(prompt_token_ids)
+        eos = () if params.ignore_eos else self.config.model.eos_token_ids
+        assert params.max_tokens is not None  # resolved by the core
         seq = Sequence(
             request_id=request_id,
             token_ids=list(prompt_token_ids),
             num_prompt_tokens=len(prompt_token_ids),
             params=params,
-            max_output_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
-            stop_token_ids=frozenset(stop_ids),
+            max_output_tokens=params.max_tokens,
+            stop_token_ids=frozenset((*params.stop_token_ids, *eos)),
             generator=generator,
         )
         self.seqs[request_id] = seq

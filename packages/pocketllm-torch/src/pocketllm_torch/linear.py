@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pocketllm.checkpoint.int4 import GROUP_SIZE, Int4Groups
-from pocketllm.checkpoint.int8 import Int8Groups
 from pocketllm_torch import native
+from pocketllm_torch.groups import GROUP_SIZE, Int4Groups, Int8Groups
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pocketllm_torch import groups
 from pocketllm_torch.attention import KVCache, build_metadata
 from pocketllm_torch.decode_graphs import DecodeGraphs
 from pocketllm_torch.linear import uses_int4, uses_int8
@@ -25,8 +26,8 @@ class ModelRunner:
     def __init__(self, config: TorchConfig, checkpoint: Checkpoint) -> None:
         self.device = config.device
         self.block_size = config.block_size
-        weights = checkpoint.weights(int4_groups=uses_int4(config.device, config.dtype),
-                                     int8_groups=uses_int8(config.device))
+        int4, int8 = uses_int4(config.device, config.dtype), uses_int8(config.device)
+        weights = ((t.name, groups.load(t, int4=int4, int8=int8)) for t in checkpoint.tensors())
         self.model = LlamaModel.from_weights(config.model, weights, config.device, config.dtype, config.max_model_len)
         # Sized after the weights are loaded, so a GPU's budget is what they left free.
         self.num_kv_blocks = config.resolve_num_kv_blocks()

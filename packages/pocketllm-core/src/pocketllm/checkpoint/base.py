@@ -2,42 +2,41 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
-from pocketllm.checkpoint.int4 import Int4Groups
-from pocketllm.checkpoint.int8 import Int8Groups
+from pocketllm.checkpoint.tensor import CheckpointTensor
 from pocketllm.model_config import ModelConfig
 
 
-class Checkpoint(ABC):
-    """A model on disk: its normalised config and a lazy stream of its weights.
+class Checkpoint:
+    """A model on disk: its normalised config and a description of each tensor, read only when asked.
 
-    Weights come out one at a time, named and laid out as in the Hugging Face
-    checkpoint of the architecture, as float32 or float16 arrays. An array may
-    be a read-only view of the file: copy it before writing to it.
+    By construction every tensor's byte range lies inside its file, and every tensor the config describes has
+    the shape the config implies. Tensors are named and laid out as in the Hugging Face checkpoint of the
+    architecture where the format allows (see the GGUF reader for what keeps its own name).
     """
 
     format: ClassVar[str]
 
-    def __init__(self, path: Path, config: ModelConfig, quantization: str | None = None) -> None:
+    def __init__(self, path: Path, config: ModelConfig, tensors: list[CheckpointTensor],
+                 quantization: str | None = None) -> None:
         self.path = path
         self.config = config
         self.quantization = quantization
+        self._tensors = tensors
 
-    @abstractmethod
-    def weights(self, *, int4_groups: bool = False,
-                int8_groups: bool = False) -> Iterator[tuple[str, np.ndarray | Int4Groups | Int8Groups]]:
-        """Yield ``(hf_name, array)`` pairs, reading each tensor only when it is reached.
+    def tensors(self) -> list[CheckpointTensor]:
+        """Every tensor, in file order; nothing is read until a tensor's data is."""
+        return list(self._tensors)
 
-        With ``int4_groups``, matrices the file stores as 4-bit groups (GGUF Q4_0/Q4_1) come as
-        :class:`Int4Groups` instead of being dequantized; with ``int8_groups``, those it stores as 8-bit
-        groups (Q8_0) come as :class:`Int8Groups`. Every other tensor is an array as usual.
-        """
+    def weights(self) -> Iterator[tuple[str, np.ndarray]]:
+        """``(name, dequantized array)`` pairs, reading each tensor only when it is reached."""
+        for tensor in self._tensors:
+            yield tensor.name, tensor.dequantize()
 
     def tokenizer_files(self) -> dict[str, Path]:
         """Tokenizer files shipped next to the weights, by file name (``tokenizer.json``, ...)."""

@@ -49,6 +49,29 @@ _GGUF_FIELDS = {
 }
 # GGUF rope.scaling keys whose Hugging Face name differs.
 _GGUF_ROPE_KEYS = {"original_context_length": "original_max_position_embeddings"}
+# GGUF architecture names of the families both llama.cpp and transformers know -> transformers' model_type.
+# Any other architecture keeps its GGUF name, and its tensors theirs.
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "qwen3next": "qwen3_next",
+    "qwen35": "qwen3_5_text",
+    "qwen35moe": "qwen3_5_moe_text",
+}
+# ``{arch}.<key>`` metadata of mapped architectures that goes to ``extra`` under its Hugging Face name.
+_GGUF_EXTRA_NAMES = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "full_attention_interval": "full_attention_interval",
+    "ssm.conv_kernel": "linear_conv_kernel_dim",
+    "ssm.state_size": "linear_key_head_dim",
+    "ssm.group_count": "linear_num_key_heads",
+    "ssm.time_step_rank": "linear_num_value_heads",
+}
 
 
 def config_from_hf(
@@ -86,11 +109,12 @@ def config_from_gguf(meta: Mapping[str, Any], *, source: str, tensor_names: set[
     if not isinstance(arch, str) or not arch:
         raise CheckpointError(f"{source}: GGUF metadata lacks 'general.architecture'")
     prefix = f"{arch}."
+    mapped = arch in GGUF_ARCHITECTURES
     fields = {field: meta[prefix + key] for key, field in _GGUF_FIELDS.items() if prefix + key in meta}
     if "vocab_size" not in fields and "tokenizer.ggml.tokens" in meta:
         fields["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
     fields.update(
-        architecture=arch,
+        architecture=GGUF_ARCHITECTURES.get(arch, arch),
         rope_scaling=_gguf_rope_scaling(meta, prefix + "rope.scaling."),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
@@ -98,7 +122,7 @@ def config_from_gguf(meta: Mapping[str, Any], *, source: str, tensor_names: set[
         # llama.cpp ends generation on end-of-turn and end-of-message tokens too, not only on EOS.
         eos_token_ids=token_ids(*(meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))),
         extra={
-            k.removeprefix(prefix): v
+            _extra_name(k.removeprefix(prefix), mapped): v
             for k, v in meta.items()
             if k.startswith(prefix)
             and k.removeprefix(prefix) not in _GGUF_FIELDS
@@ -106,6 +130,28 @@ def config_from_gguf(meta: Mapping[str, Any], *, source: str, tensor_names: set[
         },
     )
     return _build(fields, source)
+
+
+def _extra_name(key: str, mapped: bool) -> str:
+    return _GGUF_EXTRA_NAMES.get(key, key) if mapped else key
+
+
+def hf_key_of(field: str) -> str:
+    """Where a ModelConfig field of a safetensors checkpoint came from, for error messages."""
+    return f"config.json {field!r}"
+
+
+def gguf_key_of(field: str, meta: Mapping[str, Any]) -> str:
+    """The GGUF metadata key(s) a ModelConfig field came from, for error messages."""
+    prefix = f"{meta.get('general.architecture')}."
+    keys = {f: prefix + k for k, f in _GGUF_FIELDS.items()}
+    if prefix + "vocab_size" not in meta:
+        keys["vocab_size"] = "the length of tokenizer.ggml.tokens"
+    if prefix + "attention.key_length" not in meta:
+        keys["head_dim"] = f"{keys['hidden_size']} / {keys['num_attention_heads']}"
+    if prefix + "attention.head_count_kv" not in meta:
+        keys["num_key_value_heads"] = keys["num_attention_heads"]
+    return keys.get(field, field)
 
 
 def _gguf_rope_scaling(meta: Mapping[str, Any], prefix: str) -> dict[str, Any] | None:

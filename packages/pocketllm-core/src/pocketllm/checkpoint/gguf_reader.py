@@ -1,108 +1,144 @@
-"""GGUF files (llama.cpp): metadata, and tensors dequantized into Hugging Face names and layout."""
+"""GGUF files (llama.cpp): metadata, and tensors described in Hugging Face names and layout.
+
+Architectures llama.cpp and transformers both know are mapped to the transformers ``model_type`` and tensor
+names; any other architecture comes through with GGUF's own names, for a backend that knows it to take.
+"""
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import gguf
 import numpy as np
 
-from pocketllm.checkpoint import int4, int8
 from pocketllm.checkpoint.base import Checkpoint
-from pocketllm.checkpoint.configs import config_from_gguf
-from pocketllm.checkpoint.int4 import Int4Groups
-from pocketllm.checkpoint.int8 import Int8Groups
+from pocketllm.checkpoint.configs import GGUF_ARCHITECTURES, config_from_gguf, gguf_key_of
+from pocketllm.checkpoint.shapes import check_shapes
+from pocketllm.checkpoint.tensor import CheckpointTensor, RowPermutation
 from pocketllm.errors import CheckpointError
 
-T = TypeVar("T", Int4Groups, Int8Groups)
-
-# GGUF tensor base names (without .weight/.bias) -> Hugging Face module names.
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
+# GGUF tensor base names (without .weight/.bias) -> Hugging Face module names, for the tensors llama.cpp's
+# converter only renamed (and, for Llama's q/k, permuted: see RowPermutation). A tensor whose values it changed
+# keeps its GGUF name, since a Hugging Face name would promise values it does not have. In the hybrid
+# architectures that is every RMSNorm weight (stored as 1 + w), ssm_a (-exp(A_log)), the squeezed conv1d, and
+# the linear-attention projections it split (Qwen3-Next's qkvz) or whose value heads it reordered (Qwen3.5).
+_GLOBAL = {"token_embd": "model.embed_tokens", "output": "lm_head"}
+_NORMS = {"output_norm": "model.norm"}
+_ATTENTION = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+}
+_ATTENTION_NORMS = {
+    "attn_norm": "input_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
 }
-# Supported architectures -> whether llama.cpp's converter permuted the q/k rows into its rope layout.
-_PERMUTES_QK = {"llama": True, "qwen2": False, "qwen3": False}
+_DENSE_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# Experts are stacked along a leading expert axis: [experts, out, in] in Hugging Face order.
+_MOE = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_LINEAR_ATTENTION = {"ssm_norm": "linear_attn.norm"}
+_PLAIN = _GLOBAL | _NORMS | _ATTENTION | _ATTENTION_NORMS
+_NAMES: dict[str, dict[str, str]] = {
+    "llama": _PLAIN | _DENSE_MLP,
+    "qwen2": _PLAIN | _DENSE_MLP,
+    "qwen3": _PLAIN | _DENSE_MLP,
+    "qwen3_moe": _PLAIN | _MOE,
+    "qwen3_next": _GLOBAL | _ATTENTION | _MOE | _LINEAR_ATTENTION
+    | {"ssm_ba": "linear_attn.in_proj_ba", "ssm_out": "linear_attn.out_proj"},
+    "qwen3_5_text": _GLOBAL | _ATTENTION | _DENSE_MLP | _LINEAR_ATTENTION,
+    "qwen3_5_moe_text": _GLOBAL | _ATTENTION | _MOE | _LINEAR_ATTENTION,
+}
+assert set(_NAMES) == set(GGUF_ARCHITECTURES.values())
+_TOP_LEVEL = frozenset(_GLOBAL) | frozenset(_NORMS)
+# Architectures whose q/k rows llama.cpp's converter permuted into its RoPE layout.
+_PERMUTES_QK = frozenset({"llama"})
 # llama.cpp precomputes Llama 3 rope frequencies as a tensor; Hugging Face models compute them instead.
 _SKIPPED = frozenset({"rope_freqs.weight"})
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _UNQUANTIZED = frozenset({"ALL_F32", "F32", "F16", "BF16"})
+_MAX_DIMS = 4
 
 
 class GGUFCheckpoint(Checkpoint):
     format = "gguf"
 
     def __init__(self, path: Path) -> None:
-        self._reader = _open(path)
+        reader = _open(path)
+        if reader.byte_order != "I":
+            raise CheckpointError(f"{path}: big-endian GGUF files are not supported")
         try:
-            meta = {
-                name: field.contents() for name, field in self._reader.fields.items() if not name.startswith("GGUF.")
-            }
+            meta = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
         except (ValueError, IndexError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: corrupt GGUF metadata: {e}") from None
         self._metadata = meta
-        config = config_from_gguf(meta, source=str(path), tensor_names={t.name for t in self._reader.tensors})
-        if config.architecture not in _PERMUTES_QK:
-            raise CheckpointError(
-                f"{path}: GGUF architecture {config.architecture!r} is not supported "
-                f"(supported: {', '.join(sorted(_PERMUTES_QK))})"
-            )
-        for tensor in self._reader.tensors:
-            if tensor.name not in _SKIPPED:
-                hf_name(tensor.name, path)  # fail at load time, not halfway through the weights
-        super().__init__(path, config, _quantization(meta.get("general.file_type"), self._reader))
+        config = config_from_gguf(meta, source=str(path), tensor_names={t.name for t in reader.tensors})
+        tensors = [_describe(t, reader, path, config.architecture, config)
+                   for t in reader.tensors if t.name not in _SKIPPED]
+        check_shapes(tensors, config, lambda field: gguf_key_of(field, meta))
+        super().__init__(path, config, tensors, _quantization(meta.get("general.file_type"), reader))
 
     @property
     def gguf_metadata(self) -> Mapping[str, Any]:
         return self._metadata
 
-    def weights(self, *, int4_groups: bool = False,
-                int8_groups: bool = False) -> Iterator[tuple[str, np.ndarray | Int4Groups | Int8Groups]]:
-        permute = _PERMUTES_QK[self.config.architecture]
-        heads = {"q_proj": self.config.num_attention_heads, "k_proj": self.config.num_key_value_heads}
-        for tensor in self._reader.tensors:
-            if tensor.name in _SKIPPED:
-                continue
-            name = hf_name(tensor.name, self.path)
-            # GGUF lists dimensions fastest-first; Hugging Face layout is the reverse.
-            shape = [int(d) for d in reversed(tensor.shape)]
-            weight: np.ndarray | Int4Groups | Int8Groups
-            if int4_groups and tensor.tensor_type in int4.INT4_TYPES and len(shape) == 2:
-                weight = _groups(int4.from_gguf_blocks, tensor, shape, self.path)
-            elif int8_groups and tensor.tensor_type in int8.INT8_TYPES and len(shape) == 2:
-                weight = _groups(int8.from_gguf_blocks, tensor, shape, self.path)
-            else:
-                weight = _dequantize(tensor, self.path).reshape(shape)
-            module = name.split(".")[-2]
-            if permute and module in heads:
-                n_head = heads[module]
-                weight = (_unpermute_rows(weight, n_head) if isinstance(weight, np.ndarray)
-                          else weight.map_rows(lambda rows, n=n_head: _unpermute_rows(rows, n)))
-            yield name, weight
 
-
-def hf_name(name: str, path: Path) -> str:
-    """The Hugging Face name of a GGUF tensor: ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+def hf_name(name: str, architecture: str) -> str:
+    """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)
+    where the architecture is mapped and the tensor only renamed; the GGUF name itself otherwise."""
+    names = _NAMES.get(architecture, {})
     base, _, suffix = name.rpartition(".")
-    if base in _GLOBAL_NAMES and suffix in ("weight", "bias"):
-        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    if suffix not in ("weight", "bias"):
+        return name
     match = _LAYER.fullmatch(name)
-    if match and match[2] in _LAYER_NAMES:
-        return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
-    raise CheckpointError(f"{path}: GGUF tensor {name!r} has no Hugging Face equivalent")
+    if match is None:
+        return f"{names[base]}.{suffix}" if base in names and base in _TOP_LEVEL else name
+    return f"model.layers.{match[1]}.{names[match[2]]}.{suffix}" if match[2] in names else name
+
+
+def _describe(tensor: Any, reader: gguf.GGUFReader, path: Path, architecture: str, config: Any) -> CheckpointTensor:
+    """Validate one tensor's header against the file and describe it."""
+    def fail(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: tensor {tensor.name!r}: {why}")
+
+    dims = [int(d) for d in tensor.shape]
+    if not 1 <= len(dims) <= _MAX_DIMS or any(d <= 0 for d in dims):
+        raise fail(f"invalid dimensions {dims}")
+    qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if dims[0] % block_size:
+        raise fail(f"row length {dims[0]} is not a multiple of {qtype.name}'s block of {block_size}")
+    nbytes = math.prod(dims) // block_size * type_size
+    start, file_size = int(tensor.data_offset), int(reader.data.size)
+    if start < reader.data_offset or start + nbytes > file_size:
+        raise fail(f"its {nbytes} bytes at offset {start} lie outside the file's data ({file_size} bytes)")
+    # GGUF lists dimensions fastest-first; Hugging Face layout is the reverse.
+    shape = tuple(reversed(dims))
+    name = hf_name(tensor.name, architecture)
+    permutation = None
+    if architecture in _PERMUTES_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+        if shape[0] % (2 * heads):
+            raise fail(f"{shape[0]} rows do not split into {heads} heads of row pairs")
+        permutation = RowPermutation(heads)
+    return CheckpointTensor(name=name, file_name=tensor.name, shape=shape, dtype=qtype.name, path=path,
+                            offset=start, nbytes=nbytes, row_permutation=permutation,
+                            _buffer=reader.data[start:start + nbytes])
 
 
 class _Reader(gguf.GGUFReader):
@@ -110,7 +146,7 @@ class _Reader(gguf.GGUFReader):
 
     The parser slices the map once per metadata value (~100k times for a vocabulary), and
     numpy.memmap's per-slice bookkeeping makes that 3-4x slower. The view shares the same
-    mapping, so tensor data stays on disk until dequantized.
+    mapping, so tensor data stays on disk until read.
     """
 
     @property  # type: ignore[override]
@@ -125,31 +161,9 @@ class _Reader(gguf.GGUFReader):
 def _open(path: Path) -> gguf.GGUFReader:
     try:
         return _Reader(path)
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, OSError) as e:
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, OSError, MemoryError, TypeError) as e:
         # GGUFReader reports truncation (a tensor or value cut short) and garbage as whatever numpy raised first.
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
-
-
-def _dequantize(tensor: Any, path: Path) -> np.ndarray:
-    if tensor.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-        return tensor.data  # already float32/float16: a view of the file, no copy
-    try:
-        return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError as e:
-        raise CheckpointError(f"{path}: tensor {tensor.name!r}: {e}") from None
-
-
-def _groups(unpack: Callable[..., T], tensor: Any, shape: list[int], path: Path) -> T:
-    try:
-        return unpack(tensor.data, tensor.tensor_type, *shape)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: tensor {tensor.name!r}: {e}") from None
-
-
-def _unpermute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's ``permute`` of q/k rows (inverse of convert_hf_to_gguf.LlamaModel.permute)."""
-    half = weight.shape[0] // n_head // 2
-    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _quantization(file_type: object, reader: gguf.GGUFReader) -> str | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,14 +11,16 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from pocketllm.checkpoint.base import Checkpoint
-from pocketllm.checkpoint.configs import config_from_hf
+from pocketllm.checkpoint.configs import config_from_hf, hf_key_of
 from pocketllm.checkpoint.jsonfile import read_json_object
+from pocketllm.checkpoint.shapes import check_shapes
+from pocketllm.checkpoint.tensor import CheckpointTensor
 from pocketllm.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
-# BF16 has no numpy dtype: it is read raw and widened to float32. F64 is narrowed to float32.
-_SUPPORTED_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
+# Storage types of model weights: CheckpointTensor.dequantize widens BF16 and narrows F64 to float32.
+_ITEM_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 
 
 class SafetensorsCheckpoint(Checkpoint):
@@ -28,34 +30,22 @@ class SafetensorsCheckpoint(Checkpoint):
         raw = read_json_object(directory / "config.json")
         generation = directory / "generation_config.json"
         generation_eos = read_json_object(generation).get("eos_token_id") if generation.is_file() else None
-        self._shards = _shard_names(directory)
-        names: set[str] = set()
-        for shard, expected in self._shards.items():
-            names.update(_check_shard(shard, expected))
+        tensors: list[CheckpointTensor] = []
+        for shard, expected in _shard_names(directory).items():
+            tensors += _shard_tensors(shard, expected)
+        names = {t.name for t in tensors}
+        if len(names) < len(tensors):
+            raise CheckpointError(f"{directory}: a tensor name appears in more than one shard")
         config = config_from_hf(
             raw,
             source=str(directory / "config.json"),
             has_lm_head="lm_head.weight" in names,
             generation_eos=generation_eos,
         )
-        super().__init__(directory, config)
-
-    def weights(self, *, int4_groups: bool = False, int8_groups: bool = False) -> Iterator[tuple[str, np.ndarray]]:
-        del int4_groups, int8_groups  # safetensors holds no group formats: every tensor is an array
-        for shard in self._shards:
-            with _open(shard) as f:
-                header: tuple[dict[str, Any], int] | None = None
-                for name in f.offset_keys():
-                    if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                        continue  # tied: the backend reuses the embedding, as transformers does
-                    dtype = f.get_slice(name).get_dtype()
-                    if dtype == "BF16":
-                        header = header or _read_header(shard)
-                        yield name, _read_bf16(shard, header, name)
-                    elif dtype == "F64":
-                        yield name, f.get_tensor(name).astype(np.float32)
-                    else:
-                        yield name, f.get_tensor(name)
+        if config.tie_word_embeddings:  # tied: the backend reuses the embedding, as transformers does
+            tensors = [t for t in tensors if t.name != "lm_head.weight"]
+        check_shapes(tensors, config, hf_key_of)
+        super().__init__(directory, config, tensors)
 
     def tokenizer_files(self) -> dict[str, Path]:
         return {name: self.path / name for name in TOKENIZER_FILES if (self.path / name).is_file()}
@@ -81,18 +71,27 @@ def _shard_names(directory: Path) -> dict[Path, set[str] | None]:
     return dict.fromkeys(found)
 
 
-def _check_shard(shard: Path, expected: set[str] | None) -> list[str]:
-    """Parse and validate a shard's header (safetensors checks offsets against the file size)."""
+def _shard_tensors(shard: Path, expected: set[str] | None) -> list[CheckpointTensor]:
+    """Describe a shard's tensors once safetensors itself has validated the file's layout."""
     with _open(shard) as f:
-        names = f.keys()
-        for name in names:
-            dtype = f.get_slice(name).get_dtype()
-            if dtype not in _SUPPORTED_DTYPES:
-                raise CheckpointError(f"{shard}: tensor {name!r} has unsupported dtype {dtype}")
+        names = list(f.keys())
     if expected is not None and not expected <= set(names):
         missing = sorted(expected - set(names))[:5]
         raise CheckpointError(f"{shard}: lacks tensors listed in {INDEX_FILE}: {missing}")
-    return names
+    entries, data_start = _read_header(shard)
+    data = np.memmap(shard, dtype=np.uint8, mode="r").view(np.ndarray)
+    tensors = []
+    for name in names:
+        entry = entries[name]
+        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        if dtype not in _ITEM_SIZES:
+            raise CheckpointError(f"{shard}: tensor {name!r} has unsupported dtype {dtype}")
+        if end - begin != math.prod(shape) * _ITEM_SIZES[dtype] or data_start + end > data.size:
+            raise CheckpointError(f"{shard}: tensor {name!r}: bytes [{begin}, {end}) do not hold {dtype} {list(shape)}")
+        start = data_start + begin
+        tensors.append(CheckpointTensor(name=name, file_name=name, shape=shape, dtype=dtype, path=shard,
+                                        offset=start, nbytes=end - begin, _buffer=data[start:data_start + end]))
+    return tensors
 
 
 def _open(shard: Path) -> Any:
@@ -107,11 +106,3 @@ def _read_header(shard: Path) -> tuple[dict[str, Any], int]:
     with shard.open("rb") as f:
         size = int.from_bytes(f.read(8), "little")
         return json.loads(f.read(size)), 8 + size
-
-
-def _read_bf16(shard: Path, header: tuple[dict[str, Any], int], name: str) -> np.ndarray:
-    entries, data_start = header
-    begin, end = entries[name]["data_offsets"]
-    raw = np.memmap(shard, dtype=np.uint16, mode="r", offset=data_start + begin, shape=((end - begin) // 2,))
-    # bfloat16 is the top half of a float32: widening is a 16-bit shift.
-    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(entries[name]["shape"])

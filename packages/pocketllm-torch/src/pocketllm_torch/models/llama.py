@@ -18,12 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pocketllm.checkpoint.int4 import Int4Groups
-from pocketllm.checkpoint.int8 import Int8Groups
 from pocketllm.errors import CheckpointError, UnsupportedOptionError
 from pocketllm_torch import native
 from pocketllm_torch.attention import AttentionMetadata, paged_attention
 from pocketllm_torch.backend import NAME
+from pocketllm_torch.groups import Int4Groups, Int8Groups
 from pocketllm_torch.linear import Int4Weight, Int8Weight, Linear, compute_dtype, concat_rows, make_linear, map_rows
 
 if TYPE_CHECKING:

@@ -1,0 +1,105 @@
+"""GGUF's 4- and 8-bit matrices kept in their groups, unpacked from a checkpoint tensor's raw blocks.
+
+Q4_0 and Q4_1 are affine per group of 32 weights along a row: ``w = scale * code + offset`` with codes in
+[0, 15] (Q4_0: offset = -8 * scale); Q8_0 is ``w = scale * code`` with codes in [-128, 127]. Handing the
+kernels the codes instead of float32 arrays keeps a quarter of the bytes; dequantizing is one call away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from pocketllm.checkpoint import CheckpointTensor
+
+GROUP_SIZE = 32
+INT4_TYPES = {"Q4_0": 2, "Q4_1": 4}  # block type -> header bytes (fp16 scale, and Q4_1's fp16 offset)
+INT8_TYPES = {"Q8_0": 2}
+
+G = TypeVar("G", bound="GroupedMatrix")
+
+
+class GroupedMatrix:
+    """What the group formats share: dataclasses of codes [rows, cols] and per-group arrays [rows, cols // 32],
+    every field with rows first."""
+
+    __slots__ = ()
+    codes: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape  # type: ignore[return-value]
+
+    def code_groups(self) -> np.ndarray:
+        """The codes as float32 [rows, cols // 32, 32]."""
+        rows, cols = self.shape
+        return self.codes.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE).astype(np.float32)
+
+    def map_rows(self: G, fn: Callable[[np.ndarray], np.ndarray]) -> G:
+        """Apply the same row reordering (a function of the leading axis only) to every field."""
+        return type(self)(*(fn(getattr(self, f.name)) for f in fields(self)))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Groups(GroupedMatrix):
+    """``w[r, c] = scale[r, c // 32] * codes[r, c] + offset[r, c // 32]``; rows are output features."""
+
+    codes: np.ndarray  # uint8 [rows, cols], each in [0, 15]
+    scale: np.ndarray  # float32 [rows, cols // 32]
+    offset: np.ndarray  # float32 [rows, cols // 32]
+
+    def dequantize(self) -> np.ndarray:
+        return (self.code_groups() * self.scale[..., None] + self.offset[..., None]).reshape(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Groups(GroupedMatrix):
+    """``w[r, c] = scale[r, c // 32] * codes[r, c]``; rows are output features."""
+
+    codes: np.ndarray  # int8 [rows, cols]
+    scale: np.ndarray  # float32 [rows, cols // 32]
+
+    def dequantize(self) -> np.ndarray:
+        return (self.code_groups() * self.scale[..., None]).reshape(self.shape)
+
+
+def load(tensor: CheckpointTensor, *, int4: bool, int8: bool) -> np.ndarray | Int4Groups | Int8Groups:
+    """``tensor`` as 4- or 8-bit groups where the file stores a matrix so and they are wanted, else dequantized.
+
+    Groups are unpacked from the raw blocks, with the reader's row permutation undone on every field."""
+    if len(tensor.shape) == 2 and tensor.shape[1] % GROUP_SIZE == 0:
+        blocks = np.frombuffer(tensor.data, dtype=np.uint8)
+        groups: Int4Groups | Int8Groups | None = None
+        if int4 and tensor.dtype in INT4_TYPES:
+            groups = int4_from_blocks(blocks, tensor.dtype, *tensor.shape)
+        elif int8 and tensor.dtype in INT8_TYPES:
+            groups = int8_from_blocks(blocks, *tensor.shape)
+        if groups is not None:
+            permutation = tensor.row_permutation
+            return groups if permutation is None else groups.map_rows(permutation.undo)
+    return tensor.dequantize()
+
+
+def int4_from_blocks(blocks: np.ndarray, block_type: str, rows: int, cols: int) -> Int4Groups:
+    """Unpack the raw bytes of a Q4_0/Q4_1 matrix of ``rows`` x ``cols`` (GGUF order: a row's blocks in turn)."""
+    header = INT4_TYPES[block_type]
+    blocks = blocks.reshape(rows * cols // GROUP_SIZE, header + GROUP_SIZE // 2)
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    offset = blocks[:, 2:4].copy().view(np.float16).astype(np.float32) if header == 4 else -8 * scale
+    packed = blocks[:, header:]
+    # Byte j of a block holds element j in its low nibble and element j + 16 in its high nibble.
+    codes = np.concatenate((packed & 0x0F, packed >> 4), axis=1)
+    groups = cols // GROUP_SIZE
+    return Int4Groups(codes.reshape(rows, cols), scale.reshape(rows, groups), offset.reshape(rows, groups))
+
+
+def int8_from_blocks(blocks: np.ndarray, rows: int, cols: int) -> Int8Groups:
+    """Unpack the raw bytes of a Q8_0 matrix of ``rows`` x ``cols`` (GGUF order: a row's blocks in turn)."""
+    blocks = blocks.reshape(rows * cols // GROUP_SIZE, 2 + GROUP_SIZE)
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    codes = blocks[:, 2:].copy().view(np.int8)
+    return Int8Groups(codes.reshape(rows, cols), scale.reshape(rows, cols // GROUP_SIZE))
