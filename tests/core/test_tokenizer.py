@@ -195,3 +195,25 @@ def test_missing_tokenizer_json(tmp_path: Path) -> None:
     (path / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match=r"no tokenizer\.json"):
         Tokenizer.from_checkpoint(load_checkpoint(str(path)))
+
+
+@requires_default_model
+def test_token_bytes_rebuild_multibyte_text(ours: Tokenizer) -> None:
+    """OpenAI's logprob ``bytes``: a token may hold part of a character; joined, the tokens' bytes are the text."""
+    text = "naïve café — 世界 ✓ 🙂"
+    ids = ours.encode(text, add_special_tokens=False)
+    pieces = [ours.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode()
+    assert any(not piece.decode("utf-8", errors="ignore") for piece in pieces), "expected a split character"
+    [im_end] = ours.encode("<|im_end|>", add_special_tokens=False)
+    assert ours.token_bytes(im_end) == b"<|im_end|>"
+
+
+def test_token_bytes_of_sentencepiece_byte_fallback(tmp_path: Path) -> None:
+    path = tmp_path / "spm.gguf"
+    _write_tokenizer_gguf(path, "llama")
+    tokenizer = Tokenizer.from_checkpoint(load_checkpoint(str(path)))
+    byte_token = tokenizer.token_to_id("<0x0A>")
+    if byte_token is None:
+        pytest.skip("this vocabulary has no byte-fallback tokens")
+    assert tokenizer.token_bytes(byte_token) == b"\n"

@@ -37,8 +37,10 @@ Semantics a backend implements
   ``Capabilities.sampling_options``. The core likewise ignores stop strings
   until then.
 * **Seeds.** ``params.seed`` is any signed 64-bit integer, negative ones
-  included; equal seeds give equal tokens whatever else is in the batch, and
-  different seeds give independent draws. The core fans out ``n`` choices with
+  included; equal seeds give equal tokens for the same request, and different
+  seeds independent draws. Where the engine's arithmetic does not depend on the
+  batch (the configuration a backend runs the conformance kit in), equal seeds
+  give equal tokens whatever else is in the batch. The core fans out ``n`` choices with
   seeds ``seed + index`` (wrapped to int64). Without a seed a request draws from
   a stream the engine seeds from ``EngineArgs.seed``.
 * **Length.** ``params.max_tokens`` arrives resolved: prompt plus max_tokens

@@ -73,6 +73,10 @@ class EngineClient:
         """The backend's counters, as of the end of its latest step."""
         return self.driver.stats()
 
+    def abort(self, request_id: str) -> None:
+        """Cancel a request at the next step boundary; its stream ends with ``finish_reason="abort"``."""
+        self.driver.abort(request_id)
+
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """Return ``(text or None, token ids)`` for a text or token-id prompt."""
         if isinstance(prompt, str):

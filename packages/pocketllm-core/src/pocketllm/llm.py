@@ -36,6 +36,32 @@ class _Stream:
         return item
 
 
+class RequestStream(Iterator[StreamEvent]):
+    """A running request's events. ``close()`` (or dropping it) before the end cancels the request at the next
+    step boundary, whether or not any event was read."""
+
+    def __init__(self, llm: LLM, request_id: str, stream: _Stream) -> None:
+        self.request_id = request_id
+        self._llm = llm
+        self._stream = stream
+        self._finished = False
+
+    def __next__(self) -> StreamEvent:
+        if self._finished:
+            raise StopIteration
+        event = self._stream.next()
+        self._finished = event.usage is not None
+        return event
+
+    def close(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._llm.abort(self.request_id)
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class _Collected:
     """A request's events, kept until it finishes. The caller is woken once, not per token: on a
     machine with as many cores as torch threads, a waking consumer stalls the engine's kernels."""
@@ -86,33 +112,21 @@ class LLM(EngineClient):
         return self._run_batch(encoded, per_prompt_params(sampling_params, len(encoded)), request_ids)
 
     def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-                        request_id: str | None = None) -> Iterator[StreamEvent]:
+                        request_id: str | None = None) -> RequestStream:
         """Yield events as tokens arrive; closing the iterator early cancels the request."""
         _, ids = self.encode_prompt(prompt)
         return self._stream(ids, sampling_params or SamplingParams(), request_id)
 
     def chat_stream(self, messages: Messages, sampling_params: SamplingParams | None = None, *,
-                    request_id: str | None = None, **chat_kwargs: Any) -> Iterator[StreamEvent]:
+                    request_id: str | None = None, **chat_kwargs: Any) -> RequestStream:
         _, ids = self.render_chat(messages, **chat_kwargs)
         return self._stream(ids, sampling_params or SamplingParams(), request_id)
 
-    def _stream(self, ids: list[int], params: SamplingParams, request_id: str | None) -> Iterator[StreamEvent]:
+    def _stream(self, ids: list[int], params: SamplingParams, request_id: str | None) -> RequestStream:
         stream = _Stream()
         request_id, accepted = self.driver.add_request(ids, params, stream, request_id)
         accepted.result()
-
-        def events() -> Iterator[StreamEvent]:
-            finished = False
-            try:
-                while not finished:
-                    event = stream.next()
-                    finished = event.usage is not None
-                    yield event
-            finally:
-                if not finished:
-                    self.driver.abort(request_id)
-
-        return events()
+        return RequestStream(self, request_id, stream)
 
     def _run_batch(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams],
                    request_ids: Sequence[str] | None) -> list[RequestOutput]:

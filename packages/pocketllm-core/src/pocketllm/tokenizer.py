@@ -18,6 +18,26 @@ if TYPE_CHECKING:
     from pocketllm.checkpoint import Checkpoint
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies are spelled in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_OF_CHAR = {char: byte for byte, char in _bytes_to_unicode().items()}
+
+
+def _uses_byte_level(decoder: object) -> bool:
+    if isinstance(decoder, tokenizers.decoders.ByteLevel):
+        return True
+    return isinstance(decoder, tokenizers.decoders.Sequence) and '"ByteLevel"' in str(decoder.__getstate__())
+
+
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus what generation needs: BOS/EOS ids and the chat template.
 
@@ -39,6 +59,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_token_ids = frozenset(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._byte_level = _uses_byte_level(backend.decoder)
 
     @property
     def bos_token(self) -> str | None:
@@ -53,6 +74,22 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, which may be part of a UTF-8 character (OpenAI's logprob ``bytes``).
+
+        Byte-level BPE spells each byte as one printable character; SentencePiece spells byte fallbacks
+        ``<0xNN>``. Anything else is its decoded text."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is not None and token_id not in self.special_token_ids:
+            if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

@@ -17,6 +17,14 @@ class TokenTexts:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        """The token's raw bytes: a multi-byte character split across tokens is whole once they are joined."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = list(self.tokenizer.token_bytes(token_id))
+        return raw
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -28,13 +36,12 @@ class TokenTexts:
 
 def chat_logprobs(entries: list[SampledLogprobs], text_of: TokenTexts) -> ChatLogprobs:
     def top(token_id: int, logprob: float) -> TopLogprob:
-        token = text_of(token_id)
-        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+        return TopLogprob(token=text_of(token_id), logprob=logprob, bytes=text_of.bytes_of(token_id))
 
     content = []
     for entry in entries:
         token = text_of(entry.token_id)
-        content.append(ChatTokenLogprob(token=token, logprob=entry.logprob, bytes=list(token.encode()),
+        content.append(ChatTokenLogprob(token=token, logprob=entry.logprob, bytes=text_of.bytes_of(entry.token_id),
                                         top_logprobs=[top(t.token_id, t.logprob) for t in entry.top]))
     return ChatLogprobs(content=content)
 

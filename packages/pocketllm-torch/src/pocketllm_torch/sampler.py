@@ -130,5 +130,9 @@ def compute_logprobs(logits: Tensor, token_ids: Tensor, ks: list[int]) -> list[S
     top_values, top_ids = logprobs.topk(max(ks), dim=-1)
     rows = zip(token_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(),
                top_values.tolist(), ks, strict=True)
-    return [SampledLogprobs(token, logprob, rank, list(map(TokenLogprob, ids[:k], values[:k])))
-            for token, logprob, rank, ids, values, k in rows]
+    results = []
+    for token, logprob, rank, ids, values, k in rows:
+        # topk orders equal values arbitrarily; argmax takes the lowest id, so ties go by id (bf16 logits tie often).
+        top = sorted(zip(values, ids, strict=True), key=lambda pair: (-pair[0], pair[1]))[:k]
+        results.append(SampledLogprobs(token, logprob, rank, [TokenLogprob(i, v) for v, i in top]))
+    return results

@@ -112,33 +112,27 @@ def hf_name(name: str, architecture: str) -> str:
 
 
 def _describe(tensor: Any, reader: gguf.GGUFReader, path: Path, architecture: str, config: Any) -> CheckpointTensor:
-    """Validate one tensor's header against the file and describe it."""
-    def fail(why: str) -> CheckpointError:
-        return CheckpointError(f"{path}: tensor {tensor.name!r}: {why}")
-
-    dims = [int(d) for d in tensor.shape]
-    if not 1 <= len(dims) <= _MAX_DIMS or any(d <= 0 for d in dims):
-        raise fail(f"invalid dimensions {dims}")
+    """Describe one tensor (its header was validated against the file while parsing, see _Reader)."""
     qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    if dims[0] % block_size:
-        raise fail(f"row length {dims[0]} is not a multiple of {qtype.name}'s block of {block_size}")
-    nbytes = math.prod(dims) // block_size * type_size
-    start, file_size = int(tensor.data_offset), int(reader.data.size)
-    if start < reader.data_offset or start + nbytes > file_size:
-        raise fail(f"its {nbytes} bytes at offset {start} lie outside the file's data ({file_size} bytes)")
+    start, nbytes = int(tensor.data_offset), int(tensor.n_bytes)
     # GGUF lists dimensions fastest-first; Hugging Face layout is the reverse.
-    shape = tuple(reversed(dims))
+    shape = tuple(reversed([int(d) for d in tensor.shape]))
     name = hf_name(tensor.name, architecture)
     permutation = None
     if architecture in _PERMUTES_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
         if shape[0] % (2 * heads):
-            raise fail(f"{shape[0]} rows do not split into {heads} heads of row pairs")
+            raise CheckpointError(f"{path}: tensor {tensor.name!r}: {shape[0]} rows do not split into {heads} "
+                                  "heads of row pairs")
         permutation = RowPermutation(heads)
     return CheckpointTensor(name=name, file_name=tensor.name, shape=shape, dtype=qtype.name, path=path,
                             offset=start, nbytes=nbytes, row_permutation=permutation,
                             _buffer=reader.data[start:start + nbytes])
+
+
+class _TensorHeaderError(ValueError):
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"tensor {name!r}: {why}")
 
 
 class _Reader(gguf.GGUFReader):
@@ -157,10 +151,35 @@ class _Reader(gguf.GGUFReader):
     def data(self, value: np.ndarray) -> None:
         self._plain = value.view(np.ndarray)
 
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        # Check each tensor header against the file before gguf slices and reshapes it: its errors name no tensor,
+        # and its size arithmetic wraps around in uint64.
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset = field.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            shape = [int(d) for d in dims]
+            if not 1 <= len(shape) <= _MAX_DIMS or any(d <= 0 for d in shape):
+                raise _TensorHeaderError(name, f"invalid dimensions {shape}")
+            try:
+                qtype = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise _TensorHeaderError(name, f"unknown GGML type {int(raw_dtype[0])}") from None
+            block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            if shape[0] % block_size:
+                raise _TensorHeaderError(name, f"row length {shape[0]} is not a multiple of {qtype.name}'s block "
+                                               f"of {block_size}")
+            start, nbytes = start_offs + int(offset[0]), math.prod(shape) // block_size * type_size
+            if start + nbytes > self.data.size:
+                raise _TensorHeaderError(name, f"its {nbytes} bytes at offset {start} lie outside the file "
+                                               f"({self.data.size} bytes)")
+        super()._build_tensors(start_offs, fields)
+
 
 def _open(path: Path) -> gguf.GGUFReader:
     try:
         return _Reader(path)
+    except _TensorHeaderError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, OSError, MemoryError, TypeError) as e:
         # GGUFReader reports truncation (a tensor or value cut short) and garbage as whatever numpy raised first.
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None

@@ -1,16 +1,25 @@
-"""Tools for testing backends: a tiny checkpoint builder and the shared conformance suite.
+"""The conformance kit: what a backend's own tests subclass to prove it keeps the contract.
 
-A backend package runs the suite with a few lines::
+Two classes, each run by subclassing it in a test module of the backend's package::
 
-    from pocketllm.testing import BackendConformance
+    from pocketllm.testing import ModelConformance, ProtocolConformance
 
-    class TestMyBackend(BackendConformance):
+    class TestMyBackendProtocol(ProtocolConformance):     # any backend
         backend = "mybackend"
+
+    class TestMyBackendModels(ModelConformance):          # a backend that runs models
+        backend = "mybackend"
+        engine_kwargs = {"dtype": "float32"}
+
+The kit writes its own tiny checkpoints (``checkpoints.py``) and ships transformers' outputs on them
+(``data/references.json``); its pytest fixtures come with pocketllm-core through the ``pytest11`` entry point.
 """
 
 from __future__ import annotations
 
-from pocketllm.testing.checkpoints import make_tiny_llama
-from pocketllm.testing.suite import BackendConformance
+from pocketllm.testing.checkpoints import KIT_CHECKPOINTS, make_tiny_gguf, make_tiny_llama, make_tiny_qwen3
+from pocketllm.testing.model import ModelConformance
+from pocketllm.testing.protocol import ProtocolConformance
 
-__all__ = ["BackendConformance", "make_tiny_llama"]
+__all__ = ["KIT_CHECKPOINTS", "ModelConformance", "ProtocolConformance", "make_tiny_gguf", "make_tiny_llama",
+           "make_tiny_qwen3"]

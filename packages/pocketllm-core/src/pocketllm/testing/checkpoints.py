@@ -1,4 +1,15 @@
-"""Tiny random-weight checkpoints built with numpy alone, for tests that must not need torch."""
+"""The conformance kit's tiny deterministic checkpoints, written with numpy alone (no torch).
+
+Each is a few hundred kilobytes: a Llama and a Qwen3 in safetensors fp32, and the Llama again as a GGUF with
+8- and 4-bit block types (its q/k rows permuted as llama.cpp's converter does). Weights come from a fixed
+numpy generator, so every machine writes the same bytes, and ``references.json`` holds what transformers
+generates from them.
+
+Random weights usually make a model that echoes its input (a tied embedding maps a token back to itself). These
+are scaled so that attention and the MLP dominate the residual stream: the next token depends on the whole
+context, so a KV cache mixed up between requests changes the output, and top-2 margins stay clear of fp32
+noise (the reference script checks both).
+"""
 
 from __future__ import annotations
 
@@ -13,69 +24,185 @@ CHATML_TEMPLATE = (
 )
 _MERGE_CHARS = "etaoinsh"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKEN_ID = 0
+HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, LAYERS, MAX_POSITIONS = 64, 4, 2, 128, 2, 512
+QWEN3_HEAD_DIM = 32
+# The GGUF's block types: 8-bit attention and lm_head, 4-bit MLP, fp16 embedding, fp32 norms.
+GGUF_TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q4_1",
+              "ffn_up": "Q4_1", "ffn_down": "Q4_0", "output": "Q8_0", "token_embd": "F16"}
+KIT_CHECKPOINTS = ("llama", "qwen3", "llama-gguf")
 
 
-def make_tiny_llama(path: Path, *, seed: int = 0, num_layers: int = 2, hidden_size: int = 64) -> Path:
-    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into ``path``.
-
-    Embedding weights are large enough that greedy choices have clear margins,
-    so different backends (and batch compositions) agree on them.
-    """
-    from safetensors.numpy import save_file
-
+def write_checkpoint(kind: str, path: Path) -> Path:
+    """Write one of KIT_CHECKPOINTS into the directory ``path`` and return what ``LLM(model=...)`` takes."""
     path.mkdir(parents=True, exist_ok=True)
-    vocab_size = _write_tokenizer(path)
-    heads, kv_heads, inter = 4, 2, 2 * hidden_size
-    head_dim = hidden_size // heads
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
-        "hidden_size": hidden_size, "intermediate_size": inter, "num_hidden_layers": num_layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": True,
-        "bos_token_id": None, "eos_token_id": 0, "torch_dtype": "float32",
-    }
-    (path / "config.json").write_text(json.dumps(config, indent=2))
+    if kind == "llama":
+        return make_tiny_llama(path)
+    if kind == "qwen3":
+        return make_tiny_qwen3(path)
+    if kind == "llama-gguf":
+        return make_tiny_gguf(path / "tiny-llama.gguf")
+    raise ValueError(f"unknown kit checkpoint {kind!r}; choose from {KIT_CHECKPOINTS}")
+
+
+def make_tiny_llama(path: Path, *, seed: int = 0) -> Path:
+    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into ``path``."""
+    return _write_safetensors(path, "llama", seed=seed)
+
+
+def make_tiny_qwen3(path: Path, *, seed: int = 1) -> Path:
+    """A Qwen3 (per-head q/k RMSNorm, head_dim independent of the hidden size) in the same layout."""
+    return _write_safetensors(path, "qwen3", seed=seed)
+
+
+def tiny_weights(arch: str, seed: int) -> dict[str, np.ndarray]:
+    """The float32 weights of a kit model, in Hugging Face names and layout."""
     rng = np.random.default_rng(seed)
+    vocab = len(_vocab())
+    head_dim = QWEN3_HEAD_DIM if arch == "qwen3" else HIDDEN // HEADS
 
     def w(*shape: int, std: float) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
-    tensors = {"model.embed_tokens.weight": w(vocab_size, hidden_size, std=1.0),
-               "model.norm.weight": np.ones(hidden_size, np.float32)}
-    for i in range(num_layers):
+    def norm(size: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": w(vocab, HIDDEN, std=1.0)}
+    for i in range(LAYERS):
         p = f"model.layers.{i}."
         tensors |= {
-            p + "input_layernorm.weight": np.ones(hidden_size, np.float32),
-            p + "post_attention_layernorm.weight": np.ones(hidden_size, np.float32),
-            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden_size, std=0.1),
-            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden_size, std=0.1),
-            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden_size, std=0.1),
-            p + "self_attn.o_proj.weight": w(hidden_size, heads * head_dim, std=0.1),
-            p + "mlp.gate_proj.weight": w(inter, hidden_size, std=0.1),
-            p + "mlp.up_proj.weight": w(inter, hidden_size, std=0.1),
-            p + "mlp.down_proj.weight": w(hidden_size, inter, std=0.1),
+            p + "input_layernorm.weight": norm(HIDDEN),
+            p + "self_attn.q_proj.weight": w(HEADS * head_dim, HIDDEN, std=0.5),
+            p + "self_attn.k_proj.weight": w(KV_HEADS * head_dim, HIDDEN, std=0.5),
+            p + "self_attn.v_proj.weight": w(KV_HEADS * head_dim, HIDDEN, std=0.5),
+            p + "self_attn.o_proj.weight": w(HIDDEN, HEADS * head_dim, std=0.5),
+            p + "post_attention_layernorm.weight": norm(HIDDEN),
+            p + "mlp.gate_proj.weight": w(INTERMEDIATE, HIDDEN, std=0.3),
+            p + "mlp.up_proj.weight": w(INTERMEDIATE, HIDDEN, std=0.3),
+            p + "mlp.down_proj.weight": w(HIDDEN, INTERMEDIATE, std=0.3),
         }
-    save_file(tensors, str(path / "model.safetensors"))
+        if arch == "qwen3":
+            tensors |= {p + "self_attn.q_norm.weight": norm(head_dim), p + "self_attn.k_norm.weight": norm(head_dim)}
+    tensors["model.norm.weight"] = norm(HIDDEN)
+    tensors["lm_head.weight"] = w(vocab, HIDDEN, std=0.5)  # untied: a tied head would echo the last token
+    return tensors
+
+
+def hf_config(arch: str) -> dict:
+    config = {
+        "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"], "model_type": arch,
+        "vocab_size": len(_vocab()), "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": MAX_POSITIONS,
+        "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": EOS_TOKEN_ID, "torch_dtype": "float32",
+        "hidden_act": "silu", "attention_bias": False,
+    }
+    if arch == "qwen3":
+        config["head_dim"] = QWEN3_HEAD_DIM
+    return config
+
+
+def _write_safetensors(path: Path, arch: str, *, seed: int) -> Path:
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(path)
+    (path / "config.json").write_text(json.dumps(hf_config(arch), indent=2))
+    save_file(tiny_weights(arch, seed), str(path / "model.safetensors"))
     return path
 
 
-def _write_tokenizer(path: Path) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def make_tiny_gguf(path: Path, *, seed: int = 0) -> Path:
+    """The tiny Llama (same weights as make_tiny_llama with this seed) as a GGUF file at ``path``."""
+    import gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(MAX_POSITIONS)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTERMEDIATE)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    vocab = _vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(list(vocab))
+    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in vocab])
+    writer.add_token_merges([f"{a} {b}" for a, b in _merges()])
+    writer.add_eos_token_id(EOS_TOKEN_ID)
+    writer.add_chat_template(CHATML_TEMPLATE)
+    for name, array in gguf_tensors(seed).items():
+        qtype = gguf.GGMLQuantizationType[_gguf_type(name, array)]
+        data = array if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(array, qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    """The tiny Llama's float32 tensors under GGUF names, q/k rows permuted as llama.cpp's converter does."""
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer_names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                   "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                   "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                   "mlp.down_proj": "ffn_down"}
+    tensors = {}
+    for name, array in tiny_weights("llama", seed).items():
+        if name in names:
+            tensors[names[name]] = array
+            continue
+        _, _, layer, rest = name.split(".", 3)  # model.layers.<i>.<module>.weight
+        module = rest.removesuffix(".weight")
+        gguf_name = f"blk.{layer}.{layer_names[module]}.weight"
+        if module == "self_attn.q_proj":
+            array = _permute(array, HEADS)
+        elif module == "self_attn.k_proj":
+            array = _permute(array, KV_HEADS)
+        tensors[gguf_name] = array
+    return tensors
+
+
+def _gguf_type(name: str, array: np.ndarray) -> str:
+    base = name.rsplit(".", 1)[0].split(".")[-1]
+    return GGUF_TYPES.get(base, "F32") if array.ndim == 2 else "F32"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf LlamaModel.permute."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _merges() -> list[tuple[str, str]]:
+    return [(a, b) for a in _MERGE_CHARS for b in _MERGE_CHARS]
+
+
+def _vocab() -> dict[str, int]:
+    from tokenizers import pre_tokenizers
 
     # Specials come first in the id space so that id 0 is the EOS token.
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[ch] = len(vocab)
-    merges = [(a, b) for a in _MERGE_CHARS for b in _MERGE_CHARS]
-    for a, b in merges:
+    for a, b in _merges():
         vocab[a + b] = len(vocab)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    return vocab
+
+
+def _write_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.BPE(vocab=_vocab(), merges=_merges()))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": None, "eos_token": "<|endoftext|>", "chat_template": CHATML_TEMPLATE,
-        "add_bos_token": False, "model_max_length": 512,
+        "add_bos_token": False, "model_max_length": MAX_POSITIONS,
     }, indent=2))
-    return tokenizer.get_vocab_size()

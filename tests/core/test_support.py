@@ -1,0 +1,95 @@
+"""The one place that refuses: engine options and requests checked against a backend's Capabilities."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from pocketllm import LLM, Capabilities, ConfigError, EngineArgs, SamplingParams, UnsupportedOptionError
+from pocketllm.backend import SAMPLING_OPTIONS
+from pocketllm.checkpoint import load_checkpoint
+from pocketllm.support import check_engine_args, check_request, sampling_options_in_use
+
+CAPS = Capabilities(architectures=("llama",), sampling_options=SAMPLING_OPTIONS)
+
+
+def test_llm_takes_engine_args_positionally(pocketllm_tiny_llama: Path) -> None:
+    args = EngineArgs(model=str(pocketllm_tiny_llama), backend="echo", max_model_len=64)
+    for llm in (LLM(args), LLM(engine_args=args)):
+        try:
+            assert (llm.backend_name, llm.max_model_len) == ("echo", 64)
+        finally:
+            llm.shutdown()
+    with pytest.raises(ConfigError, match="engine_args"):
+        LLM(args, engine_args=args)
+    with pytest.raises(ConfigError, match="engine_args"):
+        LLM(args, dtype="float32")
+
+
+def test_storage_types_outside_the_capabilities_are_refused(pocketllm_kit_checkpoint) -> None:
+    checkpoint = load_checkpoint(str(pocketllm_kit_checkpoint("llama-gguf")))
+    with pytest.raises(UnsupportedOptionError, match="Q8_0") as err:
+        check_engine_args("b", CAPS, EngineArgs(), checkpoint)
+    assert (err.value.option, err.value.backend) == ("quantization", "b")
+    caps = Capabilities(architectures=("llama",), quantization_formats=("F32", "F16", "Q8_0", "Q4_0", "Q4_1"))
+    check_engine_args("b", caps, EngineArgs(), checkpoint)
+
+
+def test_max_batch_and_architecture_are_refused(pocketllm_tiny_llama: Path) -> None:
+    checkpoint = load_checkpoint(str(pocketllm_tiny_llama))
+    small = Capabilities(architectures=("llama",), max_num_seqs=8)
+    check_engine_args("b", small, EngineArgs(max_num_seqs=8), checkpoint)
+    with pytest.raises(UnsupportedOptionError, match="at most 8") as err:
+        check_engine_args("b", small, EngineArgs(max_num_seqs=9), checkpoint)
+    assert err.value.option == "max_num_seqs"
+    with pytest.raises(UnsupportedOptionError, match="'llama' is not one of qwen3") as err:
+        check_engine_args("b", Capabilities(architectures=("qwen3",)), EngineArgs(), checkpoint)
+    assert err.value.option == "model"
+
+
+def test_max_model_len_beyond_the_model_is_refused(pocketllm_tiny_llama: Path) -> None:
+    with pytest.raises(ConfigError, match="exceeds the model's limit of 512"):
+        LLM(str(pocketllm_tiny_llama), backend="echo", max_model_len=513)
+
+
+@pytest.mark.parametrize(("params", "used"), [
+    (SamplingParams(temperature=0.0), []),
+    (SamplingParams(temperature=0.0, top_p=0.5, top_k=3, min_p=0.2, seed=4), []),  # greedy ignores them all
+    (SamplingParams(temperature=0.7, top_k=-1, seed=1), ["temperature", "seed"]),
+    (SamplingParams(temperature=0.0, repetition_penalty=1.1, logit_bias={1: 1.0}, min_tokens=1, logprobs=0),
+     ["repetition_penalty", "logit_bias", "min_tokens", "logprobs"]),
+])
+def test_sampling_options_in_use(params: SamplingParams, used: list[str]) -> None:
+    assert sampling_options_in_use(params) == used
+
+
+def test_check_request_resolves_max_tokens_and_refuses_what_the_engine_must_not_see() -> None:
+    def check(prompt: list[int], params: SamplingParams, caps: Capabilities = CAPS) -> SamplingParams:
+        return check_request("b", caps, prompt, params, vocab_size=100, max_model_len=10)
+
+    assert check([1, 2, 3], SamplingParams(max_tokens=None)).max_tokens == 7
+    assert check([1, 2, 3], SamplingParams(max_tokens=50)).max_tokens == 7
+    assert check([1, 2, 3], SamplingParams(max_tokens=2)).max_tokens == 2
+    for field, params in [("stop_token_ids", SamplingParams(stop_token_ids=[100])),
+                          ("logit_bias", SamplingParams(logit_bias={100: 1.0})),
+                          ("top_k", SamplingParams(top_k=101))]:
+        with pytest.raises(ConfigError, match=field):
+            check([1], params)
+    with pytest.raises(UnsupportedOptionError) as err:
+        check([1], SamplingParams(temperature=0.5), Capabilities())
+    assert err.value.option == "temperature"
+    with pytest.raises(UnsupportedOptionError, match="at most 2 alternatives"):
+        check([1], SamplingParams(logprobs=3), Capabilities(sampling_options=SAMPLING_OPTIONS, max_logprobs=2))
+    with pytest.raises(UnsupportedOptionError, match="at most 2 choices"):
+        check([1], SamplingParams(temperature=0.0, n=3), Capabilities(max_n=2))
+
+
+def test_the_server_talks_only_to_the_public_client() -> None:
+    spec = importlib.util.find_spec("pocketllm_server")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("pocketllm-server is not installed")
+    sources = Path(next(iter(spec.submodule_search_locations))).glob("*.py")
+    offenders = [p.name for p in sources if ".driver" in p.read_text()]
+    assert offenders == [], "the server must use LLM/AsyncLLM/EngineClient, not the engine driver"
