@@ -10,6 +10,14 @@ from pocketllm import ConfigError, EngineArgs, SamplingParams
     ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("logprobs", 21), ("logprobs", -1), ("stop", [""]), ("stop_token_ids", [-1]),
     ("logit_bias", {5: 200.0}), ("seed", 2**63),
+    # Overflow, NaN, infinities, wrong types and huge sizes, as a request can spell them.
+    ("top_k", 2**63), ("top_k", 2**64 - 1), ("max_tokens", 2**64), ("min_tokens", 2**63), ("seed", -(2**63) - 1),
+    ("n", 10**9), ("logprobs", 2**64), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("top_p", float("nan")), ("top_p", 1e-400), ("min_p", float("nan")), ("presence_penalty", float("inf")),
+    ("repetition_penalty", 1e-300), ("repetition_penalty", float("nan")), ("logit_bias", {5: float("nan")}),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {2**64: 1.0}), ("logit_bias", {5: "high"}),
+    ("stop_token_ids", [2**64]), ("stop_token_ids", list(range(5000))), ("stop", ["x"] * 1000), ("stop", ["x" * 5000]),
+    ("stop", [3]), ("top_k", "5"), ("temperature", "0.5"), ("n", True), ("max_tokens", 2.5), ("ignore_eos", "yes"),
 ])
 def test_sampling_params_reject_bad_values_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError) as err:

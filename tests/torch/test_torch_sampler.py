@@ -31,6 +31,8 @@ def test_greedy_is_argmax(logits: torch.Tensor) -> None:
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.5, top_k=1, seed=1),
     SamplingParams(temperature=1.5, top_p=1e-6, seed=2),
+    SamplingParams(temperature=1.5, top_p=1e-300, seed=2),  # 0 in float32: the top token still stays
+    SamplingParams(temperature=1e-4, seed=4),
     SamplingParams(temperature=1.5, min_p=1.0, seed=3),
 ])
 def test_truncation_to_one_token_is_greedy(logits: torch.Tensor, params: SamplingParams) -> None:

@@ -14,6 +14,7 @@ from pocketllm.errors import (
     EngineDeadError,
     PocketLLMError,
     PromptTooLongError,
+    RequestFailedError,
     UnsupportedOptionError,
 )
 from pocketllm.hookspecs import hookimpl
@@ -37,6 +38,6 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "API_VERSION", "AsyncLLM", "BackendNotFoundError", "BackendStats", "Capabilities", "CheckpointError",
     "CompletionOutput", "ConfigError", "EngineArgs", "EngineDeadError", "LLM", "PocketLLMError",
-    "PromptTooLongError", "RequestDelta", "RequestOutput", "SampledLogprobs", "SamplingParams", "StreamEvent",
-    "TokenLogprob", "UnsupportedOptionError", "Usage", "hookimpl",
+    "PromptTooLongError", "RequestDelta", "RequestFailedError", "RequestOutput", "SampledLogprobs", "SamplingParams",
+    "StreamEvent", "TokenLogprob", "UnsupportedOptionError", "Usage", "hookimpl",
 ]

@@ -125,8 +125,9 @@ class RequestDelta(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=
     """What one step produced for one request.
 
     ``finish_reason`` is ``"stop"`` (EOS or a stop token; see the module docstring for ``stop_token_id``),
-    ``"length"`` (max_tokens reached) or ``None`` while the request runs. A finished request's KV is already
-    freed, and the engine never mentions it again.
+    ``"length"`` (max_tokens reached), ``"error"`` (this request failed in the step: ``error`` says why, and
+    the other requests of the step carry on) or ``None`` while the request runs. A finished request's KV is
+    already freed, and the engine never mentions it again.
     """
 
     request_id: str
@@ -134,6 +135,7 @@ class RequestDelta(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=
     logprobs: list[SampledLogprobs] | None = None
     finish_reason: str | None = None
     stop_token_id: int | None = None
+    error: str | None = None
 
 
 class BackendStats(msgspec.Struct, kw_only=True):
@@ -176,7 +178,11 @@ class Engine(Protocol):
         """
 
     def step(self) -> list[RequestDelta]:
-        """Run one scheduling step and return a delta for each request that advanced or finished."""
+        """Run one scheduling step and return a delta for each request that advanced or finished.
+
+        What one request's parameters make fail (in its sampling, say) must fail that request alone, with a
+        ``finish_reason="error"`` delta. An exception out of ``step`` means the engine itself is broken: the
+        core then ends every request with EngineDeadError and stops the engine."""
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Drop requests, waiting or running (unknown ids are ignored), and free their KV blocks before

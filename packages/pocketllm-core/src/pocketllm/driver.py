@@ -22,7 +22,7 @@ from pocketllm.args import EngineArgs
 from pocketllm.backend import BackendPlugin, BackendStats, RequestDelta, SampledLogprobs
 from pocketllm.checkpoint import Checkpoint, load_checkpoint
 from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
-from pocketllm.errors import ConfigError, EngineDeadError
+from pocketllm.errors import ConfigError, EngineDeadError, RequestFailedError
 from pocketllm.limits import MAX_MODEL_LEN_CAP
 from pocketllm.model_config import ModelConfig
 from pocketllm.outputs import StreamEvent, Usage
@@ -224,12 +224,17 @@ class EngineDriver:
         to_abort: list[str] = []
         for delta in deltas:
             entry = self._choices.get(delta.request_id)
+            if entry is None and delta.request_id in to_abort:
+                continue  # a sibling choice of a request that failed earlier in this step
             if entry is None:  # the engine broke its contract; the tokens have no one to go to
                 self.num_stray_deltas += 1
                 log.warning("engine sent a delta for request %s, which it had finished or was told to abort",
                             delta.request_id)
                 continue
             request, choice = entry
+            if delta.finish_reason == "error":
+                to_abort += self._fail(request, delta.error or "the engine failed this request")
+                continue
             choice.token_ids.extend(delta.new_token_ids)
             if delta.logprobs is not None:
                 choice.logprobs = (choice.logprobs or []) + delta.logprobs
@@ -273,6 +278,20 @@ class EngineDriver:
             log.warning("dropping request %s: its consumer is gone", request.request_id)
             if not done:
                 self._abort(request)
+
+    def _fail(self, request: _Request, message: str) -> list[str]:
+        """End a request the engine failed: its caller gets the error; returns its other choices to abort."""
+        log.error("request %s failed in the engine: %s", request.request_id, message)
+        others = [c.backend_id for c in request.choices if c.finish_reason is None]
+        for choice in request.choices:
+            self._choices.pop(choice.backend_id, None)
+            choice.finish_reason = choice.finish_reason or "error"
+        self._forget(request)
+        try:
+            request.sink(RequestFailedError(f"request {request.request_id} failed: {message}"))
+        except Exception:
+            log.warning("could not tell request %s that it failed", request.request_id)
+        return others
 
     def _forget(self, request: _Request) -> None:
         with self._cond:

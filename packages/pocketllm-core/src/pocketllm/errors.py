@@ -39,3 +39,7 @@ class PromptTooLongError(PocketLLMError, ValueError):
 
 class EngineDeadError(PocketLLMError, RuntimeError):
     """The engine loop stopped because the backend raised; no request can run."""
+
+
+class RequestFailedError(PocketLLMError, RuntimeError):
+    """The engine failed this one request while running it; other requests were not affected."""

@@ -16,3 +16,12 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 MAX_LOGIT_BIAS = 100.0
 """logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's API says."""
+
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0
+"""A repetition penalty divides logits: near zero it would turn them into infinities."""
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+"""Stop strings are searched after every token, and the longest one is held back from streams."""
+
+MAX_STOP_TOKEN_IDS = 1024

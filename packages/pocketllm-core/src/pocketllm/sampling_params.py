@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from pocketllm.errors import ConfigError
-from pocketllm.limits import INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
+from pocketllm.limits import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MIN_REPETITION_PENALTY,
+)
+
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -38,31 +53,51 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # Types first: a request built in Python (or decoded loosely) must not reach a comparison or a kernel
+        # with a string, a bool, NaN or an integer no native type holds.
+        for name in ("n", "min_tokens", "top_k"):
+            _check(_is_int(getattr(self, name)), name, f"must be an integer, got {getattr(self, name)!r}")
+        for name in ("max_tokens", "seed", "logprobs"):
+            value = getattr(self, name)
+            _check(value is None or _is_int(value), name, f"must be an integer or None, got {value!r}")
+        for name in _FLOATS:
+            value = getattr(self, name)
+            _check(_is_real(value) and math.isfinite(value), name, f"must be a finite number, got {value!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         _check(1 <= self.n <= MAX_N, "n", f"must be between 1 and {MAX_N}, got {self.n}")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+        _check(self.max_tokens is None or 1 <= self.max_tokens <= INT64_MAX, "max_tokens",
                f"must be at least 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
+        _check(0 <= self.min_tokens <= INT64_MAX, "min_tokens", f"must be non-negative, got {self.min_tokens}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
         _check(self.temperature >= 0.0, "temperature", f"must be non-negative, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k == -1 or self.top_k >= 0, "top_k", f"must be -1, 0 or positive, got {self.top_k}")
+        _check(self.top_k == -1 or 0 <= self.top_k <= INT64_MAX, "top_k",
+               f"must be -1, 0 or positive, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
                f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
-               f"must be in (0, 2], got {self.repetition_penalty}")
+        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+               f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
         _check(self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed", "must fit in a signed 64-bit integer")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        _check(isinstance(self.stop, list) and len(self.stop) <= MAX_STOP_STRINGS, "stop",
+               f"must be a string or a list of at most {MAX_STOP_STRINGS} strings")
+        _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+               f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        _check(isinstance(self.stop_token_ids, list) and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+               "stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+        _check(all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative token ids")
-        _check(all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()), "logit_bias",
-               f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
-        _check(all(t >= 0 for t in self.logit_bias), "logit_bias", "keys must be non-negative token ids")
+        _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to numbers")
+        _check(all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.logit_bias), "logit_bias",
+               "keys must be non-negative token ids")
+        _check(all(_is_real(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()),
+               "logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 
     @property
     def is_greedy(self) -> bool:
@@ -72,6 +107,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def effective_top_k(self) -> int:
         """Top-k with every 'disabled' spelling mapped to 0."""
         return 0 if self.top_k in (0, -1) else self.top_k
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(ok: bool, field: str, message: str) -> None:

@@ -11,6 +11,7 @@ from pocketllm.backend import BackendStats, RequestDelta
 from pocketllm_torch.block_manager import BlockManager
 from pocketllm_torch.config import TorchConfig
 from pocketllm_torch.model_runner import ModelRunner
+from pocketllm_torch.sampler import SamplingFailure
 from pocketllm_torch.scheduler import Scheduler
 from pocketllm_torch.sequence import Sequence
 
@@ -61,7 +62,8 @@ class TorchEngine:
             return []
         sampled = self.runner.run(batch)
         self.scheduler.mark_computed(batch)
-        return [self._append(seq, *new) for seq, new in zip(batch.seqs, sampled, strict=True) if new is not None]
+        return [self._fail(seq, new.message) if isinstance(new, SamplingFailure) else self._append(seq, *new)
+                for seq, new in zip(batch.seqs, sampled, strict=True) if new is not None]
 
     def abort(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -88,6 +90,11 @@ class TorchEngine:
         del self.runner  # the weights and the KV cache
         if self.config.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _fail(self, seq: Sequence, message: str) -> RequestDelta:
+        del self.seqs[seq.request_id]
+        self.scheduler.finish(seq)
+        return RequestDelta(request_id=seq.request_id, new_token_ids=[], finish_reason="error", error=message)
 
     def _append(self, seq: Sequence, token_id: int, logprobs: SampledLogprobs | None) -> RequestDelta:
         seq.token_ids.append(token_id)

@@ -11,15 +11,13 @@ from pocketllm_torch.attention import KVCache, build_metadata
 from pocketllm_torch.decode_graphs import DecodeGraphs
 from pocketllm_torch.linear import uses_int4, uses_int8
 from pocketllm_torch.models.llama import LlamaModel
-from pocketllm_torch.sampler import sample
+from pocketllm_torch.sampler import Outcome, sample_each
 
 if TYPE_CHECKING:
-    from pocketllm.backend import SampledLogprobs
     from pocketllm.checkpoint import Checkpoint
     from pocketllm_torch.config import TorchConfig
     from pocketllm_torch.scheduler import ScheduledBatch
 
-Sampled = tuple[int, "SampledLogprobs | None"]
 
 
 class ModelRunner:
@@ -38,8 +36,10 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache) if config.decode_graphs else None
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[Sampled | None]:
-        """Run the batch's new tokens; sample for each sequence whose last pending token ran (None otherwise)."""
+    def run(self, batch: ScheduledBatch) -> list[Outcome | None]:
+        """Run the batch's new tokens; sample for each sequence whose last pending token ran (None otherwise).
+
+        A sequence that could not be sampled gets a SamplingFailure instead of its token."""
         token_ids: list[int] = []
         starts: list[int] = []
         last_rows: list[int] = []  # row of the last token of each sequence that samples
@@ -60,13 +60,13 @@ class ModelRunner:
             hidden = self.decode_graphs(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
-        results: list[Sampled | None] = [None] * len(batch.seqs)
+        results: list[Outcome | None] = [None] * len(batch.seqs)
         if not samplers:
             return results
         # Only the last token of a sequence needs logits: the lm_head is the largest matrix in small models.
         if len(last_rows) < len(token_ids):
             hidden = hidden[torch.tensor(last_rows, device=self.device)]
-        new_tokens, logprobs = sample(self.model.compute_logits(hidden), [batch.seqs[i] for i in samplers])
-        for i, token, lp in zip(samplers, new_tokens, logprobs, strict=True):
-            results[i] = (token, lp)
+        outcomes = sample_each(self.model.compute_logits(hidden), [batch.seqs[i] for i in samplers])
+        for i, outcome in zip(samplers, outcomes, strict=True):
+            results[i] = outcome
         return results

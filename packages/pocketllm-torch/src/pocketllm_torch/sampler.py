@@ -8,6 +8,8 @@ batch. Logprobs come from the raw logits, before any of this.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +21,38 @@ if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
 
     from pocketllm_torch.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingFailure:
+    """Why one sequence could not be sampled; the rest of its batch was."""
+
+    message: str
+
+
+Outcome = tuple[int, SampledLogprobs | None] | SamplingFailure
+"""A sequence's new token and its logprobs, or why it could not be sampled."""
+
+
+def sample_each(logits: Tensor, seqs: Seq[Sequence]) -> list[Outcome]:
+    """``sample`` for the batch, or, if that fails, row by row, so that one sequence's failure is its own.
+
+    (A retried row draws again: a seeded request shares a failed batch's fate only in this rare path.)"""
+    try:
+        tokens, logprobs = sample(logits, seqs)
+        return list(zip(tokens, logprobs, strict=True))
+    except Exception:
+        log.exception("sampling a batch of %d failed; sampling its rows one by one", len(seqs))
+    results: list[Outcome] = []
+    for row, seq in enumerate(seqs):
+        try:
+            [token], [lp] = sample(logits[row:row + 1], [seq])
+            results.append((token, lp))
+        except Exception as e:
+            results.append(SamplingFailure(f"sampling failed: {type(e).__name__}: {e}"))
+    return results
 
 
 def sample(logits: Tensor, seqs: Seq[Sequence]) -> tuple[list[int], list[SampledLogprobs | None]]:
@@ -115,10 +149,12 @@ def top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     rank = torch.arange(logits.shape[1], device=logits.device)
     ordered = ordered.masked_fill(rank >= top_k[:, None], float("-inf"))
     probs = ordered.softmax(dim=-1)
-    # A token stays while the tokens ranked above it fall short of top_p, so the first one always stays;
-    # rows without top-p keep their whole tail even where the float cumsum reaches 1 early.
+    # A token stays while the tokens ranked above it fall short of top_p; the first one always stays, also when
+    # top_p underflows to 0 in float32. Rows without top-p keep their whole tail even where the float cumsum
+    # reaches 1 early.
     above = probs.cumsum(dim=-1) - probs
-    ordered = ordered.masked_fill((above >= top_p[:, None]) & (top_p[:, None] < 1.0), float("-inf"))
+    cut = (above >= top_p[:, None]) & (top_p[:, None] < 1.0) & (rank > 0)
+    ordered = ordered.masked_fill(cut, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, ordered)
 
 
