@@ -106,7 +106,7 @@ def test_queue_full_with_a_real_queue(serve_app, pocketllm_tiny_llama: Path, wai
                 next(lines)
                 # The only sequence slot is taken: this one waits (its response has not started).
                 queued = pool.submit(client.post, "/v1/completions", json={**long, "stream": False, "max_tokens": 2})
-                assert wait_for(lambda: llm.driver.stats().num_waiting == 1 or app.state.server.pending == 1)
+                assert wait_for(lambda: llm.stats().num_waiting == 1)
                 rejected = client.post("/v1/completions", json={**long, "stream": False})
                 assert rejected.status_code == 503 and rejected.json()["error"]["code"] == "queue_full"
             assert queued.result(60).status_code == 200
@@ -135,7 +135,11 @@ def test_shutdown_aborts_in_flight_requests(serve_app, tiny_args: EngineArgs, wa
             rest = [line for line in lines if line]
         assert time.monotonic() - started < 2.0
         assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"
+        # The cut stream ends with an error event naming the cause; "abort" is no finish reason OpenAI knows.
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert (error["type"], error["code"]) == ("service_unavailable", "request_aborted")
+        assert "shutting down" in error["message"]
+        assert all("abort" not in line for line in rest[:-2])
         assert client.get("/ready").status_code == 503
         after = client.post("/v1/chat/completions", json=CHAT)
         assert after.status_code == 503 and after.json()["error"]["code"] == "shutting_down"
@@ -187,6 +191,35 @@ def test_console_script_exits_1_when_the_model_cannot_load() -> None:
                             env={**os.environ, "POCKETLLM_PLUGINS": "echo"})
     assert result.returncode == 1
     assert "could not load model /no/such/model" in result.stderr
+
+
+def test_console_script_exits_1_when_the_engine_dies(pocketllm_tiny_llama: Path, wait_for) -> None:
+    """A dead engine serves nothing: the process says so and exits non-zero, for a supervisor to restart it."""
+    pytest.importorskip("pocketllm_flawed")
+    port = _free_port()
+    script = Path(sys.executable).with_name("pocketllm-server")
+    process = subprocess.Popen([str(script), "--model", str(pocketllm_tiny_llama), "--backend", "flawed-dies",
+                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return process.poll() is not None
+
+        assert wait_for(ready, timeout=60) and process.poll() is None
+        fatal = {"prompt": "hello", "temperature": 1.0, "seed": 13, "max_tokens": 3}
+        response = httpx.post(f"{url}/v1/completions", json=fatal, timeout=30)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
+        output, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 1, output
+    assert "the engine stopped" in output and "fell off the bus" in output
 
 
 def test_console_script_exits_1_when_the_port_is_taken(pocketllm_tiny_llama: Path) -> None:

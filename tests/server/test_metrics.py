@@ -61,6 +61,8 @@ def test_engine_gauges_and_counters_are_read_at_scrape_time(client: httpx.Client
     assert value(samples, "pocketllm:num_requests_running") == 3
     assert value(samples, "pocketllm:num_requests_waiting") == 2
     assert value(samples, "pocketllm:kv_cache_usage_perc") == pytest.approx(0.4)
+    assert value(samples, "pocketllm:kv_cache_blocks_used") == 4
+    assert value(samples, "pocketllm:kv_cache_blocks_total") == 10
     assert value(samples, "pocketllm:num_preemptions_total") == 7
     assert value(samples, "pocketllm:prefix_cache_queries_total") == 100
     assert value(samples, "pocketllm:prefix_cache_hits_total") == 40

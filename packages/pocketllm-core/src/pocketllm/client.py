@@ -9,7 +9,7 @@ from pocketllm.args import EngineArgs
 from pocketllm.backend import BackendStats, Capabilities
 from pocketllm.chat import ChatPromptBuilder
 from pocketllm.driver import EngineDriver
-from pocketllm.errors import ConfigError
+from pocketllm.errors import ConfigError, PromptTooLongError
 from pocketllm.model_config import ModelConfig
 from pocketllm.outputs import CompletionOutput, RequestOutput, StreamEvent, Usage
 from pocketllm.plugins import BackendRegistry
@@ -69,8 +69,14 @@ class EngineClient:
         """False once the engine loop has died or been shut down: no request can run then."""
         return self.driver.is_alive
 
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine, once ``is_alive`` is False because it died (None after a shutdown)."""
+        return self.driver.error
+
     def stats(self) -> BackendStats:
-        """The backend's counters, as of the end of its latest step."""
+        """The backend's counters as of its latest step; ``num_waiting`` also counts requests handed over since
+        then that will not find a free slot (``max_num_seqs``)."""
         return self.driver.stats()
 
     def abort(self, request_id: str) -> None:
@@ -80,6 +86,7 @@ class EngineClient:
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """Return ``(text or None, token ids)`` for a text or token-id prompt."""
         if isinstance(prompt, str):
+            self.check_text_length(prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list):
             return None, list(prompt)
@@ -91,7 +98,17 @@ class EngineClient:
         """Render a conversation with the checkpoint's chat template and tokenize it (the template adds BOS)."""
         text = self.chat_builder.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                         chat_template_kwargs=chat_template_kwargs)
+        self.check_text_length(text)
         return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_text_length(self, text: str) -> None:
+        """Refuse, before tokenizing it, a text longer than max_model_len tokens of the longest token could span:
+        tokenizing megabytes only to refuse them would hold up everyone else."""
+        limit = self.max_model_len * self.tokenizer.max_token_chars
+        if len(text) > limit:
+            raise PromptTooLongError(f"prompt has {len(text)} characters, more than {self.max_model_len} tokens "
+                                     f"(max_model_len) of at most {self.tokenizer.max_token_chars} characters "
+                                     "each can hold")
 
     def shutdown(self) -> None:
         self.driver.shutdown()

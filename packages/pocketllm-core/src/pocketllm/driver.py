@@ -141,7 +141,20 @@ class EngineDriver:
                 self._cond.notify()
 
     def stats(self) -> BackendStats:
-        return self._stats
+        """The engine's counters as of its latest step, with ``num_waiting`` counting what waits for a slot.
+
+        The engine counts its own queue only after a step; requests handed to it since then count as waiting
+        for whatever they add beyond ``max_num_seqs`` slots, so that a burst is counted as it arrives."""
+        stats = self._stats
+        with self._cond:
+            queued = sum(len(item.choices) for kind, item, _ in self._commands if kind == "add")  # type: ignore[attr-defined]
+        waiting = max(stats.num_waiting, stats.num_running + stats.num_waiting + queued - self.args.max_num_seqs)
+        return msgspec.structs.replace(stats, num_waiting=waiting)
+
+    @property
+    def error(self) -> BaseException | None:
+        """What killed the engine loop, if it died."""
+        return self._error
 
     @property
     def is_alive(self) -> bool:

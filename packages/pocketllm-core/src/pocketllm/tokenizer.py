@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,12 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token decodes to: the longest vocabulary entry (byte-level and
+        SentencePiece spellings never decode to more characters than they are spelled with)."""
+        return max((len(piece) for piece in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, which may be part of a UTF-8 character (OpenAI's logprob ``bytes``).

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -12,24 +13,31 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pocketllm import AsyncLLM, EngineArgs
+from pocketllm import AsyncLLM, EngineArgs, __version__
 from pocketllm_server import openai_chat, openai_completions, openai_models, routes_health, routes_tokenize
 from pocketllm_server.errors import APIError
-from pocketllm_server.middleware import ApiKeyMiddleware, UnexpectedErrorMiddleware
+from pocketllm_server.middleware import ApiKeyMiddleware, RequestBodyMiddleware, UnexpectedErrorMiddleware
+from pocketllm_server.openapi import openapi_document, openapi_json
 from pocketllm_server.state import ServerState, state_of
 
 # Status for a request whose client left before the answer (nginx's convention; nobody receives it).
 _CLIENT_CLOSED_REQUEST = 499
 
 
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a max_model_len of token ids or text is far below this
+
+
 def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str | None = None,
-               max_queue_len: int | None = None, llm: AsyncLLM | None = None) -> Starlette:
+               max_queue_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               llm: AsyncLLM | None = None) -> Starlette:
     """Build the server. Without ``llm`` the app loads the model itself, in the background, at startup.
 
     An ``llm`` passed in is used as it is and not shut down with the app.
     """
     if max_queue_len is not None and max_queue_len < 1:
         raise ValueError(f"max_queue_len must be at least 1, got {max_queue_len}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
     state = ServerState(engine_args, served_model_name=served_model_name, max_queue_len=max_queue_len, llm=llm)
 
     @asynccontextmanager
@@ -50,13 +58,17 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
         Route("/v1/completions", openai_completions.create_completion, methods=["POST"]),
         Route("/tokenize", routes_tokenize.tokenize, methods=["POST"]),
         Route("/detokenize", routes_tokenize.detokenize, methods=["POST"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
-    middleware = [Middleware(UnexpectedErrorMiddleware)]
+    middleware = [Middleware(RequestBodyMiddleware, max_body_bytes=max_request_bytes),
+                  Middleware(UnexpectedErrorMiddleware)]
     if api_key is not None:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=api_key))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_disconnected})
     app.state.server = state
+    app.state.openapi = msgspec.json.encode(openapi_document(title="PocketLLM", version=__version__,
+                                                             api_key=api_key is not None))
     return app
 
 

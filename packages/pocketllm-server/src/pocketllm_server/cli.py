@@ -17,10 +17,11 @@ from starlette.applications import Starlette
 from pocketllm.args import DEFAULT_MODEL
 from pocketllm.cli_args import add_engine_args, engine_args_from
 from pocketllm.errors import PocketLLMError
-from pocketllm_server.app import create_app
+from pocketllm_server.app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from pocketllm_server.state import ServerState
 
 log = logging.getLogger("pocketllm_server")
+ENGINE_WATCH_INTERVAL_S = 0.5
 
 
 def _positive_int(value: str) -> int:
@@ -43,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--served-model-name", default=None,
                         help="model name clients use (default: the last part of --model)")
     server.add_argument("--max-queue-len", type=_positive_int, default=None,
-                        help="answer 503 while this many requests are waiting (default: no limit)")
+                        help="answer 503 with Retry-After while this many requests wait for an engine slot; "
+                             "running requests do not count (default: no limit)")
+    server.add_argument("--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="answer 413 to a request body larger than this (default: %(default)s)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(parser)  # --model, --backend and every other EngineArgs field
     return parser
@@ -59,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     served_model_name = ns.served_model_name or os.path.basename(engine_args.model.rstrip("/\\"))
     app = create_app(engine_args, served_model_name=served_model_name, api_key=ns.api_key or None,
-                     max_queue_len=ns.max_queue_len)
+                     max_queue_len=ns.max_queue_len, max_request_bytes=ns.max_request_bytes)
     config = Config()
     address = f"[{ns.host}]:{ns.port}" if ":" in ns.host else f"{ns.host}:{ns.port}"
     config.bind = [address]
@@ -83,14 +87,25 @@ async def _serve(app: Starlette, config: Config) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    async def stop_if_load_fails() -> None:
+    engine_died = False
+
+    async def stop_if_load_fails_or_engine_dies() -> None:
+        nonlocal engine_died
         await state.wait_loaded()
         if state.load_error is not None:
+            stop.set()
+            return
+        # A dead engine serves nothing: exit non-zero so that a supervisor restarts the server.
+        while state.llm is not None and state.llm.is_alive:
+            await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+        if not state.draining:
+            engine_died = True
+            log.critical("the engine stopped (%s); exiting", state.llm.error if state.llm else "no engine")
             stop.set()
 
     async def shutdown_trigger() -> None:
         # Runs once the app's startup (which begins loading the model) has completed.
-        watcher = asyncio.create_task(stop_if_load_fails())
+        watcher = asyncio.create_task(stop_if_load_fails_or_engine_dies())
         try:
             await stop.wait()
         finally:
@@ -100,7 +115,7 @@ async def _serve(app: Starlette, config: Config) -> int:
         await state.shutdown()
 
     await serve(app, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
-    if state.load_error is not None:
+    if state.load_error is not None or engine_died:
         return 1
     log.info("stopped")
     return 0

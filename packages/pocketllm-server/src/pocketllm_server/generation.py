@@ -15,6 +15,7 @@ from pocketllm_server.protocol import SamplingRequest, UsageInfo
 from pocketllm_server.state import EngineStream, state_of
 from pocketllm_server.streaming import all_or_nothing, cancel_on_disconnect
 
+ABORTED = "abort"  # the core's finish reason for a cancelled request
 # SamplingRequest fields handed to SamplingParams unchanged when the client sets them.
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "seed")
@@ -126,10 +127,15 @@ async def collect(request: Request, streams: Sequence[EngineStream], prompts: Se
     finally:
         for stream in streams:
             await stream.aclose()
-    if any(choice.finish_reason == "abort" for output in outputs for choice in output.outputs):
-        # Only a shutdown aborts a request whose client is still connected.
-        raise unavailable("the request was aborted because the server is shutting down", "request_aborted")
+    if any(choice.finish_reason == ABORTED for output in outputs for choice in output.outputs):
+        raise aborted()
     return outputs
+
+
+def aborted() -> APIError:
+    """Why a request whose client is still connected was aborted: only a shutdown does that. ("abort" is no
+    OpenAI finish reason: clients get this error instead, as a 503 or as a stream's last event.)"""
+    return unavailable("the request was aborted because the server is shutting down", "request_aborted")
 
 
 def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:

@@ -23,11 +23,9 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 class _EngineCollector(Collector):
     """Reads the backend's gauges and cumulative counters at scrape time, so they are never stale."""
 
-    def __init__(self, model_name: str, stats: Callable[[], BackendStats | None],
-                 queue_depth: Callable[[], int]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], BackendStats | None]) -> None:
         self.model_name = model_name
         self.stats = stats
-        self.queue_depth = queue_depth
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats()
@@ -37,10 +35,13 @@ class _EngineCollector(Collector):
             (GaugeMetricFamily, "pocketllm:num_requests_running", "Number of requests running in the engine.",
              stats.num_running),
             (GaugeMetricFamily, "pocketllm:num_requests_waiting",
-             "Number of requests waiting to be processed (engine queue, or admitted and not started).",
-             max(stats.num_waiting, self.queue_depth())),
+             "Number of requests waiting for an engine slot.", stats.num_waiting),
             (GaugeMetricFamily, "pocketllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
              stats.kv_usage),
+            (GaugeMetricFamily, "pocketllm:kv_cache_blocks_used", "KV-cache blocks in use.",
+             stats.num_kv_blocks_used),
+            (GaugeMetricFamily, "pocketllm:kv_cache_blocks_total", "KV-cache blocks in the pool.",
+             stats.num_kv_blocks_total),
             (CounterMetricFamily, "pocketllm:num_preemptions", "Cumulative number of preemptions by the engine.",
              stats.num_preemptions),
             (CounterMetricFamily, "pocketllm:prefix_cache_queries",
@@ -55,10 +56,9 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], BackendStats | None],
-                 queue_depth: Callable[[], int]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], BackendStats | None]) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(model_name, stats, queue_depth))
+        self.registry.register(_EngineCollector(model_name, stats))
         model = {"model_name": model_name}
 
         def counter(name: str, doc: str) -> Counter:

@@ -1,4 +1,5 @@
-"""ASGI middleware: the API-key check, and the last line of defence against unexpected exceptions."""
+"""ASGI middleware: request body limits and connection hygiene, the API-key check, and the last line of defence
+against unexpected exceptions."""
 
 from __future__ import annotations
 
@@ -65,3 +66,55 @@ class UnexpectedErrorMiddleware:
                 error = APIError(500, f"The server had an error while processing the request ({type(e).__name__}).",
                                  type="internal_server_error")
                 await error.response()(scope, receive, send)
+
+
+class BodyTooLarge(APIError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"The request body is larger than this server accepts ({limit} bytes).",
+                         code="request_too_large")
+
+
+class RequestBodyMiddleware:
+    """Bounds request bodies, and closes connections whose body was not read.
+
+    A body announced larger than ``max_body_bytes`` is answered 413 before any of it is read; one that turns out
+    larger while it is read fails its read with the same 413. Either way, and whenever any reply (a 401, 404,
+    405, 415, ...) starts before the app read the whole body, the reply carries ``Connection: close``: the
+    unread rest of the body must not be taken for the next request on a keep-alive connection.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        declared = headers.get("content-length")
+        has_body = bool(declared and declared != "0") or "transfer-encoding" in headers
+        body_read = not has_body
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal body_read, received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise BodyTooLarge(self.max_body_bytes)
+                body_read = not message.get("more_body", False)
+            return message
+
+        async def closing_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and not body_read:
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            error = BodyTooLarge(self.max_body_bytes) if declared.isdigit() else APIError(
+                400, f"invalid Content-Length header {declared[:40]!r}")
+            await error.response()(scope, receive, closing_send)
+            return
+        await self.app(scope, counting_receive, closing_send)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator
 
@@ -9,10 +10,12 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pocketllm import ConfigError, PocketLLMError
+from pocketllm import PocketLLMError
 from pocketllm_server.errors import APIError, ErrorBody, from_engine_error, invalid_request
 from pocketllm_server.generation import (
+    ABORTED,
     PromptRequest,
+    aborted,
     check_stream_options,
     collect,
     request_id,
@@ -40,12 +43,13 @@ from pocketllm_server.streaming import DONE, EventStreamResponse, sse
 async def create_chat_completion(request: Request) -> Response:
     state, req, llm = await read_model_request(request, ChatCompletionRequest)
     _check_options(req)
-    try:
-        _, prompt_ids = llm.render_chat([msgspec.to_builtins(m) for m in req.messages],
-                                        add_generation_prompt=req.add_generation_prompt, tools=req.tools,
-                                        chat_template_kwargs=req.chat_template_kwargs)
-    except ConfigError as e:
-        raise from_engine_error(e) from None
+    try:  # off the event loop: rendering and tokenizing grow with the conversation
+        _, prompt_ids = await asyncio.to_thread(
+            llm.render_chat, [msgspec.to_builtins(m) for m in req.messages],
+            add_generation_prompt=req.add_generation_prompt, tools=req.tools,
+            chat_template_kwargs=req.chat_template_kwargs)
+    except PocketLLMError as e:
+        raise from_engine_error(e, fields={"prompt": "messages"}) from None
 
     budget_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     # Engine field names as this endpoint spells them, for error messages' ``param``.
@@ -104,6 +108,10 @@ async def _chunks(stream: EngineStream, *, rid: str, model: str, created: int, n
         for index in range(n):
             yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         async for event in stream:
+            if event.finish_reason == ABORTED:
+                yield sse(ErrorBody(aborted().info))
+                yield DONE
+                return
             lp = chat_logprobs(event.logprobs, text_of) if logprobs and event.logprobs else None
             if event.text or event.finish_reason is not None or lp is not None:
                 yield chunk([ChatChunkChoice(index=event.index, delta=DeltaMessage(content=event.text or None),

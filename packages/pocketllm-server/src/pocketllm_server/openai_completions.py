@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
 
@@ -11,7 +12,9 @@ from starlette.responses import Response
 from pocketllm import AsyncLLM, PocketLLMError
 from pocketllm_server.errors import APIError, ErrorBody, from_engine_error, invalid_request
 from pocketllm_server.generation import (
+    ABORTED,
     PromptRequest,
+    aborted,
     check_stream_options,
     collect,
     request_id,
@@ -33,18 +36,22 @@ async def create_completion(request: Request) -> Response:
     state, req, llm = await read_model_request(request, CompletionRequest)
     _check_options(req)
     rid = request_id(request, "cmpl")
-    prompts = _prompts(req.prompt, llm)
+    try:
+        prompts = await asyncio.to_thread(_prompts, req.prompt, llm)  # tokenizing grows with the prompt
+    except PocketLLMError as e:
+        raise from_engine_error(e) from None
     requests = []
     for i, (text, ids) in enumerate(prompts):
         max_tokens = resolve_max_tokens(req.max_tokens, DEFAULT_MAX_TOKENS, prompt_len=len(ids),
                                         max_model_len=llm.max_model_len, param="max_tokens",
                                         prompt_param="prompt")
         params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, fields={})
-        if text is None and req.echo:  # show token ids as text, special tokens included: what the model was given
-            text = llm.tokenizer.decode(ids, skip_special_tokens=False)
         requests.append(PromptRequest(text=text, ids=ids, params=params,
                                       request_id=rid if len(prompts) == 1 else f"{rid}-{i}"))
-    streams = await start_all(request, requests, {})
+    streams = await start_all(request, requests, {})  # the engine has checked every id from here on
+    for prompt in requests:
+        if prompt.text is None and req.echo:  # token ids shown as text, special tokens included: what ran
+            prompt.text = llm.tokenizer.decode(prompt.ids, skip_special_tokens=False)
     text_of = TokenTexts(llm.tokenizer)
     created = int(time.time())
 
@@ -112,6 +119,10 @@ async def _chunks(streams: Sequence[EngineStream], requests: Sequence[PromptRequ
     prompt_tokens = completion_tokens = 0
     try:
         async for i, event in merge(streams):
+            if event.finish_reason == ABORTED:
+                yield sse(ErrorBody(aborted().info))
+                yield DONE
+                return
             index = i * req.n + event.index
             text = event.text
             if req.echo and index not in offsets:

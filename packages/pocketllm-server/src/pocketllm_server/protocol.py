@@ -239,8 +239,38 @@ _AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
 
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects a request body may have (tool schemas need a few levels, not 1,000)."""
+_STRUCTURE = re.compile(rb'[\[\]{}"\\]')
+
+
+def json_depth_exceeds(body: bytes, limit: int) -> bool:
+    """Whether arrays and objects in ``body`` nest deeper than ``limit``, brackets inside strings aside."""
+    depth, in_string, skip_to = 0, False, -1
+    for match in _STRUCTURE.finditer(body):
+        position, char = match.start(), match.group()
+        if position < skip_to:
+            continue  # the character after a backslash
+        if in_string:
+            if char == b"\\":
+                skip_to = position + 2
+            elif char == b'"':
+                in_string = False
+        elif char == b'"':
+            in_string = True
+        elif char in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in (b"]", b"}"):
+            depth -= 1
+    return False
+
+
 def decode(body: bytes, type_: type[T]) -> T:
     """Decode a JSON request body; a malformed or mistyped one becomes a 400 naming the field."""
+    if json_depth_exceeds(body, MAX_JSON_DEPTH):
+        raise invalid_request(f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as e:

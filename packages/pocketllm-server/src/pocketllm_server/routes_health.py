@@ -27,7 +27,7 @@ async def health(request: Request) -> Response:
         status=status, model=state.served_model_name, backend=llm.backend_name if llm is not None else None,
         engine_alive=llm is not None and llm.is_alive,
         num_requests_running=stats.num_running if stats else 0,
-        num_requests_waiting=max(stats.num_waiting, state.pending) if stats else 0, error=error)
+        num_requests_waiting=stats.num_waiting if stats else 0, error=error)
     return json_response(body, status=200 if status in ("ok", "loading") else 503)
 
 

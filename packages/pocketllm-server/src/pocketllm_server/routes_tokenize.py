@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pocketllm import ConfigError
+from pocketllm import AsyncLLM, PocketLLMError
 from pocketllm_server.errors import from_engine_error, invalid_request
 from pocketllm_server.protocol import (
     DetokenizeRequest,
@@ -22,19 +24,23 @@ async def tokenize(request: Request) -> Response:
     _, req, llm = await read_model_request(request, TokenizeRequest)
     if (req.prompt is None) == (req.messages is None):
         raise invalid_request("give exactly one of prompt and messages", "prompt")
-    if req.prompt is not None:
-        ids = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
-    else:
-        assert req.messages is not None
-        try:
-            text, ids = llm.render_chat([msgspec.to_builtins(m) for m in req.messages],
-                                        add_generation_prompt=req.add_generation_prompt, tools=req.tools,
-                                        chat_template_kwargs=req.chat_template_kwargs)
-        except ConfigError as e:
-            raise from_engine_error(e) from None
-        if req.add_special_tokens:  # on top of what the template already wrote, as vLLM does
-            ids = llm.tokenizer.encode(text, add_special_tokens=True)
+    try:  # off the event loop: tokenizing grows with the text
+        ids = await asyncio.to_thread(_tokenize, req, llm)
+    except PocketLLMError as e:
+        raise from_engine_error(e) from None
     return json_response(TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len, tokens=ids))
+
+
+def _tokenize(req: TokenizeRequest, llm: AsyncLLM) -> list[int]:
+    if req.prompt is not None:
+        llm.check_text_length(req.prompt)
+        return llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+    assert req.messages is not None
+    text, ids = llm.render_chat([msgspec.to_builtins(m) for m in req.messages],
+                                add_generation_prompt=req.add_generation_prompt, tools=req.tools,
+                                chat_template_kwargs=req.chat_template_kwargs)
+    # On top of what the template already wrote, as vLLM does.
+    return llm.tokenizer.encode(text, add_special_tokens=True) if req.add_special_tokens else ids
 
 
 async def detokenize(request: Request) -> Response:

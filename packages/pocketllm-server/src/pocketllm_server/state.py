@@ -16,6 +16,7 @@ from pocketllm_server.metrics import ServerMetrics
 from pocketllm_server.protocol import decode
 
 log = logging.getLogger("pocketllm_server")
+_DECODE_INLINE_BYTES = 64 * 1024
 
 
 def load_engine(engine_args: EngineArgs) -> AsyncLLM:
@@ -36,10 +37,16 @@ ModelRequest = TypeVar("ModelRequest", bound=_NamesModel)
 
 
 async def read_model_request(request: Request, kind: type[ModelRequest]) -> tuple[ServerState, ModelRequest, AsyncLLM]:
-    """The prologue of every route that runs the model: decode the body as ``kind``, check that it names the
-    served model (404 otherwise) and require a running engine (503 otherwise)."""
+    """The prologue of every route that runs the model: check the content type (415), decode the body as
+    ``kind`` (400), check that it names the served model (404) and require a running engine (503)."""
     state = state_of(request)
-    body = decode(await request.body(), kind)
+    media_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise APIError(415, f"Content-Type must be application/json, got {media_type!r}", param="content-type",
+                       code="unsupported_media_type")
+    raw = await request.body()
+    # A large body takes a while to scan and decode: off the event loop, so /health and streams keep going.
+    body = decode(raw, kind) if len(raw) < _DECODE_INLINE_BYTES else await asyncio.to_thread(decode, raw, kind)
     state.check_model(body.model)
     return state, body, state.require_llm()
 
@@ -55,10 +62,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.draining = False
         self.created = int(time.time())
-        # Requests admitted and still waiting for their first output. The engine's own num_waiting is only
-        # refreshed after each step, so this is what keeps a burst of arrivals from all slipping past the limit.
-        self.pending = 0
-        self.metrics = ServerMetrics(served_model_name, self.stats, lambda: self.pending)
+        self.metrics = ServerMetrics(served_model_name, self.stats)
         self._load_task: asyncio.Task[None] | None = None
         self._load_done: asyncio.Event | None = None
 
@@ -132,20 +136,16 @@ class ServerState:
     async def start(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> EngineStream:
         """Admit a request and wait for its first output, so that every error it can have is raised here.
 
-        Raises APIError (503) when the queue is full, or the engine's error for a bad request.
+        Raises APIError (503) when ``max_queue_len`` requests already wait for an engine slot (running ones do
+        not count), or the engine's error for a bad request.
         """
         llm = self.require_llm()
-        stats = llm.stats()
-        if self.max_queue_len is not None and max(stats.num_waiting, self.pending) >= self.max_queue_len:
+        if self.max_queue_len is not None and llm.stats().num_waiting >= self.max_queue_len:
             raise unavailable(f"too many requests waiting (max_queue_len={self.max_queue_len}); retry later",
                               "queue_full")
         stream = EngineStream(self.metrics, llm.stream_ids(prompt_ids, params, request_id=request_id),
                               len(prompt_ids))
-        self.pending += 1
-        try:
-            await stream.pull_first()
-        finally:
-            self.pending -= 1
+        await stream.pull_first()
         return stream
 
 

@@ -1,0 +1,75 @@
+"""The OpenAPI 3.1 description of every route, generated from the msgspec request and response structs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pocketllm_server import protocol
+from pocketllm_server.errors import ErrorBody
+
+# method, path, summary, request body, response body (None: not JSON), streams (SSE when "stream": true)
+_OPERATIONS: list[tuple[str, str, str, type | None, type | None, bool]] = [
+    ("post", "/v1/chat/completions", "Chat completion (OpenAI)", protocol.ChatCompletionRequest,
+     protocol.ChatCompletion, True),
+    ("post", "/v1/completions", "Text completion (OpenAI)", protocol.CompletionRequest, protocol.Completion, True),
+    ("get", "/v1/models", "The served model", None, protocol.ModelList, False),
+    ("post", "/tokenize", "Tokenize a prompt or a conversation (vLLM)", protocol.TokenizeRequest,
+     protocol.TokenizeResponse, False),
+    ("post", "/detokenize", "Token ids back to text (vLLM)", protocol.DetokenizeRequest,
+     protocol.DetokenizeResponse, False),
+    ("get", "/health", "Liveness and engine state", None, protocol.HealthResponse, False),
+    ("get", "/alive", "The process answers", None, None, False),
+    ("get", "/ready", "The engine is loaded and serving", None, None, False),
+    ("get", "/metrics", "Prometheus metrics", None, None, False),
+    ("get", "/openapi.json", "This document", None, None, False),
+]
+_ERRORS = {"400": "Invalid request", "401": "Missing or wrong API key", "404": "Unknown model or route",
+           "413": "Request body too large", "415": "Body is not JSON", "503": "Loading, overloaded or shutting down"}
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def openapi_document(*, title: str, version: str, api_key: bool) -> dict[str, Any]:
+    structs = [t for _, _, _, request, response, _ in _OPERATIONS for t in (request, response) if t is not None]
+    _, components = msgspec.json.schema_components([*structs, ErrorBody], ref_template="#/components/schemas/{name}")
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path, summary, request, response, streams in _OPERATIONS:
+        operation: dict[str, Any] = {"summary": summary, "responses": _responses(response, streams, method)}
+        if request is not None:
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
+        if api_key and path.startswith(_PROTECTED_PREFIXES):
+            operation["security"] = [{"bearer": []}]
+        paths.setdefault(path, {})[method] = operation
+    document: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+    if api_key:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return document
+
+
+def _ref(struct: type) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{struct.__name__}"}
+
+
+def _responses(response: type | None, streams: bool, method: str) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": _ref(response)}} if response else {
+        "application/json": {}, "text/plain": {}}
+    if streams:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
+    error = {"application/json": {"schema": _ref(ErrorBody)}}
+    for status, description in _ERRORS.items():
+        if method == "post" or status in ("404", "503"):
+            responses[status] = {"description": description, "content": error}
+    return responses
+
+
+async def openapi_json(request: Request) -> Response:
+    return Response(request.app.state.openapi, media_type="application/json")
