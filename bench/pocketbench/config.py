@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 PEERS = ("llama.cpp", "transformers")
-WORKLOADS = ("prefill", "decode", "batch", "ttft", "serve", "fidelity")
+WORKLOADS = ("startup", "prefill", "decode", "batch", "ttft", "serve", "fidelity")
 KNOWN_BACKENDS = ("torch", "cpp")  # PocketLLM backends measured by default, where installed
 # The serve workload's goal: aggregate tok/s over HTTP at least this fraction of the library's, at these clients.
 SERVE_TARGET_RATIO = 0.9

@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeVar
 
 from tqdm import tqdm
 
+from pocketbench import startup
 from pocketbench.config import BenchConfig, EngineSpec
 from pocketbench.fidelity import FidelityCase
 from pocketbench.machine import describe
@@ -43,7 +44,7 @@ def _common(config: BenchConfig, model_path: Path) -> dict[str, Any]:
 
 
 def engine_specs(config: BenchConfig, model_path: Path) -> list[EngineSpec]:
-    """The engines of every workload but serve; none when serve is the only one."""
+    """The engines of every workload but serve (startup spawns its own); none when serve is the only one."""
     if not set(config.workloads) - {"serve"}:
         return []
     common = _common(config, model_path)
@@ -82,6 +83,8 @@ def run(config: BenchConfig) -> BenchResults:
                                                                                  strict=True)]
         if "fidelity" in config.workloads:
             results.fidelity = _fidelity(workers, prompts, sizes.fidelity_tokens)
+        if "startup" in config.workloads:
+            _startup(config, specs, prompts, log_dir, results)
         _timed(config, workers, serving, prompts, results)
         for target in (*workers, *serving):
             results.values.setdefault(RSS.key, {})[target.label] = [target.call("rss")["peak_rss_mb"]]
@@ -122,6 +125,22 @@ def _fidelity(workers: list[Worker], prompts: PromptSet, tokens: int) -> list[Fi
                    for w in workers}
         cases.append(FidelityCase(question, ids, outputs))
     return cases
+
+
+def _startup(config: BenchConfig, specs: list[EngineSpec], prompts: PromptSet, log_dir: Path,
+             results: BenchResults) -> None:
+    """Fresh processes, interleaved engine by engine, each with a cold then a warm page cache."""
+    prompt = prompts.fidelity[0][1]
+    results.figures.extend((startup.COLD, startup.WARM))
+    rounds = config.warmup + config.runs
+    with tqdm(total=len(specs) * 2 * rounds, desc="startup", unit="start") as bar:
+        for i in range(rounds):
+            for spec in specs:
+                for figure in (startup.COLD, startup.WARM):
+                    reply = startup.start_once(spec, log_dir, prompt, cold=figure is startup.COLD)
+                    if i >= config.warmup:
+                        results.record(figure.key, spec.label, reply, {figure.key: reply["seconds"]})
+                    bar.update()
 
 
 def _timed(config: BenchConfig, workers: list[Worker], serving: list[Target], prompts: PromptSet,

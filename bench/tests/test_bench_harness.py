@@ -186,12 +186,20 @@ def test_full_run_on_the_echo_backend(tmp_path: Path) -> None:
 
     sizes = Sizes(prefill_tokens=16, prompt_tokens=8, new_tokens=4, concurrency=(1, 2), ttft_requests=2,
                   ttft_new_tokens=2, serve_concurrency=(2,), fidelity_prompts=1, fidelity_tokens=4)
+    from pocketllm.testing import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "model", max_positions=2048)  # float32: the echo backend declares no block types
     parser = build_parser()
     ns = parser.parse_args(["--backend", "echo", "--peers", "--runs", "2", "--out", str(tmp_path),
-                            "--machine", "test"])
+                            "--machine", "test", "--model", str(model)])
     config = dataclasses.replace(config_from(ns, installed=["echo"]), sizes=sizes)
     results = run(config)
     assert [len(runs) for runs in results.values["batch2_tok_s"].values()] == [2]
+    # startup: fresh workers, cold and warm, two measured runs each after the warm-up.
+    for key in ("startup_cold_s", "startup_warm_s"):
+        assert [len(runs) for runs in results.values[key].values()] == [2]
+        assert all(0 < value < 120 for value in results.values[key]["pocketllm-echo"])
+    assert results.raw["startup_cold_s"]["pocketllm-echo"][0]["evicted"] in ("page cache", "model file")
     # The serve workload: AsyncLLM in a worker and a pocketllm-server process, interleaved, two runs each.
     assert results.serving == [("pocketllm-echo-async", "pocketllm-echo-http")]
     assert {label: len(runs) for label, runs in results.values["serve2_tok_s"].items()} == {
@@ -215,8 +223,11 @@ def test_serve_only_starts_no_other_engine(tmp_path: Path) -> None:
     from pocketbench.runner import run
 
     sizes = dataclasses.replace(QUICK, prompt_tokens=8, new_tokens=3, serve_concurrency=(1,))
+    from pocketllm.testing import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "model", max_positions=2048)
     ns = build_parser().parse_args(["--backend", "echo", "--peers", "--runs", "1", "--workloads", "serve",
-                                    "--out", str(tmp_path)])
+                                    "--out", str(tmp_path), "--model", str(model)])
     results = run(dataclasses.replace(config_from(ns, installed=["echo"]), sizes=sizes))
     assert list(results.engines) == ["pocketllm-echo-async", "pocketllm-echo-http"]
     assert (results.ours, results.peers) == ([], [])

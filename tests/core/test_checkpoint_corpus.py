@@ -6,6 +6,7 @@ header field at the byte position where the valid file keeps it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 import time
@@ -209,3 +210,24 @@ def test_config_json_disagreeing_with_the_tensors(tmp_path: Path, llama_dir: Pat
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(str(model))
     assert tensor in str(err.value) and key in str(err.value), err.value
+
+
+def test_random_header_mutations_only_ever_give_checkpoint_error(tmp_path: Path, gguf_bytes: bytes,
+                                                                 gguf_layout: dict[str, int]) -> None:
+    """300 files with random bytes, or random 64-bit values, written over the header: each one loads, or fails
+    with CheckpointError, quickly."""
+    rng = np.random.default_rng(11)
+    header_end = gguf_layout["last_tensor_offset"] + 8
+    path = tmp_path / "mutant.gguf"
+    for i in range(300):
+        data = bytearray(gguf_bytes)
+        position = int(rng.integers(4, header_end - 8))
+        if i % 2:
+            struct.pack_into("<Q", data, position, int(rng.integers(0, 2**63)) * int(rng.choice([1, 2])) - 1)
+        else:
+            data[position] = int(rng.integers(0, 256))
+        path.write_bytes(bytes(data))
+        started = time.monotonic()
+        with contextlib.suppress(CheckpointError):
+            _load(path)
+        assert time.monotonic() - started < 2, f"mutation {i} at {position} took too long"

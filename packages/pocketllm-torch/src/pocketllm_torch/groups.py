@@ -2,7 +2,8 @@
 
 Q4_0 and Q4_1 are affine per group of 32 weights along a row: ``w = scale * code + offset`` with codes in
 [0, 15] (Q4_0: offset = -8 * scale); Q8_0 is ``w = scale * code`` with codes in [-128, 127]. Handing the
-kernels the codes instead of float32 arrays keeps a quarter of the bytes; dequantizing is one call away.
+kernels the codes instead of float32 arrays keeps a quarter of the bytes; ``linear.Int4Weight`` and
+``Int8Weight`` dequantize them when a dense copy is needed.
 """
 
 from __future__ import annotations
@@ -34,11 +35,6 @@ class GroupedMatrix:
     def shape(self) -> tuple[int, int]:
         return self.codes.shape  # type: ignore[return-value]
 
-    def code_groups(self) -> np.ndarray:
-        """The codes as float32 [rows, cols // 32, 32]."""
-        rows, cols = self.shape
-        return self.codes.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE).astype(np.float32)
-
     def map_rows(self: G, fn: Callable[[np.ndarray], np.ndarray]) -> G:
         """Apply the same row reordering (a function of the leading axis only) to every field."""
         return type(self)(*(fn(getattr(self, f.name)) for f in fields(self)))  # type: ignore[arg-type]
@@ -52,9 +48,6 @@ class Int4Groups(GroupedMatrix):
     scale: np.ndarray  # float32 [rows, cols // 32]
     offset: np.ndarray  # float32 [rows, cols // 32]
 
-    def dequantize(self) -> np.ndarray:
-        return (self.code_groups() * self.scale[..., None] + self.offset[..., None]).reshape(self.shape)
-
 
 @dataclass(frozen=True, slots=True)
 class Int8Groups(GroupedMatrix):
@@ -62,9 +55,6 @@ class Int8Groups(GroupedMatrix):
 
     codes: np.ndarray  # int8 [rows, cols]
     scale: np.ndarray  # float32 [rows, cols // 32]
-
-    def dequantize(self) -> np.ndarray:
-        return (self.code_groups() * self.scale[..., None]).reshape(self.shape)
 
 
 def load(tensor: CheckpointTensor, *, int4: bool, int8: bool) -> np.ndarray | Int4Groups | Int8Groups:

@@ -86,7 +86,7 @@ class SplitBF16Linear:
 
 @dataclass(slots=True)
 class Int4Weight:
-    """``w = scale * codes + offset`` per group of 32 inputs (see ``pocketllm.checkpoint.int4``), as tensors."""
+    """``w = scale * codes + offset`` per group of 32 inputs (see ``pocketllm_torch.groups``), as tensors."""
 
     codes: Tensor  # uint8 [out, in]
     scale: Tensor  # float32 [out, in / 32]
@@ -97,13 +97,16 @@ class Int4Weight:
         return cls(*(torch.from_numpy(a) for a in (groups.codes, groups.scale, groups.offset)))
 
     def dequantize(self) -> Tensor:
-        """float32 [out, in], by the checkpoint reader's own formula."""
-        return torch.from_numpy(Int4Groups(*(t.numpy() for t in astuple(self))).dequantize())
+        """float32 [out, in]: code * scale, then + offset, in float32 (as gguf's dequantizer computes it), in
+        torch's threaded kernels, one pass each: dense copies for prefill are most of a load's work."""
+        out, cols = self.codes.shape
+        w = self.codes.view(out, cols // GROUP_SIZE, GROUP_SIZE).to(torch.float32)
+        return w.mul_(self.scale.unsqueeze(-1)).add_(self.offset.unsqueeze(-1)).view(out, cols)
 
 
 @dataclass(slots=True)
 class Int8Weight:
-    """``w = scale * codes`` per group of 32 inputs (see ``pocketllm.checkpoint.int8``), as tensors."""
+    """``w = scale * codes`` per group of 32 inputs (see ``pocketllm_torch.groups``), as tensors."""
 
     codes: Tensor  # int8 [out, in]
     scale: Tensor  # float32 [out, in / 32]
@@ -113,8 +116,10 @@ class Int8Weight:
         return cls(torch.from_numpy(groups.codes), torch.from_numpy(groups.scale))
 
     def dequantize(self) -> Tensor:
-        """float32 [out, in], by the checkpoint reader's own formula."""
-        return torch.from_numpy(Int8Groups(*(t.numpy() for t in astuple(self))).dequantize())
+        """float32 [out, in]: code * scale in float32, in torch's threaded kernels."""
+        out, cols = self.codes.shape
+        w = self.codes.view(out, cols // GROUP_SIZE, GROUP_SIZE).to(torch.float32)
+        return w.mul_(self.scale.unsqueeze(-1)).view(out, cols)
 
 
 GroupedWeight = TypeVar("GroupedWeight", Int4Weight, Int8Weight)

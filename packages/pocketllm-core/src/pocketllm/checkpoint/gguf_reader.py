@@ -6,20 +6,20 @@ names; any other architecture comes through with GGUF's own names, for a backend
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 
 from pocketllm.checkpoint.base import Checkpoint
 from pocketllm.checkpoint.configs import GGUF_ARCHITECTURES, config_from_gguf, gguf_key_of
+from pocketllm.checkpoint.gguf_file import GGUFFile, GGUFFormatError, TensorHeader, read_gguf
 from pocketllm.checkpoint.shapes import check_shapes
 from pocketllm.checkpoint.tensor import CheckpointTensor, RowPermutation
 from pocketllm.errors import CheckpointError
+from pocketllm.model_config import ModelConfig
 
 # GGUF tensor base names (without .weight/.bias) -> Hugging Face module names, for the tensors llama.cpp's
 # converter only renamed (and, for Llama's q/k, permuted: see RowPermutation). A tensor whose values it changed
@@ -72,26 +72,24 @@ _PERMUTES_QK = frozenset({"llama"})
 _SKIPPED = frozenset({"rope_freqs.weight"})
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _UNQUANTIZED = frozenset({"ALL_F32", "F32", "F16", "BF16"})
-_MAX_DIMS = 4
 
 
 class GGUFCheckpoint(Checkpoint):
     format = "gguf"
 
     def __init__(self, path: Path) -> None:
-        reader = _open(path)
-        if reader.byte_order != "I":
-            raise CheckpointError(f"{path}: big-endian GGUF files are not supported")
         try:
-            meta = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-        except (ValueError, IndexError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: corrupt GGUF metadata: {e}") from None
+            file = read_gguf(path)
+        except GGUFFormatError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read: {e}") from None
+        meta = file.metadata
         self._metadata = meta
-        config = config_from_gguf(meta, source=str(path), tensor_names={t.name for t in reader.tensors})
-        tensors = [_describe(t, reader, path, config.architecture, config)
-                   for t in reader.tensors if t.name not in _SKIPPED]
+        config = config_from_gguf(meta, source=str(path), tensor_names={t.name for t in file.tensors})
+        tensors = [_describe(t, file, path, config) for t in file.tensors if t.name not in _SKIPPED]
         check_shapes(tensors, config, lambda field: gguf_key_of(field, meta))
-        super().__init__(path, config, tensors, _quantization(meta.get("general.file_type"), reader))
+        super().__init__(path, config, tensors, _quantization(meta.get("general.file_type"), file.tensors))
 
     @property
     def gguf_metadata(self) -> Mapping[str, Any]:
@@ -111,87 +109,29 @@ def hf_name(name: str, architecture: str) -> str:
     return f"model.layers.{match[1]}.{names[match[2]]}.{suffix}" if match[2] in names else name
 
 
-def _describe(tensor: Any, reader: gguf.GGUFReader, path: Path, architecture: str, config: Any) -> CheckpointTensor:
-    """Describe one tensor (its header was validated against the file while parsing, see _Reader)."""
-    qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
-    start, nbytes = int(tensor.data_offset), int(tensor.n_bytes)
+def _describe(tensor: TensorHeader, file: GGUFFile, path: Path, config: ModelConfig) -> CheckpointTensor:
     # GGUF lists dimensions fastest-first; Hugging Face layout is the reverse.
-    shape = tuple(reversed([int(d) for d in tensor.shape]))
-    name = hf_name(tensor.name, architecture)
+    shape = tuple(reversed(tensor.dims))
+    name = hf_name(tensor.name, config.architecture)
     permutation = None
-    if architecture in _PERMUTES_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+    if config.architecture in _PERMUTES_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
         if shape[0] % (2 * heads):
             raise CheckpointError(f"{path}: tensor {tensor.name!r}: {shape[0]} rows do not split into {heads} "
                                   "heads of row pairs")
         permutation = RowPermutation(heads)
-    return CheckpointTensor(name=name, file_name=tensor.name, shape=shape, dtype=qtype.name, path=path,
-                            offset=start, nbytes=nbytes, row_permutation=permutation,
-                            _buffer=reader.data[start:start + nbytes])
+    return CheckpointTensor(name=name, file_name=tensor.name, shape=shape, dtype=tensor.qtype.name, path=path,
+                            offset=tensor.offset, nbytes=tensor.nbytes, row_permutation=permutation,
+                            _buffer=file.tensor_bytes(tensor))
 
 
-class _TensorHeaderError(ValueError):
-    def __init__(self, name: str, why: str) -> None:
-        super().__init__(f"tensor {name!r}: {why}")
-
-
-class _Reader(gguf.GGUFReader):
-    """GGUFReader parsing through a plain-ndarray view of its memory map.
-
-    The parser slices the map once per metadata value (~100k times for a vocabulary), and
-    numpy.memmap's per-slice bookkeeping makes that 3-4x slower. The view shares the same
-    mapping, so tensor data stays on disk until read.
-    """
-
-    @property  # type: ignore[override]
-    def data(self) -> np.ndarray:
-        return self._plain
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._plain = value.view(np.ndarray)
-
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        # Check each tensor header against the file before gguf slices and reshapes it: its errors name no tensor,
-        # and its size arithmetic wraps around in uint64.
-        for field in fields:
-            _, name_data, _, dims, raw_dtype, offset = field.parts
-            name = bytes(name_data).decode("utf-8", errors="replace")
-            shape = [int(d) for d in dims]
-            if not 1 <= len(shape) <= _MAX_DIMS or any(d <= 0 for d in shape):
-                raise _TensorHeaderError(name, f"invalid dimensions {shape}")
-            try:
-                qtype = gguf.GGMLQuantizationType(int(raw_dtype[0]))
-            except ValueError:
-                raise _TensorHeaderError(name, f"unknown GGML type {int(raw_dtype[0])}") from None
-            block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            if shape[0] % block_size:
-                raise _TensorHeaderError(name, f"row length {shape[0]} is not a multiple of {qtype.name}'s block "
-                                               f"of {block_size}")
-            start, nbytes = start_offs + int(offset[0]), math.prod(shape) // block_size * type_size
-            if start + nbytes > self.data.size:
-                raise _TensorHeaderError(name, f"its {nbytes} bytes at offset {start} lie outside the file "
-                                               f"({self.data.size} bytes)")
-        super()._build_tensors(start_offs, fields)
-
-
-def _open(path: Path) -> gguf.GGUFReader:
-    try:
-        return _Reader(path)
-    except _TensorHeaderError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, OSError, MemoryError, TypeError) as e:
-        # GGUFReader reports truncation (a tensor or value cut short) and garbage as whatever numpy raised first.
-        raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
-
-
-def _quantization(file_type: object, reader: gguf.GGUFReader) -> str | None:
+def _quantization(file_type: object, tensors: list[TensorHeader]) -> str | None:
     """The file's quantization as llama.cpp names it ("Q4_1", "Q4_K_M"), or None for a float file."""
     try:
         name = gguf.LlamaFileType(int(file_type) & ~gguf.LlamaFileType.GUESSED).name  # type: ignore[arg-type]
     except (TypeError, ValueError):
         # No or unknown file type: name it after the most common type among the matrices.
-        types = [t.tensor_type.name for t in reader.tensors if len(t.shape) > 1]
+        types = [t.qtype.name for t in tensors if len(t.dims) > 1]
         name = max(set(types), key=types.count) if types else "ALL_F32"
     name = name.removeprefix("MOSTLY_")
     return None if name in _UNQUANTIZED else name

@@ -45,9 +45,11 @@ def write_checkpoint(kind: str, path: Path) -> Path:
     raise ValueError(f"unknown kit checkpoint {kind!r}; choose from {KIT_CHECKPOINTS}")
 
 
-def make_tiny_llama(path: Path, *, seed: int = 0) -> Path:
-    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into ``path``."""
-    return _write_safetensors(path, "llama", seed=seed)
+def make_tiny_llama(path: Path, *, seed: int = 0, max_positions: int = MAX_POSITIONS) -> Path:
+    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into ``path``.
+
+    ``max_positions`` only changes the config (tests that need long contexts); the weights stay the kit's."""
+    return _write_safetensors(path, "llama", seed=seed, max_positions=max_positions)
 
 
 def make_tiny_qwen3(path: Path, *, seed: int = 1) -> Path:
@@ -88,12 +90,12 @@ def tiny_weights(arch: str, seed: int) -> dict[str, np.ndarray]:
     return tensors
 
 
-def hf_config(arch: str) -> dict:
+def hf_config(arch: str, max_positions: int = MAX_POSITIONS) -> dict:
     config = {
         "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"], "model_type": arch,
         "vocab_size": len(_vocab()), "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": MAX_POSITIONS,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": max_positions,
         "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": EOS_TOKEN_ID, "torch_dtype": "float32",
         "hidden_act": "silu", "attention_bias": False,
     }
@@ -102,12 +104,12 @@ def hf_config(arch: str) -> dict:
     return config
 
 
-def _write_safetensors(path: Path, arch: str, *, seed: int) -> Path:
+def _write_safetensors(path: Path, arch: str, *, seed: int, max_positions: int = MAX_POSITIONS) -> Path:
     from safetensors.numpy import save_file
 
     path.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(path)
-    (path / "config.json").write_text(json.dumps(hf_config(arch), indent=2))
+    (path / "config.json").write_text(json.dumps(hf_config(arch, max_positions), indent=2))
     save_file(tiny_weights(arch, seed), str(path / "model.safetensors"))
     return path
 
