@@ -1,6 +1,11 @@
-"""Sessions: `tests` (default) installs everything into a fresh venv and runs pytest; `lint`; `serve`; `bench`."""
+"""Sessions: `tests` (default) installs everything into a fresh venv and runs pytest; `lint`; `serve`; `bench`.
+
+nox logs "uv binary not found." while it looks for uv: harmless, these sessions use venv and pip.
+"""
 
 from __future__ import annotations
+
+import time
 
 import nox
 
@@ -29,7 +34,10 @@ BENCH_DEPS = ["llama-cpp-python", "transformers", "accelerate", "matplotlib", "t
 
 def install_engine(session: nox.Session) -> None:
     session.install(TORCH, *TORCH_BUILD_DEPS, CORE)
+    session.log("compiling pocketllm-torch's native CPU kernels: about a minute on 2 cores (pip is quiet meanwhile)")
+    started = time.monotonic()
     session.install("--no-build-isolation", TORCH_BACKEND)
+    session.log(f"pocketllm-torch built and installed in {time.monotonic() - started:.0f} s")
     session.install(SERVER, ".[all]")
     session.install("--no-deps", DEFAULT_MODEL)
 

@@ -10,31 +10,43 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pocketllm.errors import ConfigError
+from pocketllm.limits import MAX_MODEL_LEN_CAP
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+ENV_PREFIX = "POCKETLLM_"
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
+
+
+def _option(default: Any, help: str) -> Any:
+    """A field with its one-line help: ``--help``, the env bridge and the docs all read it from here."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(slots=True, kw_only=True)
 class EngineArgs:
     """How to build an engine. Every field is checked in ``__post_init__``."""
 
-    model: str = DEFAULT_MODEL
-    model_format: str = "auto"  # auto | safetensors | gguf
-    backend: str = "auto"  # auto or a registered backend name
-    device: str = "auto"  # auto | cpu | cuda[:N] | npu[:N]
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    tensor_parallel_size: int = 1
-    max_model_len: int | None = None  # None: the model's own limit, capped at limits.MAX_MODEL_LEN_CAP
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    prefill_chunk_size: int = 512
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = False
-    speculative_method: str | None = None
-    num_speculative_tokens: int = 0
-    seed: int = 0
-    backend_options: dict[str, Any] = field(default_factory=dict)
+    model: str = _option(DEFAULT_MODEL, "model: a safetensors directory, a .gguf file, or an alias of a model "
+                                        "shipped in a Python package")
+    model_format: str = _option("auto", "checkpoint format: auto, safetensors or gguf")
+    backend: str = _option("auto", "backend: auto (the best installed one here) or a name from `pocketllm backends`")
+    device: str = _option("auto", "device: auto, cpu, cuda[:N] or npu[:N]")
+    dtype: str = _option("auto", "weights and activations: auto (the backend's choice for this machine), float32, "
+                                 "bfloat16 or float16")
+    tensor_parallel_size: int = _option(1, "processes (devices) to split the model across")
+    max_model_len: int | None = _option(None, "context length, prompt plus output, in tokens; none: the "
+                                              f"model's own limit, at most {MAX_MODEL_LEN_CAP}")
+    max_num_seqs: int = _option(32, "most requests running at once; more wait for a slot")
+    max_num_batched_tokens: int = _option(2048, "most tokens one engine step processes")
+    prefill_chunk_size: int = _option(512, "longest piece of one prompt prefilled in one step")
+    kv_cache_dtype: str = _option("auto", "KV-cache storage: auto (what attention computes in) or a float dtype")
+    enable_prefix_caching: bool = _option(False, "reuse the KV of prompt prefixes seen before")
+    speculative_method: str | None = _option(None, "speculative decoding method, where the backend has one")
+    num_speculative_tokens: int = _option(0, "tokens drafted per step by speculative decoding")
+    seed: int = _option(0, "engine seed: the random stream of requests that set no seed of their own "
+                           "(a request's `seed` wins)")
+    backend_options: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "backend-specific settings as a JSON object (keys: see `pocketllm backends`)"})
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
@@ -67,7 +79,7 @@ class EngineArgs:
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            raw = env.get(f"POCKETLLM_{f.name.upper()}")
+            raw = env.get(f"{ENV_PREFIX}{f.name.upper()}")
             if raw is not None and f.name not in explicit:
                 values[f.name] = _parse_env(f.name, f.type, raw)
         values.update(explicit)

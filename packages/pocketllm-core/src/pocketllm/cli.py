@@ -27,27 +27,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("bench", add_help=False, help="benchmark against llama.cpp and transformers, from a checkout "
                                                   "(`pocketllm bench --help`)")
     for p in (gen, chat):
-        p.add_argument("--max-tokens", type=int, default=256)
-        p.add_argument("--temperature", type=float, default=0.7)
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--sampling-seed", type=int, default=None)
+        sampling = p.add_argument_group("sampling", "what a flag leaves out comes from the model's recommended "
+                                        "settings (generation_config.json or GGUF metadata), else from the "
+                                        "defaults shown, which give coherent answers with the default model")
+        sampling.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                              help=f"most tokens to generate (default: {CLI_SAMPLING['max_tokens']})")
+        sampling.add_argument("--temperature", type=float, default=None,
+                              help=f"0 is greedy (default: {CLI_SAMPLING['temperature']})")
+        sampling.add_argument("--top-p", type=float, default=None, help=f"(default: {CLI_SAMPLING['top_p']})")
+        sampling.add_argument("--sampling-seed", type=int, default=None, metavar="N",
+                              help="seed of this generation's random draws, for repeatable output (default: none: "
+                                   "drawn from the engine's --seed stream)")
+        sampling.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                              help="none: ignore the model's recommended settings (default: %(default)s)")
         add_engine_args(p)
     ns = parser.parse_args(argv)
     try:
         if ns.command == "backends":
             return _backends()
-        params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                                seed=ns.sampling_seed)
         from pocketllm.llm import LLM
 
         llm = LLM(engine_args=engine_args_from(ns))
         try:
+            params = _sampling(ns, llm.sampling_defaults if ns.generation_config == "auto" else {})
             return _generate(llm, ns.prompt, params) if ns.command == "generate" else _chat(llm, ns.system, params)
         finally:
             llm.shutdown()
     except PocketLLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+# SmolLM2's model card recommends these; sampled at 0.7 or 1.0 the 135M default model rambles.
+CLI_SAMPLING = {"max_tokens": 256, "temperature": 0.2, "top_p": 0.9}
+
+
+def _sampling(ns: argparse.Namespace, model_defaults: dict[str, object]) -> SamplingParams:
+    """Flags, else the model's recommendation, else CLI_SAMPLING."""
+    flags = {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "seed": ns.sampling_seed}
+    values = {**CLI_SAMPLING, **model_defaults, **{k: v for k, v in flags.items() if v is not None}}
+    return SamplingParams(**values)  # type: ignore[arg-type]
 
 
 def _backends() -> int:
@@ -80,6 +99,10 @@ def _generate(llm: object, prompt: str, params: SamplingParams) -> int:
 
 def _chat(llm: object, system: str | None, params: SamplingParams) -> int:
     messages = [{"role": "system", "content": system}] if system else []
+    if sys.stdin.isatty():
+        print(f"chatting with {llm.args.model} on backend {llm.backend_name} "  # type: ignore[attr-defined]
+              f"(temperature {params.temperature}, top_p {params.top_p}, at most {params.max_tokens} tokens a "
+              "reply); an empty line or Ctrl-D quits", file=sys.stderr)
     while True:
         try:
             line = input("> ")

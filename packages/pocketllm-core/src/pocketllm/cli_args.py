@@ -6,23 +6,30 @@ import argparse
 import dataclasses
 import json
 
-from pocketllm.args import EngineArgs
+from pocketllm.args import ENV_PREFIX, EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add ``--<field>`` for each EngineArgs field. Flags left out fall back to ``POCKETLLM_*``, then defaults."""
-    group = parser.add_argument_group("engine", "engine options (each also read from POCKETLLM_<NAME>)")
+    group = parser.add_argument_group("engine", "engine options (each also read from POCKETLLM_<NAME>; a flag wins)")
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type)
+        help_text = f"{f.metadata['help']} (default: {_default(f)}; ${ENV_PREFIX}{f.name.upper()})".replace("%", "%%")
         if kind == "bool":
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif kind.startswith("dict"):
-            group.add_argument(flag, dest=f.name, type=json.loads, default=None, metavar="JSON")
+            group.add_argument(flag, dest=f.name, type=json.loads, default=None, metavar="JSON", help=help_text)
         elif kind.startswith("int"):
-            group.add_argument(flag, dest=f.name, type=int, default=None)
+            group.add_argument(flag, dest=f.name, type=int, default=None, metavar="N", help=help_text)
         else:
-            group.add_argument(flag, dest=f.name, default=None)
+            group.add_argument(flag, dest=f.name, default=None, metavar=f.name.split("_")[-1].upper(), help=help_text)
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return json.dumps(f.default_factory())  # type: ignore[misc]
+    return "none" if f.default is None else str(f.default)
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:

@@ -13,6 +13,7 @@ from pocketllm.errors import ConfigError, PromptTooLongError
 from pocketllm.model_config import ModelConfig
 from pocketllm.outputs import CompletionOutput, RequestOutput, StreamEvent, Usage
 from pocketllm.plugins import BackendRegistry
+from pocketllm.progress import LoadProgress
 from pocketllm.sampling_params import SamplingParams
 
 Prompt = Union[str, list[int]]
@@ -25,17 +26,18 @@ class EngineClient:
     Build it from a model (``LLM("smollm2-135m-instruct", dtype="float32")``), from an
     :class:`EngineArgs` (``LLM(EngineArgs(model=..., backend=...))``, also as ``engine_args=``), or from
     ``POCKETLLM_*`` variables alone (``LLM()``). This is the whole public surface a server needs.
+    Loading shows its stages on a terminal's stderr unless ``show_progress=False`` or ``POCKETLLM_QUIET=1``.
     """
 
     def __init__(self, model: str | EngineArgs | None = None, *, engine_args: EngineArgs | None = None,
-                 registry: BackendRegistry | None = None, **kwargs: Any) -> None:
+                 registry: BackendRegistry | None = None, show_progress: bool | None = None, **kwargs: Any) -> None:
         if isinstance(model, EngineArgs):
             model, engine_args = None, _one_of(model, engine_args)
         if engine_args is None:
             engine_args = EngineArgs.from_env(**({"model": model} if model else {}), **kwargs)
         elif model is not None or kwargs:
             raise ConfigError("engine_args", "pass either EngineArgs or keyword arguments, not both")
-        self.driver = EngineDriver(engine_args, registry)
+        self.driver = EngineDriver(engine_args, registry, LoadProgress(show_progress))
         self.tokenizer = self.driver.tokenizer
         self.chat_builder = ChatPromptBuilder(self.tokenizer)
 
@@ -55,6 +57,13 @@ class EngineClient:
     @property
     def model_config(self) -> ModelConfig:
         return self.driver.model_config
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The sampling settings the checkpoint recommends (generation_config.json, or GGUF's
+        general.sampling.*), as SamplingParams fields: what the server and CLI use for fields a request leaves
+        out, unless told not to. The library itself applies them only where asked: ``SamplingParams(**defaults)``."""
+        return dict(self.driver.sampling_defaults)
 
     @property
     def backend_name(self) -> str:

@@ -27,6 +27,7 @@ from pocketllm.limits import MAX_MODEL_LEN_CAP
 from pocketllm.model_config import ModelConfig
 from pocketllm.outputs import StreamEvent, Usage
 from pocketllm.plugins import BackendRegistry
+from pocketllm.progress import LoadProgress
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.support import check_engine_args, check_request
 from pocketllm.tokenizer import Tokenizer
@@ -69,17 +70,22 @@ class _Request:
 class EngineDriver:
     """Loads a model on the selected backend and serves requests from any thread."""
 
-    def __init__(self, args: EngineArgs, registry: BackendRegistry | None = None) -> None:
-        self.registry = registry or BackendRegistry()
-        plugin = self.registry.select(args)
-        self.backend_name = plugin.name
-        self.capabilities = plugin.capabilities()
-        checkpoint = load_checkpoint(args.model, args.model_format)
-        self.args = dataclasses.replace(args, max_model_len=resolve_max_model_len(args, checkpoint.config))
-        check_engine_args(plugin.name, self.capabilities, self.args, checkpoint)
-        self.model_config = checkpoint.config
-        self.checkpoint_path = checkpoint.path
-        self.tokenizer = Tokenizer.from_checkpoint(checkpoint)
+    def __init__(self, args: EngineArgs, registry: BackendRegistry | None = None,
+                 progress: LoadProgress | None = None) -> None:
+        progress = progress or LoadProgress()
+        with progress.stage("finding a backend" if args.backend == "auto" else f"starting backend {args.backend}"):
+            self.registry = registry or BackendRegistry()
+            plugin = self.registry.select(args)
+            self.backend_name = plugin.name
+            self.capabilities = plugin.capabilities()
+        with progress.stage(f"reading {args.model}"):
+            checkpoint = load_checkpoint(args.model, args.model_format)
+            self.args = dataclasses.replace(args, max_model_len=resolve_max_model_len(args, checkpoint.config))
+            check_engine_args(plugin.name, self.capabilities, self.args, checkpoint)
+            self.model_config = checkpoint.config
+            self.checkpoint_path = checkpoint.path
+            self.sampling_defaults = checkpoint.sampling_defaults()
+            self.tokenizer = Tokenizer.from_checkpoint(checkpoint)
 
         self._cond = threading.Condition()
         self._commands: list[tuple[str, object, Future[None] | None]] = []
@@ -93,9 +99,12 @@ class EngineDriver:
         built: Future[None] = Future()
         self._thread = threading.Thread(target=self._run, args=(plugin, checkpoint, built), name="pocketllm-engine",
                                         daemon=True)
-        self._thread.start()
-        built.result()  # re-raises whatever create_engine raised
+        with progress.stage(f"loading the weights on backend {plugin.name}"):
+            self._thread.start()
+            built.result()  # re-raises whatever create_engine raised
         self.registry.pm.hook.pocketllm_engine_started(args=self.args, backend_name=plugin.name)
+        progress.done(f"{checkpoint.config.architecture} model on backend {plugin.name} "
+                      f"(max_model_len {self.max_model_len})")
 
     @property
     def max_model_len(self) -> int:

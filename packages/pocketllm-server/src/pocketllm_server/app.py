@@ -25,11 +25,14 @@ _CLIENT_CLOSED_REQUEST = 499
 
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a max_model_len of token ids or text is far below this
+# "auto": fields a request leaves out take the checkpoint's recommended sampling settings (as vLLM's
+# --generation-config auto); "none": OpenAI's defaults.
+GENERATION_CONFIG_CHOICES = ("auto", "none")
 
 
 def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str | None = None,
                max_queue_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               llm: AsyncLLM | None = None) -> Starlette:
+               generation_config: str = "auto", llm: AsyncLLM | None = None) -> Starlette:
     """Build the server. Without ``llm`` the app loads the model itself, in the background, at startup.
 
     An ``llm`` passed in is used as it is and not shut down with the app.
@@ -38,7 +41,10 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
         raise ValueError(f"max_queue_len must be at least 1, got {max_queue_len}")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
-    state = ServerState(engine_args, served_model_name=served_model_name, max_queue_len=max_queue_len, llm=llm)
+    if generation_config not in GENERATION_CONFIG_CHOICES:
+        raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {generation_config!r}")
+    state = ServerState(engine_args, served_model_name=served_model_name, max_queue_len=max_queue_len, llm=llm,
+                        generation_config=generation_config)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 from pocketllm.args import DEFAULT_MODEL
 from pocketllm.cli_args import add_engine_args, engine_args_from
 from pocketllm.errors import PocketLLMError
-from pocketllm_server.app import DEFAULT_MAX_REQUEST_BYTES, create_app
+from pocketllm_server.app import DEFAULT_MAX_REQUEST_BYTES, GENERATION_CONFIG_CHOICES, create_app
 from pocketllm_server.state import ServerState
 
 log = logging.getLogger("pocketllm_server")
@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "running requests do not count (default: no limit)")
     server.add_argument("--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="answer 413 to a request body larger than this (default: %(default)s)")
+    server.add_argument("--generation-config", choices=GENERATION_CONFIG_CHOICES, default="auto",
+                        help="auto: sampling fields a request leaves out take the model's recommended settings "
+                             "(generation_config.json, or GGUF general.sampling.*), as vLLM does; none: the "
+                             "OpenAI API's defaults (default: %(default)s)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(parser)  # --model, --backend and every other EngineArgs field
     return parser
@@ -63,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     served_model_name = ns.served_model_name or os.path.basename(engine_args.model.rstrip("/\\"))
     app = create_app(engine_args, served_model_name=served_model_name, api_key=ns.api_key or None,
-                     max_queue_len=ns.max_queue_len, max_request_bytes=ns.max_request_bytes)
+                     max_queue_len=ns.max_queue_len, max_request_bytes=ns.max_request_bytes,
+                     generation_config=ns.generation_config)
     config = Config()
     address = f"[{ns.host}]:{ns.port}" if ":" in ns.host else f"{ns.host}:{ns.port}"
     config.bind = [address]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 
@@ -54,10 +55,12 @@ def resolve_max_tokens(requested: int | None, default: int | None, *, prompt_len
     return requested
 
 
-def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None,
-                    fields: dict[str, str]) -> SamplingParams:
-    """Build and validate the engine's parameters; ``fields`` names request fields in errors."""
-    values = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
+def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None, fields: dict[str, str],
+                    defaults: dict[str, Any]) -> SamplingParams:
+    """Build and validate the engine's parameters: the request's, else the model's recommended ``defaults``
+    (see ``--generation-config``); ``fields`` names request fields in errors."""
+    values = {name: defaults[name] for name in _PASSTHROUGH if name in defaults}
+    values |= {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
     try:
         return SamplingParams(
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,

@@ -55,11 +55,11 @@ async def create_chat_completion(request: Request) -> Response:
     # Engine field names as this endpoint spells them, for error messages' ``param``.
     fields = {"max_tokens": budget_field, "prompt": "messages"}
     max_tokens = resolve_max_tokens(
-        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, None,
-        prompt_len=len(prompt_ids), max_model_len=llm.max_model_len, param=budget_field,
-        prompt_param="messages")
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+        state.sampling_defaults.get("max_tokens"), prompt_len=len(prompt_ids), max_model_len=llm.max_model_len,
+        param=budget_field, prompt_param="messages")
     params = sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                             fields=fields)
+                             fields=fields, defaults=state.sampling_defaults)
     rid = request_id(request, "chatcmpl")
     prompt = PromptRequest(text=None, ids=prompt_ids, params=params, request_id=rid)
     [stream] = await start_all(request, [prompt], fields)

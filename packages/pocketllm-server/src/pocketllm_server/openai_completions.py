@@ -42,10 +42,11 @@ async def create_completion(request: Request) -> Response:
         raise from_engine_error(e) from None
     requests = []
     for i, (text, ids) in enumerate(prompts):
-        max_tokens = resolve_max_tokens(req.max_tokens, DEFAULT_MAX_TOKENS, prompt_len=len(ids),
-                                        max_model_len=llm.max_model_len, param="max_tokens",
+        max_tokens = resolve_max_tokens(req.max_tokens, state.sampling_defaults.get("max_tokens", DEFAULT_MAX_TOKENS),
+                                        prompt_len=len(ids), max_model_len=llm.max_model_len, param="max_tokens",
                                         prompt_param="prompt")
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, fields={})
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, fields={},
+                                 defaults=state.sampling_defaults)
         requests.append(PromptRequest(text=text, ids=ids, params=params,
                                       request_id=rid if len(prompts) == 1 else f"{rid}-{i}"))
     streams = await start_all(request, requests, {})  # the engine has checked every id from here on

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
 
@@ -21,7 +21,7 @@ _DECODE_INLINE_BYTES = 64 * 1024
 
 def load_engine(engine_args: EngineArgs) -> AsyncLLM:
     """Build the engine (blocking: loads weights). A module function so tests can slow it down."""
-    return AsyncLLM(engine_args=engine_args)
+    return AsyncLLM(engine_args=engine_args, show_progress=False)  # its stages go to the server's log
 
 
 def state_of(request: Request) -> ServerState:
@@ -53,8 +53,9 @@ async def read_model_request(request: Request, kind: type[ModelRequest]) -> tupl
 
 class ServerState:
     def __init__(self, engine_args: EngineArgs, *, served_model_name: str, max_queue_len: int | None,
-                 llm: AsyncLLM | None) -> None:
+                 llm: AsyncLLM | None, generation_config: str = "auto") -> None:
         self.engine_args = engine_args
+        self.generation_config = generation_config
         self.served_model_name = served_model_name
         self.max_queue_len = max_queue_len
         self.llm = llm
@@ -90,6 +91,9 @@ class ServerState:
             self.llm = llm
             log.info("model %s ready on backend %s in %.1f s (max_model_len %s); serving as %r", args.model,
                      llm.backend_name, time.monotonic() - started, llm.args.max_model_len, self.served_model_name)
+            if self.sampling_defaults:
+                log.info("sampling fields a request leaves out default to the model's recommendation: %s "
+                         "(--generation-config none turns this off)", self.sampling_defaults)
         finally:
             self._load_done.set()
 
@@ -107,6 +111,14 @@ class ServerState:
             await asyncio.to_thread(self.llm.shutdown)
 
     # -- queries -------------------------------------------------------------------------------------------------
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """What a request that leaves a sampling field out gets: the model's recommendation, or the API's own
+        defaults with ``--generation-config none``."""
+        if self.generation_config == "none" or self.llm is None:
+            return {}
+        return self.llm.sampling_defaults
 
     @property
     def ready(self) -> bool:

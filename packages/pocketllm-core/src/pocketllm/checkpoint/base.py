@@ -38,6 +38,11 @@ class Checkpoint:
         for tensor in self._tensors:
             yield tensor.name, tensor.dequantize()
 
+    def sampling_defaults(self) -> dict[str, Any]:
+        """Sampling settings the checkpoint recommends, as SamplingParams fields (``temperature``, ``top_p``,
+        ``top_k``, ``min_p``, ``repetition_penalty``, ``max_tokens``); empty when it recommends none."""
+        return {}
+
     def tokenizer_files(self) -> dict[str, Path]:
         """Tokenizer files shipped next to the weights, by file name (``tokenizer.json``, ...)."""
         return {}

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-from pocketllm.errors import CheckpointError
+from pocketllm.errors import CheckpointError, ConfigError
 from pocketllm.model_config import ModelConfig
+from pocketllm.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 # config.json keys read into ModelConfig fields; every other key goes to ``extra``.
 _HF_CONSUMED = frozenset(
@@ -190,3 +194,28 @@ def _build(fields: dict[str, Any], source: str) -> ModelConfig:
         return msgspec.convert(fields, ModelConfig, strict=False)
     except msgspec.ValidationError as e:
         raise CheckpointError(f"{source}: invalid model config: {e}") from None
+
+
+# Recommended sampling settings -> SamplingParams fields: generation_config.json keys (those vLLM reads), and
+# llama.cpp's general.sampling.* metadata.
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                      "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                      "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def sampling_fields(source_values: Mapping[str, Any], keys: Mapping[str, str], *, source: str) -> dict[str, Any]:
+    """The recommended settings that SamplingParams accepts; others are logged and left out, never fatal."""
+    fields: dict[str, Any] = {}
+    for key, field in keys.items():
+        value = source_values.get(key)
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{"max_tokens": None, field: value})
+        except (ConfigError, TypeError) as e:
+            log.warning("%s: ignoring the recommended %s=%r: %s", source, key, value, e)
+            continue
+        fields[field] = value
+    return fields

@@ -14,7 +14,13 @@ from typing import Any
 import gguf
 
 from pocketllm.checkpoint.base import Checkpoint
-from pocketllm.checkpoint.configs import GGUF_ARCHITECTURES, config_from_gguf, gguf_key_of
+from pocketllm.checkpoint.configs import (
+    GGUF_ARCHITECTURES,
+    GGUF_SAMPLING_KEYS,
+    config_from_gguf,
+    gguf_key_of,
+    sampling_fields,
+)
 from pocketllm.checkpoint.gguf_file import GGUFFile, GGUFFormatError, TensorHeader, read_gguf
 from pocketllm.checkpoint.shapes import check_shapes
 from pocketllm.checkpoint.tensor import CheckpointTensor, RowPermutation
@@ -94,6 +100,9 @@ class GGUFCheckpoint(Checkpoint):
     @property
     def gguf_metadata(self) -> Mapping[str, Any]:
         return self._metadata
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        return sampling_fields(self._metadata, GGUF_SAMPLING_KEYS, source=str(self.path))
 
 
 def hf_name(name: str, architecture: str) -> str:

@@ -11,7 +11,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from pocketllm.checkpoint.base import Checkpoint
-from pocketllm.checkpoint.configs import config_from_hf, hf_key_of
+from pocketllm.checkpoint.configs import GENERATION_CONFIG_KEYS, config_from_hf, hf_key_of, sampling_fields
 from pocketllm.checkpoint.jsonfile import read_json_object
 from pocketllm.checkpoint.shapes import check_shapes
 from pocketllm.checkpoint.tensor import CheckpointTensor
@@ -29,7 +29,8 @@ class SafetensorsCheckpoint(Checkpoint):
     def __init__(self, directory: Path) -> None:
         raw = read_json_object(directory / "config.json")
         generation = directory / "generation_config.json"
-        generation_eos = read_json_object(generation).get("eos_token_id") if generation.is_file() else None
+        self._generation = read_json_object(generation) if generation.is_file() else {}
+        generation_eos = self._generation.get("eos_token_id")
         tensors: list[CheckpointTensor] = []
         for shard, expected in _shard_names(directory).items():
             tensors += _shard_tensors(shard, expected)
@@ -46,6 +47,10 @@ class SafetensorsCheckpoint(Checkpoint):
             tensors = [t for t in tensors if t.name != "lm_head.weight"]
         check_shapes(tensors, config, hf_key_of)
         super().__init__(directory, config, tensors)
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        # As vLLM reads generation_config.json: these keys only, max_new_tokens as the default max_tokens.
+        return sampling_fields(self._generation, GENERATION_CONFIG_KEYS, source=str(self.path))
 
     def tokenizer_files(self) -> dict[str, Path]:
         return {name: self.path / name for name in TOKENIZER_FILES if (self.path / name).is_file()}

@@ -17,6 +17,12 @@ The kit writes its own tiny checkpoints (``checkpoints.py``) and ships transform
 
 from __future__ import annotations
 
+try:
+    import pytest  # noqa: F401  (the conformance classes are pytest test classes)
+except ImportError as e:
+    raise ImportError("pocketllm.testing is the conformance kit, and needs pytest: "
+                      "pip install 'pocketllm-core[testing]'") from e
+
 from pocketllm.testing.checkpoints import KIT_CHECKPOINTS, make_tiny_gguf, make_tiny_llama, make_tiny_qwen3
 from pocketllm.testing.model import ModelConformance
 from pocketllm.testing.protocol import ProtocolConformance

@@ -1,0 +1,95 @@
+"""The first ten minutes: help that teaches, progress where a person watches, the model's own sampling defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pocketllm import LLM, EngineArgs
+from pocketllm.cli import CLI_SAMPLING, main
+from pocketllm.cli_args import add_engine_args
+from pocketllm.progress import LoadProgress
+
+
+def test_every_engine_flag_has_help_and_its_default() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    actions = {a.dest: a for a in parser._actions}
+    for f in dataclasses.fields(EngineArgs):
+        text = actions[f.name].help or ""
+        assert len(text) > 20 and "(default: " in text and f"$POCKETLLM_{f.name.upper()}" in text, f.name
+    assert "(default: 32;" in actions["max_num_seqs"].help
+    assert "a request's `seed` wins" in actions["seed"].help
+
+
+@pytest.mark.parametrize("command", [["generate", "--help"], ["chat", "--help"]])
+def test_cli_help_explains_sampling_and_seeds(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(command)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"(default: {CLI_SAMPLING['temperature']})" in out and "--sampling-seed" in out and "--seed N" in out
+    assert "repeatable output" in out and "model's recommended settings" in out
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_shows_on_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    for stream, expected in ((_Terminal(), True), (io.StringIO(), False)):
+        progress = LoadProgress(stream=stream)
+        with progress.stage("reading x"):
+            pass
+        progress.done("model")
+        assert ("pocketllm: reading x ..." in stream.getvalue()) == expected
+        assert ("pocketllm: ready in " in stream.getvalue()) == expected
+    monkeypatch.setenv("POCKETLLM_QUIET", "1")
+    assert not LoadProgress(stream=_Terminal()).show
+
+
+def test_llm_load_reports_its_stages(pocketllm_tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    LLM(str(pocketllm_tiny_llama), backend="echo", show_progress=True).shutdown()
+    err = capsys.readouterr().err
+    assert "pocketllm: starting backend echo ..." in err and "loading the weights on backend echo" in err
+    assert "pocketllm: ready in " in err
+    LLM(str(pocketllm_tiny_llama), backend="echo").shutdown()  # stderr is no terminal under pytest
+    assert "pocketllm:" not in capsys.readouterr().err
+
+
+def _with_generation_config(model: Path, tmp_path: Path, config: dict) -> Path:
+    target = tmp_path / "model"
+    shutil.copytree(model, target)
+    (target / "generation_config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_the_model_recommendation_fills_what_flags_leave_out(pocketllm_tiny_llama: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    model = _with_generation_config(pocketllm_tiny_llama, tmp_path, {
+        "temperature": 0.0, "max_new_tokens": 3, "top_k": "not a number", "eos_token_id": 0})
+    llm = LLM(str(model), backend="echo")
+    try:
+        assert llm.sampling_defaults == {"temperature": 0.0, "max_tokens": 3}  # the bad top_k is left out
+    finally:
+        llm.shutdown()
+    # echo is greedy only: it works with the model's temperature 0, and refuses the CLI's own 0.2.
+    assert main(["generate", "hello", "--model", str(model), "--backend", "echo"]) == 0
+    assert capsys.readouterr().out == "hell\n"  # 3 tokens: "he", "l", "l"
+    assert main(["generate", "hello", "--model", str(model), "--backend", "echo", "--generation-config", "none"]) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_testing_kit_without_pytest_says_what_to_install() -> None:
+    code = "import sys; sys.modules['pytest'] = None; import pocketllm.testing"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode != 0 and "pip install 'pocketllm-core[testing]'" in result.stderr
