@@ -12,7 +12,7 @@ import nox
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
 
-CORE, TORCH_BACKEND, SERVER = (f"./packages/pocketllm-{name}" for name in ("core", "torch", "server"))
+CORE, TORCH_BACKEND, SERVER, CPP = (f"./packages/pocketllm-{name}" for name in ("core", "torch", "server", "cpp"))
 # pocketllm-torch compiles its native kernels against the torch it will run with, so it builds in the session's
 # environment (--no-build-isolation), after its dependencies and these build requirements (ninja compiles its
 # sources in parallel).
@@ -47,7 +47,8 @@ def tests(session: nox.Session) -> None:
     """Install the packages, torch, the default model and test fixtures; run the whole test suite."""
     session.env["POCKETLLM_REQUIRE_NATIVE"] = "1"  # the native kernels must build here, and their tests run
     install_engine(session)
-    session.install(*TEST_DEPS, *FIXTURES)
+    # pocketllm-cpp (scikit-build-core + nanobind, with the machine's cmake and compiler): its kernels so far.
+    session.install(CPP, *TEST_DEPS, *FIXTURES)
     session.run("pytest", *session.posargs)
 
 

@@ -1,0 +1,18 @@
+// Which instruction set the kernels use, chosen at run time from the CPU's features.
+#pragma once
+
+#include <string>
+
+namespace pocketllm {
+
+enum class Isa { Scalar, Avx2 };
+
+// The best ISA this build and this CPU both support.
+Isa best_isa();
+// The ISA in use: POCKETLLM_CPP_ISA=scalar|avx2|auto at load, or set_isa(); defaults to best_isa().
+Isa current_isa();
+// Selects an ISA by name ("scalar", "avx2", "auto"); throws std::invalid_argument for one this CPU or build lacks.
+void set_isa(const std::string& name);
+std::string isa_name(Isa isa);
+
+}  // namespace pocketllm

@@ -1,0 +1,38 @@
+"""Matrix products over GGUF blocks read in place, with 8-bit activations; the compute releases the GIL.
+
+``matmul(tensor, x)`` takes a :class:`pocketllm.checkpoint.CheckpointTensor` (its raw bytes: a zero-copy view of
+the memory-mapped file, no dequantized copy) or raw bytes with a type and shape.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pocketllm_cpp import _native
+
+if TYPE_CHECKING:
+    from pocketllm.checkpoint import CheckpointTensor
+
+TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
+isa, best_isa, set_isa, num_threads = _native.isa, _native.best_isa, _native.set_isa, _native.num_threads
+quantize_activations = _native.quantize_activations
+
+
+def raw(tensor: CheckpointTensor) -> tuple[np.ndarray, str, int, int]:
+    """A 2-D tensor's bytes, storage type and [rows, cols], as the kernels take them."""
+    if len(tensor.shape) != 2:
+        raise ValueError(f"tensor {tensor.name!r} has shape {tensor.shape}; the kernels take matrices")
+    if tensor.row_permutation is not None:
+        raise ValueError(f"tensor {tensor.name!r} has permuted rows; un-permute the output rows or the tensor")
+    return np.frombuffer(tensor.data, dtype=np.uint8), tensor.dtype, *tensor.shape
+
+
+def matmul(tensor: CheckpointTensor, x: np.ndarray) -> np.ndarray:
+    """``x @ W.T`` for float32 ``x`` [n, cols]."""
+    return _native.matmul(*raw(tensor), np.ascontiguousarray(x, dtype=np.float32))
+
+
+def dequantize(tensor: CheckpointTensor) -> np.ndarray:
+    return _native.dequantize(*raw(tensor))

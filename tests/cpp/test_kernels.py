@@ -1,0 +1,173 @@
+"""pocketllm-cpp's kernels against numpy references, on every ISA this CPU has (scalar always), and on bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+kernels = pytest.importorskip("pocketllm_cpp.kernels")
+
+from pocketllm.checkpoint import load_checkpoint  # noqa: E402
+
+ISAS = ["scalar"] + (["avx2"] if kernels.best_isa() == "avx2" else [])
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest):
+    kernels.set_isa(request.param)
+    yield request.param
+    kernels.set_isa("auto")
+
+
+def _weight(qtype: str, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(raw bytes, float64 values) of a random matrix stored as ``qtype``."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    if qtype == "F32":
+        return w.view(np.uint8).reshape(-1), w.astype(np.float64)
+    if qtype == "F16":
+        half = w.astype(np.float16)
+        return half.view(np.uint8).reshape(-1), half.astype(np.float64)
+    t = gguf.GGMLQuantizationType[qtype]
+    blocks = gguf.quants.quantize(w, t)
+    return np.ascontiguousarray(blocks).reshape(-1), gguf.quants.dequantize(blocks, t).astype(np.float64)
+
+
+def _reference_activations(x: np.ndarray) -> np.ndarray:
+    """x after 8-bit block quantization, as the kernels do it: d = max|x| / 127, q = rint(x / d), float32."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = (np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0).astype(np.float32)
+    q = np.rint(blocks * inv)  # float32 product, rounded half to even
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+
+
+def test_activation_quantization_matches_numpy(isa: str) -> None:
+    x = np.random.default_rng(1).standard_normal((5, 96)).astype(np.float32)
+    x[2, :32] = 0.0  # an all-zero block
+    scales, sums, codes = kernels.quantize_activations(x)
+    blocks = x.reshape(5, 3, 32)
+    expected_scales = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
+    np.testing.assert_array_equal(scales, expected_scales)
+    expected = _reference_activations(x) / np.repeat(expected_scales.astype(np.float64), 32, axis=1).clip(1e-30)
+    np.testing.assert_array_equal(codes, np.rint(expected).astype(np.int8))
+    np.testing.assert_allclose(sums, scales * codes.reshape(5, 3, 32).sum(-1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", *BLOCK_TYPES])
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_matmul_matches_numpy(isa: str, qtype: str, n: int) -> None:
+    rows, cols = 40, 128
+    raw, w = _weight(qtype, rows, cols)
+    x = np.random.default_rng(2).standard_normal((n, cols)).astype(np.float32)
+    y = kernels._native.matmul(raw, qtype, rows, cols, x)
+    xs = _reference_activations(x) if qtype in BLOCK_TYPES else x.astype(np.float64)
+    expected = xs @ w.T
+    scale = np.abs(xs) @ np.abs(w).T  # the size of the terms summed: relative error is against this
+    assert y.shape == (n, rows) and y.dtype == np.float32
+    assert np.all(np.abs(y - expected) <= 1e-5 * scale + 1e-6)
+
+
+def test_isas_agree() -> None:
+    raw, _ = _weight("Q4_1", 64, 256)
+    x = np.random.default_rng(3).standard_normal((4, 256)).astype(np.float32)
+    results = {}
+    for isa in ISAS:
+        kernels.set_isa(isa)
+        results[isa] = kernels._native.matmul(raw, "Q4_1", 64, 256, x)
+    kernels.set_isa("auto")
+    for y in results.values():
+        np.testing.assert_allclose(y, results["scalar"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["F16", *BLOCK_TYPES])
+def test_dequantize_equals_gguf(qtype: str) -> None:
+    raw, w = _weight(qtype, 16, 64)
+    np.testing.assert_array_equal(kernels._native.dequantize(raw, qtype, 16, 64), w.astype(np.float32))
+
+
+def test_checkpoint_tensors_in_place(pocketllm_kit_checkpoint) -> None:
+    """The kit GGUF's blocks straight from the memory map: equal to the reader's dequantized values."""
+    checkpoint = load_checkpoint(str(pocketllm_kit_checkpoint("llama-gguf")))
+    x = np.random.default_rng(4).standard_normal((2, 128)).astype(np.float32)
+    for tensor in checkpoint.tensors():
+        if tensor.dtype in BLOCK_TYPES and tensor.row_permutation is None and tensor.shape[1] == 128:
+            w = tensor.dequantize().astype(np.float64)
+            np.testing.assert_array_equal(kernels.dequantize(tensor), w.astype(np.float32))
+            y = kernels.matmul(tensor, x)
+            expected = _reference_activations(x) @ w.T
+            assert np.all(np.abs(y - expected) <= 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-6), tensor.name
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("Q8_0", 40, 128), None),  # the valid call, for contrast
+    (("Q8_0", 41, 128), "bytes"),
+    (("Q8_0", 40, 100), "multiple of 32"),
+    (("Q8_0", -40, 128), "positive"),
+    (("Q8_0", 2**62, 2**40), "bytes"),
+    (("Q5_K", 40, 128), "storage type"),
+])
+def test_bad_arguments_raise_value_error(args: tuple, message: str | None) -> None:
+    raw, _ = _weight("Q8_0", 40, 128)
+    x = np.zeros((1, 128), np.float32)  # the weight is checked first
+    if message is None:
+        assert kernels._native.matmul(raw, *args, x).shape == (1, 40)
+        return
+    with pytest.raises(ValueError, match=message):
+        kernels._native.matmul(raw, *args, x)
+
+
+def test_bad_activations_and_alignment_raise_value_error() -> None:
+    raw, _ = _weight("F32", 8, 64)
+    with pytest.raises(ValueError, match="columns"):
+        kernels._native.matmul(raw, "F32", 8, 64, np.zeros((2, 32), np.float32))
+    shifted = np.zeros(raw.size + 1, np.uint8)[1:]
+    shifted[:] = raw
+    with pytest.raises(ValueError, match="aligned"):
+        kernels._native.matmul(shifted, "F32", 8, 64, np.zeros((1, 64), np.float32))
+    with pytest.raises(TypeError):
+        kernels._native.matmul(raw, "F32", 8, 64, np.zeros(64, np.float32))  # not a matrix
+
+
+def test_matmul_releases_the_gil() -> None:
+    raw, _ = _weight("Q4_0", 2048, 2048)
+    x = np.random.default_rng(5).standard_normal((16, 2048)).astype(np.float32)
+    ticks, done = [0], threading.Event()
+
+    def work() -> None:
+        for _ in range(3):
+            kernels._native.matmul(raw, "Q4_0", 2048, 2048, x)
+        done.set()
+
+    thread = threading.Thread(target=work)
+    started = time.perf_counter()
+    thread.start()
+    while not done.is_set():
+        ticks[0] += 1
+        time.sleep(0.0005)
+    thread.join()
+    elapsed = time.perf_counter() - started
+    assert ticks[0] >= elapsed / 0.005, f"the main thread ran {ticks[0]} times in {elapsed:.3f} s"
+
+
+def test_the_library_works_from_cpp_alone() -> None:
+    binary = Path(kernels.__file__).with_name("pocketllm_cpp_test")
+    result = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("value", "expected"), [("scalar", "scalar"), ("auto", None), ("no-such-isa", None)])
+def test_isa_variable(value: str, expected: str | None) -> None:
+    import os
+    import sys
+
+    code = "from pocketllm_cpp import kernels; print(kernels.isa())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "POCKETLLM_CPP_ISA": value}).stdout.strip()
+    assert out == (expected or kernels.best_isa())  # an unusable value falls back to the best ISA
