@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -151,35 +152,42 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextmanager
+def _server_process(args: list[str], wait_for, env: dict[str, str] | None = None):
+    """``pocketllm-server ARGS --port <free>`` in a subprocess, yielded as (process, url) once /ready answers;
+    killed at the end if still running."""
+    port = _free_port()
+    script = Path(sys.executable).with_name("pocketllm-server")
+    process = subprocess.Popen([str(script), *args, "--port", str(port)], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return process.poll() is not None
+
+    try:
+        assert wait_for(ready, timeout=60) and process.poll() is None
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_console_script_serves_then_stops_on_a_signal(pocketllm_tiny_llama: Path, sig: signal.Signals,
                                                       wait_for) -> None:
-    port = _free_port()
-    script = Path(sys.executable).with_name("pocketllm-server")
-    env = {**os.environ, "POCKETLLM_PLUGINS": "echo"}
-    process = subprocess.Popen([str(script), "--model", str(pocketllm_tiny_llama), "--backend", "echo", "--port",
-                                str(port), "--max-queue-len", "8", "--log-level", "info"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return process.poll() is not None
-
-        assert wait_for(ready, timeout=60) and process.poll() is None
+    with _server_process(["--model", str(pocketllm_tiny_llama), "--backend", "echo", "--max-queue-len", "8",
+                          "--log-level", "info"], wait_for, {"POCKETLLM_PLUGINS": "echo"}) as (process, url):
         models = httpx.get(f"{url}/v1/models").json()
         assert models["data"][0]["id"] == pocketllm_tiny_llama.name  # the default served name: the basename
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "temperature": 0, "max_tokens": 3})
         assert response.status_code == 200
         process.send_signal(sig)
         output, _ = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
     assert process.returncode == 0, output
     assert "loading model" in output and "ready on backend echo" in output
 
@@ -196,28 +204,12 @@ def test_console_script_exits_1_when_the_model_cannot_load() -> None:
 def test_console_script_exits_1_when_the_engine_dies(pocketllm_tiny_llama: Path, wait_for) -> None:
     """A dead engine serves nothing: the process says so and exits non-zero, for a supervisor to restart it."""
     pytest.importorskip("pocketllm_flawed")
-    port = _free_port()
-    script = Path(sys.executable).with_name("pocketllm-server")
-    process = subprocess.Popen([str(script), "--model", str(pocketllm_tiny_llama), "--backend", "flawed-dies",
-                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return process.poll() is not None
-
-        assert wait_for(ready, timeout=60) and process.poll() is None
+    with _server_process(["--model", str(pocketllm_tiny_llama), "--backend", "flawed-dies"],
+                         wait_for) as (process, url):
         fatal = {"prompt": "hello", "temperature": 1.0, "seed": 13, "max_tokens": 3}
         response = httpx.post(f"{url}/v1/completions", json=fatal, timeout=30)
         assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
         output, _ = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
     assert process.returncode == 1, output
     assert "the engine stopped" in output and "fell off the bus" in output
 

@@ -4,6 +4,16 @@
 #include "pocketllm_cpp/matmul.h"
 
 namespace pocketllm::kernels {
+namespace {
+
+// sum(code * x) over a 4-bit block: byte j holds element j (low nibble) and element j + 16 (high nibble).
+int nibble_dot(const uint8_t* qs, const int8_t* x) {
+    int dot = 0;
+    for (int j = 0; j < 16; ++j) dot += (qs[j] & 0x0F) * x[j] + (qs[j] >> 4) * x[j + 16];
+    return dot;
+}
+
+}  // namespace
 
 void quantize_row_scalar(const float* x, int64_t cols, BlockQ8Act* out) {
     for (int64_t b = 0; b < cols / kBlock; ++b) {
@@ -45,10 +55,7 @@ void dot_rows_scalar(const WeightView& w, int64_t row, const BlockQ8Act* act, co
             case QType::Q4_0: {
                 const BlockQ4_0* blocks = reinterpret_cast<const BlockQ4_0*>(base);
                 for (int64_t b = 0; b < nb; ++b) {
-                    int dot = 0;
-                    for (int j = 0; j < 16; ++j) {
-                        dot += (blocks[b].qs[j] & 0x0F) * a[b].qs[j] + (blocks[b].qs[j] >> 4) * a[b].qs[j + 16];
-                    }
+                    const int dot = nibble_dot(blocks[b].qs, a[b].qs);
                     // sum((q - 8) * d_w * q_x * d_x) = d_w * (d_x * sum(q q_x) - 8 * s_x)
                     sum += fp16_to_fp32(blocks[b].d) * (a[b].d * static_cast<float>(dot) - 8.0f * a[b].s);
                 }
@@ -57,10 +64,7 @@ void dot_rows_scalar(const WeightView& w, int64_t row, const BlockQ8Act* act, co
             case QType::Q4_1: {
                 const BlockQ4_1* blocks = reinterpret_cast<const BlockQ4_1*>(base);
                 for (int64_t b = 0; b < nb; ++b) {
-                    int dot = 0;
-                    for (int j = 0; j < 16; ++j) {
-                        dot += (blocks[b].qs[j] & 0x0F) * a[b].qs[j] + (blocks[b].qs[j] >> 4) * a[b].qs[j + 16];
-                    }
+                    const int dot = nibble_dot(blocks[b].qs, a[b].qs);
                     sum += fp16_to_fp32(blocks[b].d) * a[b].d * static_cast<float>(dot) +
                            fp16_to_fp32(blocks[b].m) * a[b].s;
                 }
