@@ -74,6 +74,14 @@ def test_matmul_matches_numpy(isa: str, qtype: str, n: int) -> None:
     assert np.all(np.abs(y - expected) <= 1e-5 * scale + 1e-6)
 
 
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_exact_mode_multiplies_float32_activations(qtype: str) -> None:
+    raw, w = _weight(qtype, 24, 64)
+    x = np.random.default_rng(6).standard_normal((3, 64)).astype(np.float32)
+    y = kernels._native.matmul(raw, qtype, 24, 64, x, exact=True)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
+
+
 def test_isas_agree() -> None:
     raw, _ = _weight("Q4_1", 64, 256)
     x = np.random.default_rng(3).standard_normal((4, 256)).astype(np.float32)

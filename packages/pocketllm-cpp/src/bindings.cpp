@@ -2,6 +2,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <memory>
 #include <stdexcept>
@@ -9,6 +11,7 @@
 
 #include "pocketllm_cpp/isa.h"
 #include "pocketllm_cpp/matmul.h"
+#include "pocketllm_cpp/model.h"
 
 namespace nb = nanobind;
 using namespace pocketllm;
@@ -36,6 +39,29 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> new_matrix(int64_t rows, int64_t cols
                                                      owner);
 }
 
+using Vector = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Matmul = std::tuple<Bytes, std::string, int64_t, int64_t>;  // raw bytes, storage type, rows, cols
+
+// The model plus the Python arrays its weight views point into, kept alive as long as it is.
+struct PyModel {
+    std::unique_ptr<Model> model;
+    std::vector<nb::object> owners;
+
+    WeightView view(const Matmul& m) {
+        const auto& [data, type, rows, cols] = m;
+        owners.push_back(nb::cast(data));
+        return weight_view(data, type, rows, cols);
+    }
+};
+
+std::vector<float> to_vector(const Vector& v, int64_t size, const char* what) {
+    if (static_cast<int64_t>(v.size()) != size) {
+        throw std::invalid_argument(std::string(what) + " has " + std::to_string(v.size()) + " values, expected " +
+                                    std::to_string(size));
+    }
+    return std::vector<float>(v.data(), v.data() + v.size());
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -46,7 +72,7 @@ NB_MODULE(_native, m) {
     m.def("num_threads", [] { return default_pool().size(); }, "Threads of the kernels' pool.");
     m.def(
         "matmul",
-        [](const Bytes& weight, const std::string& type, int64_t rows, int64_t cols, const Matrix& x) {
+        [](const Bytes& weight, const std::string& type, int64_t rows, int64_t cols, const Matrix& x, bool exact) {
             const WeightView w = weight_view(weight, type, rows, cols);
             if (static_cast<int64_t>(x.shape(1)) != cols) {
                 throw std::invalid_argument("x has " + std::to_string(x.shape(1)) + " columns; the weight takes " +
@@ -56,12 +82,13 @@ NB_MODULE(_native, m) {
             auto y = new_matrix(n, rows);
             {
                 nb::gil_scoped_release released;
-                matmul(w, x.data(), n, y.data(), default_pool());
+                matmul(w, x.data(), n, y.data(), default_pool(), exact);
             }
             return y;
         },
-        nb::arg("weight"), nb::arg("type"), nb::arg("rows"), nb::arg("cols"), nb::arg("x"),
-        "y = x @ W.T, W given as its raw bytes in storage type `type` with shape [rows, cols].");
+        nb::arg("weight"), nb::arg("type"), nb::arg("rows"), nb::arg("cols"), nb::arg("x"), nb::arg("exact") = false,
+        "y = x @ W.T, W given as its raw bytes in storage type `type` with shape [rows, cols]; `exact`: float32 "
+        "activations against blocks too.");
     m.def(
         "dequantize",
         [](const Bytes& weight, const std::string& type, int64_t rows, int64_t cols) {
@@ -74,6 +101,74 @@ NB_MODULE(_native, m) {
             return out;
         },
         nb::arg("weight"), nb::arg("type"), nb::arg("rows"), nb::arg("cols"), "W as float32 [rows, cols].");
+    nb::class_<PyModel>(m, "Model", "A Llama-family decoder over weights read in place, with its own paged KV cache.")
+        .def(
+            "__init__",
+            [](PyModel* self, const nb::dict& config, const Matmul& embedding, const std::vector<nb::dict>& layers,
+               const Vector& final_norm, const Matmul& lm_head, int64_t num_blocks, int64_t block_size,
+               int num_threads) {
+                new (self) PyModel();
+                auto get = [&](const char* key) { return nb::cast<int64_t>(config[key]); };
+                ModelConfig c{get("vocab_size"), get("hidden_size"), get("intermediate_size"), get("num_layers"),
+                              get("num_heads"), get("num_kv_heads"), get("head_dim"),
+                              nb::cast<float>(config["rms_norm_eps"]), nb::cast<float>(config["rope_theta"]),
+                              nb::cast<bool>(config["rope_pairs_adjacent"]), nb::cast<bool>(config["qk_norm"]),
+                              nb::cast<bool>(config["exact_activations"])};
+                std::vector<LayerWeights> weights;
+                for (const nb::dict& layer : layers) {
+                    auto mat = [&](const char* key) { return self->view(nb::cast<Matmul>(layer[key])); };
+                    auto norm = [&](const char* key, int64_t size) {
+                        return to_vector(nb::cast<Vector>(layer[key]), size, key);
+                    };
+                    LayerWeights w{mat("q"), mat("k"), mat("v"), mat("o"), mat("gate"), mat("up"), mat("down"),
+                                   norm("input_norm", c.hidden_size), norm("post_attention_norm", c.hidden_size),
+                                   c.qk_norm ? norm("q_norm", c.head_dim) : std::vector<float>{},
+                                   c.qk_norm ? norm("k_norm", c.head_dim) : std::vector<float>{}};
+                    const std::pair<const WeightView*, std::pair<int64_t, int64_t>> shapes[] = {
+                        {&w.q, {c.num_heads * c.head_dim, c.hidden_size}},
+                        {&w.k, {c.num_kv_heads * c.head_dim, c.hidden_size}},
+                        {&w.v, {c.num_kv_heads * c.head_dim, c.hidden_size}},
+                        {&w.o, {c.hidden_size, c.num_heads * c.head_dim}},
+                        {&w.gate, {c.intermediate_size, c.hidden_size}},
+                        {&w.up, {c.intermediate_size, c.hidden_size}},
+                        {&w.down, {c.hidden_size, c.intermediate_size}}};
+                    for (const auto& [view, shape] : shapes) {
+                        if (view->rows != shape.first || view->cols != shape.second) {
+                            throw std::invalid_argument("a layer matrix has the wrong shape for the config");
+                        }
+                    }
+                    weights.push_back(std::move(w));
+                }
+                const WeightView embed = self->view(embedding), head = self->view(lm_head);
+                if (embed.rows != c.vocab_size || embed.cols != c.hidden_size || head.rows != c.vocab_size ||
+                    head.cols != c.hidden_size) {
+                    throw std::invalid_argument("embedding and lm_head must be [vocab_size, hidden_size]");
+                }
+                self->model = std::make_unique<Model>(c, embed, std::move(weights),
+                                                      to_vector(final_norm, c.hidden_size, "final_norm"), head,
+                                                      num_blocks, block_size, num_threads);
+            },
+            nb::arg("config"), nb::arg("embedding"), nb::arg("layers"), nb::arg("final_norm"), nb::arg("lm_head"),
+            nb::arg("num_blocks"), nb::arg("block_size"), nb::arg("num_threads"))
+        .def(
+            "forward",
+            [](PyModel& self, const std::vector<int32_t>& tokens,
+               const std::vector<std::tuple<int64_t, int64_t, std::vector<int32_t>, bool>>& slices) {
+                std::vector<SequenceSlice> parts;
+                for (const auto& [start, count, table, logits] : slices) parts.push_back({start, count, table, logits});
+                std::vector<float> logits;
+                {
+                    nb::gil_scoped_release released;
+                    logits = self.model->forward(tokens, parts);
+                }
+                const int64_t vocab = self.model->config().vocab_size;
+                auto out = new_matrix(static_cast<int64_t>(logits.size()) / vocab, vocab);
+                std::copy(logits.begin(), logits.end(), out.data());
+                return out;
+            },
+            nb::arg("tokens"), nb::arg("slices"),
+            "Run tokens of several sequences: slices are (start, num_tokens, block_table, want_logits); returns "
+            "the logits of each wanted slice's last token.");
     m.def(
         "quantize_activations",
         [](const Matrix& x) {

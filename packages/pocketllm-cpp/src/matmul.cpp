@@ -47,7 +47,13 @@ std::vector<BlockQ8Act> quantize_activations(const float* x, int64_t n, int64_t 
     return blocks;
 }
 
-void matmul(const WeightView& w, const float* x, int64_t n, float* y, ThreadPool& pool) {
+void matmul(const WeightView& w, const float* x, int64_t n, float* y, ThreadPool& pool, bool exact) {
+    if (exact && is_block_type(w.type)) {
+        pool.parallel_for(w.rows, [&](int64_t begin, int64_t end) {
+            for (int64_t row = begin; row < end; ++row) kernels::dot_rows_exact(w, row, x, n, y + row, w.rows);
+        });
+        return;
+    }
     std::vector<BlockQ8Act> act;
     if (is_block_type(w.type)) act = quantize_activations(x, n, w.cols);
     auto dot = kernels::dot_rows_scalar;
@@ -57,6 +63,18 @@ void matmul(const WeightView& w, const float* x, int64_t n, float* y, ThreadPool
     pool.parallel_for(w.rows, [&](int64_t begin, int64_t end) {
         for (int64_t row = begin; row < end; ++row) dot(w, row, act.data(), x, n, y + row, w.rows);
     });
+}
+
+void kernels::dot_rows_exact(const WeightView& w, int64_t row, const float* x, int64_t n, float* y,
+                             int64_t y_stride) {
+    std::vector<float> values(static_cast<size_t>(w.cols));
+    dequantize(WeightView{w.data + row * static_cast<int64_t>(row_bytes(w.type, w.cols)), w.type, 1, w.cols},
+               values.data());
+    for (int64_t r = 0; r < n; ++r) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < w.cols; ++i) sum += values[static_cast<size_t>(i)] * x[r * w.cols + i];
+        y[r * y_stride] = sum;
+    }
 }
 
 void dequantize(const WeightView& w, float* out) {

@@ -23,8 +23,10 @@ void validate(const WeightView& w, int64_t data_bytes);
 std::vector<BlockQ8Act> quantize_activations(const float* x, int64_t n, int64_t cols);
 
 // y [n, rows] = x [n, cols] @ W.T. Block-type weights multiply 8-bit-quantized activations with integer dot
-// products; F32/F16 weights multiply x as it is. Work is split over output rows.
-void matmul(const WeightView& w, const float* x, int64_t n, float* y, ThreadPool& pool);
+// products (llama.cpp's way) unless `exact`, where each block is dequantized and multiplies x in float32 (slower:
+// the arithmetic of a float32 reference, for fidelity checks); F32/F16 weights always multiply x as it is.
+// Work is split over output rows.
+void matmul(const WeightView& w, const float* x, int64_t n, float* y, ThreadPool& pool, bool exact = false);
 
 // W as float32 [rows, cols] (tests, and layers that need dense values).
 void dequantize(const WeightView& w, float* out);
@@ -35,6 +37,7 @@ void dot_rows_scalar(const WeightView& w, int64_t row, const BlockQ8Act* act, co
                      int64_t y_stride);
 void dot_rows_avx2(const WeightView& w, int64_t row, const BlockQ8Act* act, const float* x, int64_t n, float* y,
                    int64_t y_stride);
+void dot_rows_exact(const WeightView& w, int64_t row, const float* x, int64_t n, float* y, int64_t y_stride);
 void quantize_row_scalar(const float* x, int64_t cols, BlockQ8Act* out);
 void quantize_row_avx2(const float* x, int64_t cols, BlockQ8Act* out);
 }  // namespace kernels

@@ -1,0 +1,63 @@
+// A Llama-family decoder (Llama, Qwen3) over weights read in place, with a paged KV cache it owns.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "pocketllm_cpp/matmul.h"
+#include "pocketllm_cpp/thread_pool.h"
+
+namespace pocketllm {
+
+struct ModelConfig {
+    int64_t vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim;
+    float rms_norm_eps, rope_theta;
+    bool rope_pairs_adjacent;  // llama.cpp's q/k row order (GGUF Llama): rotate (2i, 2i+1), else (i, i + D/2)
+    bool qk_norm;              // Qwen3: RMSNorm over each head of q and k before RoPE
+    bool exact_activations;    // float32 activations against block weights too (see matmul)
+};
+
+struct LayerWeights {
+    WeightView q, k, v, o, gate, up, down;
+    std::vector<float> input_norm, post_attention_norm, q_norm, k_norm;
+};
+
+// One sequence's share of a batch: `num_tokens` new tokens from position `start`, its KV in `block_table`.
+struct SequenceSlice {
+    int64_t start;
+    int64_t num_tokens;
+    std::vector<int32_t> block_table;
+    bool logits;  // whether its last token's logits are wanted
+};
+
+class Model {
+public:
+    Model(ModelConfig config, WeightView embedding, std::vector<LayerWeights> layers, std::vector<float> final_norm,
+          WeightView lm_head, int64_t num_blocks, int64_t block_size, int num_threads);
+
+    const ModelConfig& config() const { return config_; }
+    int64_t num_blocks() const { return num_blocks_; }
+    int64_t block_size() const { return block_size_; }
+
+    // Runs every slice's new tokens (in slice order in `tokens`) through the model, writing their keys and
+    // values to the cache; returns the logits [slices with logits, vocab] of each wanted slice's last token.
+    // Throws std::invalid_argument for ids, positions or blocks out of range, before touching the cache.
+    std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices);
+
+private:
+    void check(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices) const;
+    float* kv(int64_t layer, int64_t block, int which);  // which: 0 keys, 1 values; [kv_heads, block, dim]
+
+    ModelConfig config_;
+    WeightView embedding_, lm_head_;
+    std::vector<LayerWeights> layers_;
+    std::vector<float> final_norm_, inv_freq_;
+    int64_t num_blocks_, block_size_;
+    std::vector<float> cache_;
+    ThreadPool pool_;
+};
+
+// A row of a weight (an embedding lookup) as float32.
+void dequantize_row(const WeightView& w, int64_t row, float* out);
+
+}  // namespace pocketllm
