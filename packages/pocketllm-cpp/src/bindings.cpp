@@ -1,6 +1,7 @@
 // The Python module pocketllm_cpp._native: thin wrappers that check every argument, then release the GIL.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -11,6 +12,7 @@
 
 #include "pocketllm_cpp/isa.h"
 #include "pocketllm_cpp/matmul.h"
+#include "pocketllm_cpp/engine.h"
 #include "pocketllm_cpp/model.h"
 
 namespace nb = nanobind;
@@ -44,7 +46,7 @@ using Matmul = std::tuple<Bytes, std::string, int64_t, int64_t>;  // raw bytes, 
 
 // The model plus the Python arrays its weight views point into, kept alive as long as it is.
 struct PyModel {
-    std::unique_ptr<Model> model;
+    std::shared_ptr<Model> model;
     std::vector<nb::object> owners;
 
     WeightView view(const Matmul& m) {
@@ -60,6 +62,32 @@ std::vector<float> to_vector(const Vector& v, int64_t size, const char* what) {
                                     std::to_string(size));
     }
     return std::vector<float>(v.data(), v.data() + v.size());
+}
+
+// An engine and the model it runs (whose Python object keeps the weights' arrays alive).
+struct PyEngine {
+    nb::object model_owner;
+    std::unique_ptr<Engine> engine;
+};
+
+SamplingConfig sampling_config(const nb::dict& d) {
+    SamplingConfig c;
+    c.max_tokens = nb::cast<int64_t>(d["max_tokens"]);
+    c.min_tokens = nb::cast<int64_t>(d["min_tokens"]);
+    c.temperature = nb::cast<float>(d["temperature"]);
+    c.top_p = nb::cast<float>(d["top_p"]);
+    c.top_k = nb::cast<int64_t>(d["top_k"]);
+    c.min_p = nb::cast<float>(d["min_p"]);
+    c.presence_penalty = nb::cast<float>(d["presence_penalty"]);
+    c.frequency_penalty = nb::cast<float>(d["frequency_penalty"]);
+    c.repetition_penalty = nb::cast<float>(d["repetition_penalty"]);
+    c.has_seed = !d["seed"].is_none();
+    if (c.has_seed) c.seed = static_cast<uint64_t>(nb::cast<int64_t>(d["seed"]));  // two's complement of negatives
+    c.stop_ids = nb::cast<std::vector<int32_t>>(d["stop_ids"]);
+    c.request_stop_ids = nb::cast<std::vector<int32_t>>(d["request_stop_ids"]);
+    c.logit_bias = nb::cast<std::vector<std::pair<int32_t, float>>>(d["logit_bias"]);
+    c.logprobs = nb::cast<int>(d["logprobs"]);
+    return c;
 }
 
 }  // namespace
@@ -144,7 +172,7 @@ NB_MODULE(_native, m) {
                     head.cols != c.hidden_size) {
                     throw std::invalid_argument("embedding and lm_head must be [vocab_size, hidden_size]");
                 }
-                self->model = std::make_unique<Model>(c, embed, std::move(weights),
+                self->model = std::make_shared<Model>(c, embed, std::move(weights),
                                                       to_vector(final_norm, c.hidden_size, "final_norm"), head,
                                                       num_blocks, block_size, num_threads);
             },
@@ -169,6 +197,48 @@ NB_MODULE(_native, m) {
             nb::arg("tokens"), nb::arg("slices"),
             "Run tokens of several sequences: slices are (start, num_tokens, block_table, want_logits); returns "
             "the logits of each wanted slice's last token.");
+    nb::class_<PyEngine>(m, "Engine", "Scheduler, KV block pool and sampler over a Model; one thread calls it.")
+        .def(
+            "__init__",
+            [](PyEngine* self, nb::object model, int64_t max_num_seqs, int64_t max_num_batched_tokens,
+               int64_t prefill_chunk_size, int64_t seed) {
+                PyModel& owner = nb::cast<PyModel&>(model);
+                new (self) PyEngine{model, std::make_unique<Engine>(
+                    owner.model, SchedulerConfig{max_num_seqs, max_num_batched_tokens, prefill_chunk_size,
+                                                 static_cast<uint64_t>(seed)})};
+            },
+            nb::arg("model"), nb::arg("max_num_seqs"), nb::arg("max_num_batched_tokens"),
+            nb::arg("prefill_chunk_size"), nb::arg("seed"))
+        .def(
+            "add_request",
+            [](PyEngine& self, const std::string& id, std::vector<int32_t> prompt, const nb::dict& sampling) {
+                self.engine->add_request(id, std::move(prompt), sampling_config(sampling));
+            },
+            nb::arg("request_id"), nb::arg("prompt"), nb::arg("sampling"))
+        .def("step",
+             [](PyEngine& self) {
+                 std::vector<Delta> deltas;
+                 {
+                     nb::gil_scoped_release released;
+                     deltas = self.engine->step();
+                 }
+                 nb::list out;
+                 for (const Delta& d : deltas) {
+                     nb::object lp = nb::none();
+                     if (d.has_logprobs) {
+                         lp = nb::make_tuple(d.logprobs.token, d.logprobs.logprob, d.logprobs.rank, d.logprobs.top);
+                     }
+                     out.append(nb::make_tuple(d.request_id, d.token, static_cast<int>(d.finish), d.stop_token_id, lp));
+                 }
+                 return out;
+             },
+             "One scheduling step: (request_id, token, finish 0/1 stop/2 length, stop_token_id or -1, logprobs).")
+        .def("abort", [](PyEngine& self, const std::vector<std::string>& ids) { self.engine->abort(ids); })
+        .def("has_unfinished", [](PyEngine& self) { return self.engine->has_unfinished(); })
+        .def("stats", [](PyEngine& self) {
+            const EngineStats s = self.engine->stats();
+            return nb::make_tuple(s.running, s.waiting, s.blocks_total, s.blocks_used, s.preemptions);
+        });
     m.def(
         "quantize_activations",
         [](const Matrix& x) {

@@ -1,6 +1,7 @@
-"""PocketLLM's native C++ engine, in progress: so far its CPU kernels (``pocketllm_cpp.kernels``).
+"""PocketLLM's native C++ backend ``cpp``: GGUF blocks used in place, its own scheduler, KV pool and sampler.
 
-It registers no backend yet: the engine (scheduler, KV cache, sampler) comes next, built on these kernels.
+The engine is a C++ library (``include/``, ``src/``) behind the nanobind module ``_native``; ``backend.py`` is
+what the core sees. It is young: correct (it passes both classes of the conformance kit) but not yet tuned.
 """
 
 from __future__ import annotations

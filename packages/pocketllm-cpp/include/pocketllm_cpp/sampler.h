@@ -1,0 +1,47 @@
+// Next-token choice for one sequence, with vLLM's semantics, and its logprobs from the raw logits.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace pocketllm {
+
+struct SamplingConfig {
+    int64_t max_tokens = 16;  // resolved by the core: prompt + max_tokens <= max_model_len
+    int64_t min_tokens = 0;
+    float temperature = 1.0f, top_p = 1.0f, min_p = 0.0f;
+    int64_t top_k = 0;  // 0: off
+    float presence_penalty = 0.0f, frequency_penalty = 0.0f, repetition_penalty = 1.0f;
+    bool has_seed = false;
+    uint64_t seed = 0;
+    std::vector<int32_t> stop_ids;     // EOS (unless ignore_eos) and the request's stop token ids
+    std::vector<int32_t> request_stop_ids;  // the request's own: reported as stop_token_id
+    std::vector<std::pair<int32_t, float>> logit_bias;
+    int logprobs = -1;  // -1: none; else the number of top alternatives
+    bool greedy() const { return temperature < 1e-5f; }
+};
+
+struct TokenLogprobs {
+    int32_t token;
+    float logprob;
+    int64_t rank;
+    std::vector<std::pair<int32_t, float>> top;
+};
+
+// A per-sequence random stream (splitmix64): the same seed draws the same numbers whatever else runs.
+class Rng {
+public:
+    explicit Rng(uint64_t seed) : state_(seed) {}
+    uint64_t next();
+    double uniform() { return static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0); }  // [0, 1)
+private:
+    uint64_t state_;
+};
+
+// Chooses the next token from `logits` (vocab values, modified in place) for a sequence with `prompt` and
+// `output` tokens so far; fills `logprobs` when the config asks for them.
+int32_t sample(std::vector<float>& logits, const SamplingConfig& config, const std::vector<int32_t>& prompt,
+               const std::vector<int32_t>& output, Rng& rng, TokenLogprobs* logprobs);
+
+}  // namespace pocketllm

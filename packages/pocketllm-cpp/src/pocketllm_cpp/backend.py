@@ -1,0 +1,131 @@
+"""The cpp backend as the core sees it: its Capabilities and an engine factory over the native Engine."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from pocketllm.backend import (
+    API_VERSION,
+    SAMPLING_OPTIONS,
+    BackendStats,
+    Capabilities,
+    RequestDelta,
+    SampledLogprobs,
+    TokenLogprob,
+)
+from pocketllm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pocketllm.args import EngineArgs
+    from pocketllm.checkpoint import Checkpoint
+    from pocketllm.sampling_params import SamplingParams
+
+NAME = "cpp"
+BACKEND_OPTIONS = ("block_size", "exact_activations", "num_kv_blocks", "num_threads")
+DEFAULT_BLOCK_SIZE = 16
+KV_MEMORY_FRACTION = 0.25  # of physical RAM, as the torch backend
+_FINISH = {0: None, 1: "stop", 2: "length"}
+
+
+class CppBackend:
+    name = NAME
+    api_version = API_VERSION
+
+    def probe(self) -> int:
+        # Runs on any CPU (a scalar path everywhere). Below torch's 10 until it is faster than torch: "auto" must
+        # not pick the slower engine.
+        return 9
+
+    def capabilities(self) -> Capabilities:
+        from pocketllm_cpp.model import ARCHITECTURES, STORAGE_TYPES
+
+        return Capabilities(
+            architectures=ARCHITECTURES,
+            quantization_formats=(*STORAGE_TYPES, "BF16"),  # BF16 matrices become float32 copies
+            sampling_options=SAMPLING_OPTIONS,
+            devices=("cpu",),
+            dtypes=("float32",),
+            kv_cache_dtypes=("auto", "float32"),
+            backend_options=BACKEND_OPTIONS,
+        )
+
+    def create_engine(self, args: EngineArgs, checkpoint: Checkpoint) -> CppEngine:
+        return CppEngine(args, checkpoint)
+
+
+class CppEngine:
+    """pocketllm.backend.Engine over the native engine: conversions only, the work is in C++."""
+
+    def __init__(self, args: EngineArgs, checkpoint: Checkpoint) -> None:
+        from pocketllm_cpp import _native
+        from pocketllm_cpp.model import build_model
+
+        options = args.backend_options
+        block_size = _positive(options, "block_size", DEFAULT_BLOCK_SIZE)
+        exact = options.get("exact_activations", False)
+        if not isinstance(exact, bool):
+            raise ConfigError("backend_options", f"exact_activations must be true or false, got {exact!r}")
+        assert args.max_model_len is not None  # resolved by the core
+        per_sequence = -(-args.max_model_len // block_size)
+        config = checkpoint.config
+        bytes_per_block = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * block_size
+        budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * KV_MEMORY_FRACTION) // bytes_per_block
+        num_blocks = _positive(options, "num_kv_blocks", min(args.max_num_seqs * per_sequence, budget))
+        if num_blocks < per_sequence:  # a sequence alone must always fit, or preemption could not make progress
+            raise ConfigError("backend_options", f"{num_blocks} KV blocks of {block_size} tokens cannot hold one "
+                                                 f"sequence of max_model_len={args.max_model_len}")
+        threads = _positive(options, "num_threads", os.cpu_count() or 1)
+        self.eos = tuple(config.eos_token_ids)
+        self.model = build_model(checkpoint, num_blocks=num_blocks, block_size=block_size, num_threads=threads,
+                                 exact_activations=exact)
+        self.engine = _native.Engine(self.model, args.max_num_seqs, args.max_num_batched_tokens,
+                                     args.prefill_chunk_size, args.seed)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        # The core has checked the prompt and the parameters (see pocketllm.backend.Engine).
+        stops = list(dict.fromkeys([*params.stop_token_ids, *(() if params.ignore_eos else self.eos)]))
+        sampling: dict[str, Any] = {
+            "max_tokens": params.max_tokens, "min_tokens": params.min_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "top_k": params.effective_top_k, "min_p": params.min_p,
+            "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+            "repetition_penalty": params.repetition_penalty, "seed": params.seed, "stop_ids": stops,
+            "request_stop_ids": list(params.stop_token_ids), "logit_bias": list(params.logit_bias.items()),
+            "logprobs": -1 if params.logprobs is None else params.logprobs,
+        }
+        self.engine.add_request(request_id, prompt_token_ids, sampling)
+
+    def step(self) -> list[RequestDelta]:
+        deltas = []
+        for request_id, token, finish, stop_token_id, logprobs in self.engine.step():
+            sampled = None
+            if logprobs is not None:
+                chosen, value, rank, top = logprobs
+                sampled = [SampledLogprobs(chosen, value, rank, [TokenLogprob(i, v) for i, v in top])]
+            deltas.append(RequestDelta(request_id=request_id, new_token_ids=[token], logprobs=sampled,
+                                       finish_reason=_FINISH[finish],
+                                       stop_token_id=None if stop_token_id < 0 else stop_token_id))
+        return deltas
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self.engine.abort(list(request_ids))
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def stats(self) -> BackendStats:
+        running, waiting, total, used, preemptions = self.engine.stats()
+        return BackendStats(num_running=running, num_waiting=waiting, num_kv_blocks_total=total,
+                            num_kv_blocks_used=used, num_preemptions=preemptions)
+
+    def shutdown(self) -> None:
+        self.abort([])  # nothing to release early: the pool goes with the engine
+        del self.engine, self.model
+
+
+def _positive(options: dict[str, Any], key: str, default: int) -> int:
+    value = options.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError("backend_options", f"{key} must be a positive integer, got {value!r}")
+    return value

@@ -1,0 +1,118 @@
+#include "pocketllm_cpp/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace pocketllm {
+
+uint64_t Rng::next() {
+    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+namespace {
+
+std::vector<double> log_softmax(const std::vector<float>& logits) {
+    const float best = *std::max_element(logits.begin(), logits.end());
+    double total = 0.0;
+    for (float v : logits) total += std::exp(static_cast<double>(v) - best);
+    const double log_total = std::log(total) + best;
+    std::vector<double> out(logits.size());
+    for (size_t i = 0; i < logits.size(); ++i) out[i] = logits[i] - log_total;
+    return out;
+}
+
+int32_t argmax(const std::vector<float>& v) {  // the first maximum, as torch's argmax
+    return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+
+}  // namespace
+
+int32_t sample(std::vector<float>& logits, const SamplingConfig& c, const std::vector<int32_t>& prompt,
+               const std::vector<int32_t>& output, Rng& rng, TokenLogprobs* logprobs) {
+    const int64_t vocab = static_cast<int64_t>(logits.size());
+    std::vector<double> raw;
+    if (logprobs != nullptr) raw = log_softmax(logits);  // from the model's own logits, before any processing
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    if (static_cast<int64_t>(output.size()) < c.min_tokens) {
+        for (int32_t id : c.stop_ids) logits[id] = neg_inf;
+    }
+    for (const auto& [id, bias] : c.logit_bias) logits[id] += bias;
+    if (c.repetition_penalty != 1.0f || c.presence_penalty != 0.0f || c.frequency_penalty != 0.0f) {
+        std::unordered_set<int32_t> seen(prompt.begin(), prompt.end());
+        std::unordered_map<int32_t, int> counts;
+        for (int32_t id : output) {
+            seen.insert(id);
+            ++counts[id];
+        }
+        for (int32_t id : seen) {
+            float& v = logits[id];
+            v = v > 0 ? v / c.repetition_penalty : v * c.repetition_penalty;
+        }
+        for (const auto& [id, count] : counts) {
+            logits[id] -= c.frequency_penalty * static_cast<float>(count) + c.presence_penalty;
+        }
+    }
+    int32_t token;
+    if (c.greedy()) {
+        token = argmax(logits);
+    } else {
+        // Candidates by probability, best first (ties by id); then top-k, top-p and min-p cut the tail.
+        std::vector<int32_t> order(static_cast<size_t>(vocab));
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+        int64_t keep = c.top_k > 0 ? std::min(c.top_k, vocab) : vocab;
+        const double best = logits[order[0]] / c.temperature;
+        std::vector<double> probs(static_cast<size_t>(keep));
+        double total = 0.0;
+        for (int64_t i = 0; i < keep; ++i) total += probs[i] = std::exp(logits[order[i]] / c.temperature - best);
+        if (c.top_p < 1.0f) {  // a token stays while those above it fall short of top_p; the first always stays
+            double above = 0.0;
+            int64_t cut = 1;
+            for (; cut < keep; ++cut) {
+                above += probs[cut - 1] / total;
+                if (above >= c.top_p) break;
+            }
+            keep = cut;
+        }
+        if (c.min_p > 0.0f) {
+            const double floor = c.min_p * probs[0];
+            int64_t cut = 1;
+            while (cut < keep && probs[cut] >= floor) ++cut;
+            keep = cut;
+        }
+        double kept = 0.0;
+        for (int64_t i = 0; i < keep; ++i) kept += probs[i];
+        double draw = rng.uniform() * kept;
+        int64_t chosen = keep - 1;
+        for (int64_t i = 0; i < keep; ++i) {
+            if ((draw -= probs[i]) < 0.0) {
+                chosen = i;
+                break;
+            }
+        }
+        token = order[chosen];
+    }
+    if (logprobs != nullptr) {
+        logprobs->token = token;
+        logprobs->logprob = static_cast<float>(raw[token]);
+        logprobs->rank = 1 + std::count_if(raw.begin(), raw.end(), [&](double v) { return v > raw[token]; });
+        std::vector<int32_t> ids(raw.size());
+        std::iota(ids.begin(), ids.end(), 0);
+        const int k = std::min<int>(c.logprobs, static_cast<int>(raw.size()));
+        std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
+            return raw[a] > raw[b] || (raw[a] == raw[b] && a < b);
+        });
+        logprobs->top.clear();
+        for (int i = 0; i < k; ++i) logprobs->top.emplace_back(ids[i], static_cast<float>(raw[ids[i]]));
+    }
+    return token;
+}
+
+}  // namespace pocketllm

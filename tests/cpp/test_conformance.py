@@ -1,0 +1,23 @@
+"""The conformance kit on the cpp backend: the protocol, and transformers' outputs on the kit's checkpoints.
+
+ModelConformance runs with exact_activations: the kit's references are float32 arithmetic over the stored
+blocks, which 8-bit activations (the default, llama.cpp's way) only approximate on its random weights."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+
+from pocketllm.testing import ModelConformance, ProtocolConformance
+
+pytest.importorskip("pocketllm_cpp._native")
+
+
+class TestCppProtocol(ProtocolConformance):
+    backend = "cpp"
+
+
+class TestCppModels(ModelConformance):
+    backend = "cpp"
+    engine_kwargs: ClassVar[dict[str, object]] = {"backend_options": {"exact_activations": True}}
