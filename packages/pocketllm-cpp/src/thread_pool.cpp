@@ -1,8 +1,23 @@
 #include "pocketllm_cpp/thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define POCKETLLM_PAUSE() _mm_pause()
+#else
+#define POCKETLLM_PAUSE() std::this_thread::yield()
+#endif
 
 namespace pocketllm {
+namespace {
+
+// How long an idle worker spins before it sleeps: long enough to span the serial work between two regions of
+// a step (norms, RoPE), short enough that an idle engine stops burning a core at once.
+constexpr auto kSpin = std::chrono::microseconds(2000);
+
+}  // namespace
 
 ThreadPool::ThreadPool(int num_threads) {
     for (int i = 1; i < std::max(1, num_threads); ++i) workers_.emplace_back([this, i] { work(i); });
@@ -13,7 +28,7 @@ ThreadPool::~ThreadPool() {
         std::lock_guard<std::mutex> lock(mutex_);
         stopping_ = true;
     }
-    start_.notify_all();
+    wake_.notify_all();
     for (auto& worker : workers_) worker.join();
 }
 
@@ -34,18 +49,17 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
         if (n > 0) fn(0, n);
         return;
     }
-    {
+    task_ = &fn;
+    n_ = n;
+    error_ = nullptr;
+    pending_.store(static_cast<int>(workers_.size()));
+    generation_.fetch_add(1);  // publishes task_ and n_ to the workers
+    if (sleepers_.load() > 0) {
         std::lock_guard<std::mutex> lock(mutex_);
-        task_ = &fn;
-        n_ = n;
-        pending_ = static_cast<int>(workers_.size());
-        error_ = nullptr;
-        ++generation_;
+        wake_.notify_all();
     }
-    start_.notify_all();
     run_range(0);
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [this] { return pending_ == 0; });
+    while (pending_.load() > 0) POCKETLLM_PAUSE();
     task_ = nullptr;
     if (error_) std::rethrow_exception(error_);
 }
@@ -53,18 +67,22 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
 void ThreadPool::work(int index) {
     uint64_t seen = 0;
     for (;;) {
-        {
-            std::unique_lock<std::mutex> lock(mutex_);
-            start_.wait(lock, [&] { return stopping_ || generation_ != seen; });
-            if (stopping_) return;
-            seen = generation_;
+        const auto deadline = std::chrono::steady_clock::now() + kSpin;
+        int spins = 0;
+        while (generation_.load() == seen && !stopping_.load()) {
+            if (++spins % 1024 == 0 && std::chrono::steady_clock::now() > deadline) {
+                std::unique_lock<std::mutex> lock(mutex_);
+                sleepers_.fetch_add(1);
+                wake_.wait(lock, [&] { return generation_.load() != seen || stopping_.load(); });
+                sleepers_.fetch_sub(1);
+                break;
+            }
+            POCKETLLM_PAUSE();
         }
+        if (stopping_.load()) return;
+        seen = generation_.load();
         run_range(index);
-        {
-            std::lock_guard<std::mutex> lock(mutex_);
-            --pending_;
-        }
-        done_.notify_one();
+        pending_.fetch_sub(1);
     }
 }
 

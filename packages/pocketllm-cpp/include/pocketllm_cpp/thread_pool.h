@@ -1,8 +1,12 @@
-// One persistent pool of worker threads, created once: a parallel region costs a wake-up, not a thread start.
+// One persistent pool of worker threads, created once. A decode step has a few hundred parallel regions (every
+// matmul, every attention), so a region must cost microseconds: workers spin on an atomic for a while before
+// they sleep on a condition variable, and the caller spins for them to finish.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -19,7 +23,7 @@ public:
 
     int size() const { return static_cast<int>(workers_.size()) + 1; }
     // Runs fn(begin, end) over [0, n) split into one contiguous range per thread; returns when all are done.
-    // The first exception thrown by any range is rethrown here.
+    // The first exception thrown by any range is rethrown here. Not reentrant: one caller at a time.
     void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn);
 
 private:
@@ -27,13 +31,14 @@ private:
     void run_range(int index);
 
     std::vector<std::thread> workers_;
-    std::mutex mutex_;
-    std::condition_variable start_, done_;
     const std::function<void(int64_t, int64_t)>* task_ = nullptr;
     int64_t n_ = 0;
-    uint64_t generation_ = 0;
-    int pending_ = 0;
-    bool stopping_ = false;
+    std::atomic<uint64_t> generation_{0};
+    std::atomic<int> pending_{0};
+    std::atomic<int> sleepers_{0};
+    std::atomic<bool> stopping_{false};
+    std::mutex mutex_;  // guards sleeping and the first error
+    std::condition_variable wake_;
     std::exception_ptr error_;
 };
 
