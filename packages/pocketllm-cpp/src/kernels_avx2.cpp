@@ -65,65 +65,78 @@ void quantize_row_avx2(const float* x, int64_t cols, BlockQ8Act* out) {
     }
 }
 
+namespace {
+
+// One weight row against up to 4 activation rows at once: each block of the weight is loaded and unpacked once
+// for all of them, and the 4 accumulators stay in registers.
+template <int R>
+void dot_block_rows(const WeightView& w, const uint8_t* base, const BlockQ8Act* act, int64_t nb, int64_t r0,
+                    float* y, int64_t y_stride) {
+    __m256 acc[R];
+    float extra[R];
+    for (int i = 0; i < R; ++i) {
+        acc[i] = _mm256_setzero_ps();
+        extra[i] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i wq;
+        float dw, mw = 0.0f;
+        bool is_signed = false;
+        if (w.type == QType::Q4_0) {
+            const BlockQ4_0& blk = reinterpret_cast<const BlockQ4_0*>(base)[b];
+            wq = unpack_nibbles(blk.qs);
+            dw = half(blk.d);
+            mw = -8.0f * dw;  // (q - 8) * d = q * d - 8 * d
+        } else if (w.type == QType::Q4_1) {
+            const BlockQ4_1& blk = reinterpret_cast<const BlockQ4_1*>(base)[b];
+            wq = unpack_nibbles(blk.qs);
+            dw = half(blk.d);
+            mw = half(blk.m);
+        } else {
+            const BlockQ8_0& blk = reinterpret_cast<const BlockQ8_0*>(base)[b];
+            wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs));
+            dw = half(blk.d);
+            is_signed = true;
+        }
+        const __m256i wabs = is_signed ? _mm256_sign_epi8(wq, wq) : wq;
+        for (int i = 0; i < R; ++i) {
+            const BlockQ8Act& a = act[(r0 + i) * nb + b];
+            __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs));
+            // maddubs wants an unsigned operand: |w| times x with w's sign (activations stay in [-127, 127]).
+            if (is_signed) xq = _mm256_sign_epi8(xq, wq);
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d), sum_products(wabs, xq), acc[i]);
+            extra[i] += mw * a.s;  // the per-block offset of the 4-bit types
+        }
+    }
+    for (int i = 0; i < R; ++i) y[(r0 + i) * y_stride] = hsum(acc[i]) + extra[i];
+}
+
+}  // namespace
+
 void dot_rows_avx2(const WeightView& w, int64_t row, const BlockQ8Act* act, const float* x, int64_t n, float* y,
                    int64_t y_stride) {
     const int64_t nb = w.cols / kBlock;
     const uint8_t* base = w.data + row * static_cast<int64_t>(row_bytes(w.type, w.cols));
+    if (is_block_type(w.type)) {
+        int64_t r = 0;
+        for (; r + 4 <= n; r += 4) dot_block_rows<4>(w, base, act, nb, r, y, y_stride);
+        for (; r < n; ++r) dot_block_rows<1>(w, base, act, nb, r, y, y_stride);
+        return;
+    }
     for (int64_t r = 0; r < n; ++r) {
-        const BlockQ8Act* a = act + r * nb;
         const float* xr = x + r * w.cols;
         __m256 acc = _mm256_setzero_ps();
-        float extra = 0.0f;  // the per-block offset terms of the 4-bit types
-        switch (w.type) {
-            case QType::F32: {
-                const float* wr = reinterpret_cast<const float*>(base);
-                for (int64_t i = 0; i < w.cols; i += 8) {
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(wr + i), _mm256_loadu_ps(xr + i), acc);
-                }
-                break;
-            }
-            case QType::F16: {
-                const uint16_t* wr = reinterpret_cast<const uint16_t*>(base);
-                for (int64_t i = 0; i < w.cols; i += 8) {
-                    const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + i)));
-                    acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr + i), acc);
-                }
-                break;
-            }
-            case QType::Q4_0: {
-                const BlockQ4_0* blocks = reinterpret_cast<const BlockQ4_0*>(base);
-                for (int64_t b = 0; b < nb; ++b) {
-                    const float dw = half(blocks[b].d);
-                    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs));
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * a[b].d), sum_products(unpack_nibbles(blocks[b].qs), xq),
-                                          acc);
-                    extra -= 8.0f * dw * a[b].s;
-                }
-                break;
-            }
-            case QType::Q4_1: {
-                const BlockQ4_1* blocks = reinterpret_cast<const BlockQ4_1*>(base);
-                for (int64_t b = 0; b < nb; ++b) {
-                    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs));
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(half(blocks[b].d) * a[b].d),
-                                          sum_products(unpack_nibbles(blocks[b].qs), xq), acc);
-                    extra += half(blocks[b].m) * a[b].s;
-                }
-                break;
-            }
-            case QType::Q8_0: {
-                const BlockQ8_0* blocks = reinterpret_cast<const BlockQ8_0*>(base);
-                for (int64_t b = 0; b < nb; ++b) {
-                    const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[b].qs));
-                    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs));
-                    // maddubs wants an unsigned operand: |w| times x with w's sign (activations stay in [-127, 127]).
-                    const __m256 p = sum_products(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(half(blocks[b].d) * a[b].d), p, acc);
-                }
-                break;
+        if (w.type == QType::F32) {
+            const float* wr = reinterpret_cast<const float*>(base);
+            for (int64_t i = 0; i < w.cols; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(wr + i), _mm256_loadu_ps(xr + i), acc);
+        } else {
+            const uint16_t* wr = reinterpret_cast<const uint16_t*>(base);
+            for (int64_t i = 0; i < w.cols; i += 8) {
+                const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + i)));
+                acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr + i), acc);
             }
         }
-        y[r * y_stride] = hsum(acc) + extra;
+        y[r * y_stride] = hsum(acc);
     }
 }
 
