@@ -41,8 +41,19 @@ def _tables(count: int, per_sequence: int) -> list[list[int]]:
     return [blocks[i::count].tolist() for i in range(count)]
 
 
+@pytest.fixture(params=["scalar", "avx2"])
+def isa(request: pytest.FixtureRequest):
+    from pocketllm_cpp import kernels
+
+    if request.param != "scalar" and kernels.best_isa() != request.param:
+        pytest.skip(f"this CPU has no {request.param}")
+    kernels.set_isa(request.param)
+    yield request.param
+    kernels.set_isa("auto")
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_float32_checkpoints_match_transformers_batched(kind: str, pocketllm_kit_checkpoint) -> None:
+def test_float32_checkpoints_match_transformers_batched(kind: str, isa: str, pocketllm_kit_checkpoint) -> None:
     model = build_model(load_checkpoint(str(pocketllm_kit_checkpoint(kind))), num_blocks=200, block_size=BLOCK,
                         num_threads=2)
     refs = REFERENCES.checkpoints[kind].references
@@ -67,7 +78,7 @@ def test_llama_gguf_rows_as_llama_cpp_stores_them(pocketllm_kit_checkpoint, tmp_
     assert [int(np.argmax(lp)) for lp in run] == ref.token_ids
 
 
-def test_quantized_gguf_with_exact_activations_matches_transformers(pocketllm_kit_checkpoint) -> None:
+def test_quantized_gguf_with_exact_activations_matches_transformers(isa: str, pocketllm_kit_checkpoint) -> None:
     """Q8_0/Q4_0/Q4_1/F16 blocks read in place with float32 activations: transformers' greedy ids over the same
     dequantized weights, and its logprobs within 1e-3."""
     model = build_model(load_checkpoint(str(pocketllm_kit_checkpoint("llama-gguf"))), num_blocks=120,

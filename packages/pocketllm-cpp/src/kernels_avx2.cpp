@@ -140,4 +140,26 @@ void dot_rows_avx2(const WeightView& w, int64_t row, const BlockQ8Act* act, cons
     }
 }
 
+void dot_many_avx2(const float* q, const float* keys, int64_t count, int64_t dim, float* scores) {
+    if (dim % 8 != 0) return dot_many_scalar(q, keys, count, dim, scores);
+    for (int64_t i = 0; i < count; ++i) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = 0; j < dim; j += 8) {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(keys + i * dim + j), acc);
+        }
+        scores[i] = hsum(acc);
+    }
+}
+
+void axpy_many_avx2(const float* weights, const float* values, int64_t count, int64_t dim, float* out) {
+    if (dim % 8 != 0) return axpy_many_scalar(weights, values, count, dim, out);
+    for (int64_t j = 0; j < dim; j += 8) {
+        __m256 acc = _mm256_loadu_ps(out + j);
+        for (int64_t i = 0; i < count; ++i) {
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(weights[i]), _mm256_loadu_ps(values + i * dim + j), acc);
+        }
+        _mm256_storeu_ps(out + j, acc);
+    }
+}
+
 }  // namespace pocketllm::kernels

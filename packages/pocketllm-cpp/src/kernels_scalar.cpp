@@ -84,4 +84,18 @@ void dot_rows_scalar(const WeightView& w, int64_t row, const BlockQ8Act* act, co
     }
 }
 
+void dot_many_scalar(const float* q, const float* keys, int64_t count, int64_t dim, float* scores) {
+    for (int64_t i = 0; i < count; ++i) {
+        float dot = 0.0f;
+        for (int64_t j = 0; j < dim; ++j) dot += q[j] * keys[i * dim + j];
+        scores[i] = dot;
+    }
+}
+
+void axpy_many_scalar(const float* weights, const float* values, int64_t count, int64_t dim, float* out) {
+    for (int64_t i = 0; i < count; ++i) {
+        for (int64_t j = 0; j < dim; ++j) out[j] += weights[i] * values[i * dim + j];
+    }
+}
+
 }  // namespace pocketllm::kernels

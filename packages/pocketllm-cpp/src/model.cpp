@@ -1,5 +1,7 @@
 #include "pocketllm_cpp/model.h"
 
+#include "pocketllm_cpp/isa.h"
+
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -53,12 +55,14 @@ Model::Model(ModelConfig config, WeightView embedding, std::vector<LayerWeights>
                                static_cast<size_t>(num_blocks * block_size), &cache_size)) {
         throw std::invalid_argument("KV cache size overflows");
     }
-    cache_.assign(cache_size, 0.0f);
+    // Left uninitialised: attention reads only positions already written, and untouched pages of a pool sized
+    // for max_num_seqs full-length sequences cost no memory until used.
+    cache_.reset(new float[cache_size]);
 }
 
 float* Model::kv(int64_t layer, int64_t block, int which) {
     const int64_t per_block = config_.num_kv_heads * block_size_ * config_.head_dim;
-    return cache_.data() + ((layer * num_blocks_ + block) * 2 + which) * per_block;
+    return cache_.get() + ((layer * num_blocks_ + block) * 2 + which) * per_block;
 }
 
 void Model::check(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices) const {
@@ -130,6 +134,14 @@ std::vector<float> Model::forward(const std::vector<int32_t>& tokens, const std:
         }
         // Causal attention of each (token, head) over its sequence's positions 0..p, read through the block table.
         const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+        auto dot_many = kernels::dot_many_scalar;
+        auto axpy_many = kernels::axpy_many_scalar;
+#ifdef POCKETLLM_HAVE_AVX2
+        if (current_isa() == Isa::Avx2) {
+            dot_many = kernels::dot_many_avx2;
+            axpy_many = kernels::axpy_many_avx2;
+        }
+#endif
         pool_.parallel_for(n * c.num_heads, [&](int64_t begin, int64_t end) {
             std::vector<float> scores;
             for (int64_t job = begin; job < end; ++job) {
@@ -138,22 +150,21 @@ std::vector<float> Model::forward(const std::vector<int32_t>& tokens, const std:
                 const float* qh = &q[t * q_size + hd * dim];
                 const int64_t length = position[t] + 1;
                 scores.resize(static_cast<size_t>(length));
-                float best = -INFINITY;
-                for (int64_t p = 0; p < length; ++p) {
-                    const float* key = kv(l, table[p / block_size_], 0) + (kvh * block_size_ + p % block_size_) * dim;
-                    float dot = 0.0f;
-                    for (int64_t i = 0; i < dim; ++i) dot += qh[i] * key[i];
-                    scores[p] = dot * scale;
-                    best = std::max(best, scores[p]);
+                // Block by block: a block's keys (and values) of one KV head are contiguous rows.
+                for (int64_t p = 0; p < length; p += block_size_) {
+                    const int64_t count = std::min(block_size_, length - p);
+                    dot_many(qh, kv(l, table[p / block_size_], 0) + kvh * block_size_ * dim, count, dim, &scores[p]);
                 }
+                float best = -INFINITY;
+                for (float& s : scores) best = std::max(best, s *= scale);
                 float total = 0.0f;
                 for (float& s : scores) total += (s = std::exp(s - best));
+                for (float& s : scores) s /= total;
                 float* o = &attn[t * q_size + hd * dim];
                 std::fill(o, o + dim, 0.0f);
-                for (int64_t p = 0; p < length; ++p) {
-                    const float* value = kv(l, table[p / block_size_], 1) + (kvh * block_size_ + p % block_size_) * dim;
-                    const float weight = scores[p] / total;
-                    for (int64_t i = 0; i < dim; ++i) o[i] += weight * value[i];
+                for (int64_t p = 0; p < length; p += block_size_) {
+                    const int64_t count = std::min(block_size_, length - p);
+                    axpy_many(&scores[p], kv(l, table[p / block_size_], 1) + kvh * block_size_ * dim, count, dim, o);
                 }
             }
         });

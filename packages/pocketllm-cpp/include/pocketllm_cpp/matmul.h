@@ -39,6 +39,11 @@ void dot_rows_avx2(const WeightView& w, int64_t row, const BlockQ8Act* act, cons
                    int64_t y_stride);
 void dot_rows_exact(const WeightView& w, int64_t row, const float* x, int64_t n, float* y, int64_t y_stride);
 void quantize_row_scalar(const float* x, int64_t cols, BlockQ8Act* out);
+// Attention over one KV block: scores[i] = q . keys[i] (count rows of `dim` floats), and o += sum w[i] values[i].
+void dot_many_scalar(const float* q, const float* keys, int64_t count, int64_t dim, float* scores);
+void dot_many_avx2(const float* q, const float* keys, int64_t count, int64_t dim, float* scores);
+void axpy_many_scalar(const float* weights, const float* values, int64_t count, int64_t dim, float* out);
+void axpy_many_avx2(const float* weights, const float* values, int64_t count, int64_t dim, float* out);
 void quantize_row_avx2(const float* x, int64_t cols, BlockQ8Act* out);
 }  // namespace kernels
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "pocketllm_cpp/matmul.h"
@@ -53,7 +54,7 @@ private:
     std::vector<LayerWeights> layers_;
     std::vector<float> final_norm_, inv_freq_;
     int64_t num_blocks_, block_size_;
-    std::vector<float> cache_;
+    std::unique_ptr<float[]> cache_;
     ThreadPool pool_;
 };
 

@@ -120,8 +120,7 @@ class CppEngine:
                             num_kv_blocks_used=used, num_preemptions=preemptions)
 
     def shutdown(self) -> None:
-        self.abort([])  # nothing to release early: the pool goes with the engine
-        del self.engine, self.model
+        del self.engine, self.model  # the KV pool and the worker threads go with them
 
 
 def _positive(options: dict[str, Any], key: str, default: int) -> int:
