@@ -1,4 +1,5 @@
-"""Sessions: `tests` (default) installs everything into a fresh venv and runs pytest; `lint`; `serve`; `bench`.
+"""Sessions: `tests` (default) installs everything into a fresh venv and runs pytest; `lint`; `serve`; `bench`;
+`sanitize` (pocketllm-cpp's C++ tests under ASan and UBSan).
 
 nox logs "uv binary not found." while it looks for uv: harmless, these sessions use venv and pip.
 """
@@ -50,6 +51,19 @@ def tests(session: nox.Session) -> None:
     install_engine(session)
     session.install(*TEST_DEPS, *FIXTURES)
     session.run("pytest", *session.posargs)
+
+
+@nox.session
+def sanitize(session: nox.Session) -> None:
+    """Build pocketllm-cpp's C++ library and test binary with AddressSanitizer and UBSan, and run it."""
+    session.install("cmake", "ninja")
+    build = f"{session.create_tmp()}/cpp-sanitize"
+    flags = "-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
+    session.run("cmake", "-S", CPP, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Debug",
+                f"-DCMAKE_CXX_FLAGS={flags}", f"-DCMAKE_EXE_LINKER_FLAGS={flags}", external=True)
+    session.run("cmake", "--build", build, external=True)
+    for isa in ("scalar", "auto"):
+        session.run(f"{build}/pocketllm_cpp_test", env={"POCKETLLM_CPP_ISA": isa}, external=True)
 
 
 @nox.session

@@ -45,8 +45,9 @@ workloads (--workloads; all by default):
             ({FULL.new_tokens} - 1) / (time of last token - time of first token): prefill excluded.
   batch     for each N in --concurrency ({' '.join(map(str, FULL.concurrency))}): N different \
 {FULL.prompt_tokens}-token prompts submitted
-            at once, {FULL.new_tokens} new tokens each; aggregate tok/s = N x {FULL.new_tokens} / wall time \
-(prefill included).
+            at once, {FULL.new_tokens} new tokens each, streamed; end to end tok/s = N x {FULL.new_tokens} / wall \
+time (prefill included), and decode only = tokens after each sequence's first / (last token of any -
+            the moment every sequence has its first token).
             Also plotted: aggregate tok/s against N, one line per engine.
   ttft      {FULL.ttft_requests} {FULL.prompt_tokens}-token requests submitted at once ({FULL.ttft_new_tokens} new \
 tokens each); p50 and p99 over

@@ -210,7 +210,7 @@ def test_full_run_on_the_echo_backend(tmp_path: Path) -> None:
     paths = write(results, config)
     assert [p.suffix for p in paths] == [".md", ".json", ".png"]
     text = paths[0].read_text()
-    assert "aggregate decode, 2 x (8 in + 4 out)" in text
+    assert "aggregate end to end, 2 x (8 in + 4 out)" in text and "aggregate decode only, 2 x (8 in + 4 out)" in text
     assert "serve, 2 streaming clients x (8 in + 4 out), aggregate" in text
     assert "echo-http / echo-async aggregate tok/s: 2 clients " in text
     data = json.loads(paths[1].read_text())

@@ -118,3 +118,30 @@ def test_bad_slices_raise_value_error(pocketllm_kit_checkpoint) -> None:
         else:
             with pytest.raises(ValueError, match=message):
                 model.forward(tokens, slices)
+
+
+@pytest.mark.parametrize("damage", ["cut", "offset", "dims"])
+def test_corrupt_gguf_is_a_checkpoint_error_on_the_cpp_backend(damage: str, pocketllm_kit_checkpoint, tmp_path,
+                                                               monkeypatch) -> None:
+    """The core's reader refuses a broken file before the native code sees a byte of it, on any ISA."""
+    import struct
+
+    import gguf
+
+    from pocketllm import LLM, CheckpointError
+
+    monkeypatch.setenv("POCKETLLM_CPP_ISA", "scalar")
+    source = pocketllm_kit_checkpoint("llama-gguf")
+    data = bytearray(source.read_bytes())
+    reader = gguf.GGUFReader(source)
+    parts = reader.tensors[-1].field.parts
+    if damage == "cut":
+        data = data[:len(data) // 2]
+    elif damage == "offset":
+        struct.pack_into("<Q", data, parts[-1].ctypes.data - reader.data.ctypes.data, 2**40)
+    else:
+        struct.pack_into("<Q", data, parts[3].ctypes.data - reader.data.ctypes.data, 2**33)
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"broken\.gguf"):
+        LLM(str(path), backend="cpp").shutdown()

@@ -35,6 +35,7 @@ class LlamaCppEngine:
         params.n_threads = spec.threads
         params.n_threads_batch = spec.threads
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.kv_unified = True  # one KV buffer shared by the sequences, as the bench README says
         self.ctx = llama_cpp.llama_init_from_model(model, params)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
@@ -45,7 +46,7 @@ class LlamaCppEngine:
 
     def info(self) -> dict[str, Any]:
         return {"engine": f"llama-cpp-python {llama_cpp.__version__}", "threads": self.spec.threads,
-                "flash_attn": True, "system": llama_cpp.llama_print_system_info().decode().strip()}
+                "flash_attn": True, "kv_unified": True, "system": llama_cpp.llama_print_system_info().decode().strip()}
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         return self._run(prompts, max_tokens)[0]
