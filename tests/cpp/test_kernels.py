@@ -179,3 +179,24 @@ def test_isa_variable(value: str, expected: str | None) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "POCKETLLM_CPP_ISA": value}).stdout.strip()
     assert out == (expected or kernels.best_isa())  # an unusable value falls back to the best ISA
+
+
+def test_the_library_is_clean_under_address_and_undefined_behaviour_sanitizers(tmp_path: Path) -> None:
+    """What `nox -s sanitize` does, in the suite: the C++ test (kernels, model, engine) built with ASan and UBSan."""
+    import os
+    import shutil
+
+    source = Path(__file__).resolve().parents[2] / "packages" / "pocketllm-cpp"
+    if not (shutil.which("cmake") and shutil.which("ninja") and (source / "CMakeLists.txt").is_file()):
+        pytest.skip("needs cmake, ninja and the pocketllm-cpp sources")
+    flags = "-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
+    build = tmp_path / "build"
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Debug",
+                    f"-DCMAKE_CXX_FLAGS={flags}", f"-DCMAKE_EXE_LINKER_FLAGS={flags}"], check=True,
+                   capture_output=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", "pocketllm_cpp_test"], check=True,
+                   capture_output=True, timeout=600)
+    for isa in ("scalar", "auto"):
+        result = subprocess.run([str(build / "pocketllm_cpp_test")], capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "POCKETLLM_CPP_ISA": isa})
+        assert result.returncode == 0 and result.stdout.startswith("ok"), result.stdout + result.stderr

@@ -28,7 +28,7 @@ void Engine::add_request(const std::string& id, std::vector<int32_t> prompt, Sam
         throw std::invalid_argument("request '" + id + "' needs more KV blocks than the pool has");
     }
     const uint64_t seed = sampling.has_seed ? sampling.seed : seeds_.next();
-    auto seq = std::make_shared<Sequence>(Sequence{id, std::move(prompt), {}, std::move(sampling), Rng(seed)});
+    auto seq = std::make_shared<Sequence>(Sequence{id, std::move(prompt), {}, std::move(sampling), Rng(seed), 0, {}});
     by_id_[id] = seq;
     waiting_.push_back(seq);
 }
