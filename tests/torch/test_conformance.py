@@ -7,16 +7,11 @@ from typing import ClassVar
 
 import pytest
 
-from pocketllm.testing import ModelConformance, ProtocolConformance
+from pocketllm.testing import BackendConformance
 
 pytest.importorskip("pocketllm_torch")
 
 
-class TestTorchProtocol(ProtocolConformance):
-    backend = "torch"
-    engine_kwargs: ClassVar[dict[str, object]] = {"dtype": "float32"}
-
-
-class TestTorchModels(ModelConformance):
+class TestTorchConformance(BackendConformance):  # ProtocolConformance and ModelConformance
     backend = "torch"
     engine_kwargs: ClassVar[dict[str, object]] = {"dtype": "float32"}

@@ -27,5 +27,10 @@ from pocketllm.testing.checkpoints import KIT_CHECKPOINTS, make_tiny_gguf, make_
 from pocketllm.testing.model import ModelConformance
 from pocketllm.testing.protocol import ProtocolConformance
 
-__all__ = ["KIT_CHECKPOINTS", "ModelConformance", "ProtocolConformance", "make_tiny_gguf", "make_tiny_llama",
-           "make_tiny_qwen3"]
+
+class BackendConformance(ProtocolConformance, ModelConformance):
+    """Both classes at once, for a backend that runs models (and what contract 1's kit was called)."""
+
+
+__all__ = ["KIT_CHECKPOINTS", "BackendConformance", "ModelConformance", "ProtocolConformance", "make_tiny_gguf",
+           "make_tiny_llama", "make_tiny_qwen3"]
