@@ -145,3 +145,45 @@ def test_corrupt_gguf_is_a_checkpoint_error_on_the_cpp_backend(damage: str, pock
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"broken\.gguf"):
         LLM(str(path), backend="cpp").shutdown()
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+    {"rope_type": "linear", "factor": 2.0},
+])
+def test_rope_scaling_matches_transformers(scaling: dict, pocketllm_kit_checkpoint, tmp_path) -> None:
+    import json
+    import shutil
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "scaled"
+    shutil.copytree(pocketllm_kit_checkpoint("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "rope_scaling": scaling}))
+    prompt = REFERENCES.checkpoints["llama"].references[4].prompt  # 22 tokens: past the 16 original positions
+    reference = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference.generation_config.eos_token_id = None
+    expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+    model = build_model(load_checkpoint(str(path)), num_blocks=16, block_size=BLOCK, num_threads=2)
+    [run] = _greedy(model, [prompt], 12, _tables(1, 16))
+    assert [int(np.argmax(lp)) for lp in run] == expected
+    unscaled = REFERENCES.checkpoints["llama"].references[4].token_ids[:12]
+    assert expected != unscaled  # the scaling changed the output: the test can tell scaled from not
+
+
+def test_unknown_rope_scaling_is_refused(pocketllm_kit_checkpoint, tmp_path) -> None:
+    import json
+    import shutil
+
+    from pocketllm import LLM, UnsupportedOptionError
+
+    path = tmp_path / "yarn"
+    shutil.copytree(pocketllm_kit_checkpoint("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(UnsupportedOptionError) as err:
+        LLM(str(path), backend="cpp")
+    assert (err.value.option, err.value.backend) == ("rope_scaling", "cpp")

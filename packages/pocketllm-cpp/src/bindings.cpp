@@ -139,9 +139,10 @@ NB_MODULE(_native, m) {
                 auto get = [&](const char* key) { return nb::cast<int64_t>(config[key]); };
                 ModelConfig c{get("vocab_size"), get("hidden_size"), get("intermediate_size"), get("num_layers"),
                               get("num_heads"), get("num_kv_heads"), get("head_dim"),
-                              nb::cast<float>(config["rms_norm_eps"]), nb::cast<float>(config["rope_theta"]),
+                              nb::cast<float>(config["rms_norm_eps"]),
                               nb::cast<bool>(config["rope_pairs_adjacent"]), nb::cast<bool>(config["qk_norm"]),
-                              nb::cast<bool>(config["exact_activations"])};
+                              nb::cast<bool>(config["exact_activations"]),
+                              nb::cast<std::vector<float>>(config["inv_freq"])};
                 std::vector<LayerWeights> weights;
                 for (const nb::dict& layer : layers) {
                     auto mat = [&](const char* key) { return self->view(nb::cast<Matmul>(layer[key])); };

@@ -47,8 +47,8 @@ Model::Model(ModelConfig config, WeightView embedding, std::vector<LayerWeights>
     if (static_cast<int64_t>(layers_.size()) != c.num_layers || num_blocks <= 0 || block_size <= 0) {
         throw std::invalid_argument("layers, KV blocks and block size must match the config and be positive");
     }
-    for (int64_t i = 0; i < c.head_dim / 2; ++i) {
-        inv_freq_.push_back(1.0f / std::pow(c.rope_theta, static_cast<float>(2 * i) / static_cast<float>(c.head_dim)));
+    if (static_cast<int64_t>(c.inv_freq.size()) != c.head_dim / 2) {
+        throw std::invalid_argument("inv_freq must hold head_dim / 2 frequencies");
     }
     size_t cache_size = 0;
     if (__builtin_mul_overflow(static_cast<size_t>(c.num_layers * 2 * c.num_kv_heads * c.head_dim),
@@ -118,12 +118,12 @@ std::vector<float> Model::forward(const std::vector<int32_t>& tokens, const std:
             for (int64_t hd = 0; hd < c.num_heads; ++hd) {
                 float* head = &q[t * q_size + hd * dim];
                 if (c.qk_norm) rms_norm(head, L.q_norm.data(), dim, c.rms_norm_eps, head);
-                rope(head, dim, position[t], inv_freq_, c.rope_pairs_adjacent);
+                rope(head, dim, position[t], c.inv_freq, c.rope_pairs_adjacent);
             }
             for (int64_t hd = 0; hd < c.num_kv_heads; ++hd) {
                 float* head = &k[t * kv_size + hd * dim];
                 if (c.qk_norm) rms_norm(head, L.k_norm.data(), dim, c.rms_norm_eps, head);
-                rope(head, dim, position[t], inv_freq_, c.rope_pairs_adjacent);
+                rope(head, dim, position[t], c.inv_freq, c.rope_pairs_adjacent);
                 // Into the cache: block table entry of the position, slot within the block.
                 const auto& table = slices[slice_of[t]].block_table;
                 const int64_t block = table[position[t] / block_size_], slot = position[t] % block_size_;

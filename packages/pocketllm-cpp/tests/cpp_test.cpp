@@ -68,7 +68,10 @@ int main() {
                            matrix(hidden, inter), std::vector<float>(hidden, 1.0f), std::vector<float>(hidden, 1.0f),
                            {}, {}});
     }
-    const ModelConfig config{vocab, hidden, inter, layers, heads, kv_heads, dim, 1e-5f, 10000.0f, false, false, false};
+    std::vector<float> inv_freq;
+    for (int64_t i = 0; i < dim / 2; ++i) inv_freq.push_back(std::pow(10000.0f, -2.0f * i / dim));
+    const ModelConfig config{vocab, hidden, inter, layers, heads, kv_heads, dim, 1e-5f, false, false, false,
+                             inv_freq};
     auto model = std::make_shared<Model>(config, matrix(vocab, hidden), std::move(weights),
                                          std::vector<float>(hidden, 1.0f), matrix(vocab, hidden), 16, 4, 2);
     Engine engine(model, SchedulerConfig{2, 16, 8, 7});

@@ -12,10 +12,11 @@ namespace pocketllm {
 
 struct ModelConfig {
     int64_t vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim;
-    float rms_norm_eps, rope_theta;
+    float rms_norm_eps;
     bool rope_pairs_adjacent;  // llama.cpp's q/k row order (GGUF Llama): rotate (2i, 2i+1), else (i, i + D/2)
     bool qk_norm;              // Qwen3: RMSNorm over each head of q and k before RoPE
     bool exact_activations;    // float32 activations against block weights too (see matmul)
+    std::vector<float> inv_freq;  // RoPE frequency of each of the head_dim / 2 pairs, scaling applied
 };
 
 struct LayerWeights {
@@ -52,7 +53,7 @@ private:
     ModelConfig config_;
     WeightView embedding_, lm_head_;
     std::vector<LayerWeights> layers_;
-    std::vector<float> final_norm_, inv_freq_;
+    std::vector<float> final_norm_;
     int64_t num_blocks_, block_size_;
     std::unique_ptr<float[]> cache_;
     ThreadPool pool_;
