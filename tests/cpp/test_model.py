@@ -187,3 +187,18 @@ def test_unknown_rope_scaling_is_refused(pocketllm_kit_checkpoint, tmp_path) -> 
     with pytest.raises(UnsupportedOptionError) as err:
         LLM(str(path), backend="cpp")
     assert (err.value.option, err.value.backend) == ("rope_scaling", "cpp")
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize(("option", "value"), [("num_threads", 10**6), ("num_kv_blocks", 10**12), ("num_threads", 0),
+                                               ("block_size", 10**9)])
+def test_absurd_backend_options_are_config_errors(backend: str, option: str, value: int,
+                                                  pocketllm_kit_checkpoint) -> None:
+    """Backend options are the user's: a typo must be a ConfigError, not a million threads or a MemoryError."""
+    from pocketllm import LLM, ConfigError
+
+    pytest.importorskip(f"pocketllm_{backend}")
+    with pytest.raises(ConfigError) as err:
+        LLM(str(pocketllm_kit_checkpoint("llama")), backend=backend, dtype="float32",
+            backend_options={option: value}).shutdown()
+    assert err.value.field == "backend_options" and str(value) in str(err.value)

@@ -25,3 +25,6 @@ MAX_STOP_STRING_CHARS = 1024
 """Stop strings are searched after every token, and the longest one is held back from streams."""
 
 MAX_STOP_TOKEN_IDS = 1024
+
+MAX_THREADS = 1024
+"""Most compute threads a backend option may ask for: a typo of 10**6 must be an error, not a million threads."""

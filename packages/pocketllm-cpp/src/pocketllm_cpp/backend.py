@@ -16,6 +16,7 @@ from pocketllm.backend import (
     TokenLogprob,
 )
 from pocketllm.errors import ConfigError
+from pocketllm.limits import MAX_THREADS
 
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
@@ -64,6 +65,8 @@ class CppEngine:
 
         options = args.backend_options
         block_size = _positive(options, "block_size", DEFAULT_BLOCK_SIZE)
+        if block_size > args.max_model_len:
+            raise ConfigError("backend_options", f"block_size {block_size} is larger than max_model_len")
         exact = options.get("exact_activations", False)
         if not isinstance(exact, bool):
             raise ConfigError("backend_options", f"exact_activations must be true or false, got {exact!r}")
@@ -71,12 +74,18 @@ class CppEngine:
         per_sequence = -(-args.max_model_len // block_size)
         config = checkpoint.config
         bytes_per_block = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * block_size
-        budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * KV_MEMORY_FRACTION) // bytes_per_block
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        budget = int(physical * KV_MEMORY_FRACTION) // bytes_per_block
         num_blocks = _positive(options, "num_kv_blocks", min(args.max_num_seqs * per_sequence, budget))
+        if num_blocks * bytes_per_block > physical:
+            raise ConfigError("backend_options", f"{num_blocks} KV blocks of {bytes_per_block} bytes need more "
+                                                 "memory than this machine has")
         if num_blocks < per_sequence:  # a sequence alone must always fit, or preemption could not make progress
             raise ConfigError("backend_options", f"{num_blocks} KV blocks of {block_size} tokens cannot hold one "
                                                  f"sequence of max_model_len={args.max_model_len}")
         threads = _positive(options, "num_threads", os.cpu_count() or 1)
+        if threads > MAX_THREADS:
+            raise ConfigError("backend_options", f"num_threads must be at most {MAX_THREADS}, got {threads}")
         self.eos = tuple(config.eos_token_ids)
         self.model = build_model(checkpoint, num_blocks=num_blocks, block_size=block_size, num_threads=threads,
                                  exact_activations=exact)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pocketllm.errors import ConfigError, UnsupportedOptionError
+from pocketllm.limits import MAX_THREADS
 from pocketllm_torch.backend import NAME
 from pocketllm_torch.linear import compute_dtype
 
@@ -42,7 +43,7 @@ class TorchConfig:
         # The core has refused every option outside this backend's Capabilities; values are checked here.
         options = args.backend_options
         if "num_threads" in options:
-            torch.set_num_threads(_positive_option(options, "num_threads"))
+            torch.set_num_threads(_positive_option(options, "num_threads", at_most=MAX_THREADS))
         device = _resolve_device(args.device)
         dtype = _resolve_dtype(args.dtype, device)
         # "auto" stores what attention computes in, so that reading the cache converts nothing.
@@ -75,6 +76,9 @@ class TorchConfig:
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         num_blocks = self.num_kv_blocks or min(self.max_num_seqs * blocks_per_seq,
                                                _kv_memory_budget(self.device) // self.kv_bytes_per_block())
+        if self.num_kv_blocks and self.num_kv_blocks * self.kv_bytes_per_block() > _physical_memory(self.device):
+            raise ConfigError("backend_options", f"{self.num_kv_blocks} KV blocks of {self.kv_bytes_per_block()} bytes "
+                                                 "need more memory than this device has")
         if num_blocks < blocks_per_seq:
             # A sequence alone must always fit, or preemption could never make progress.
             raise ConfigError("backend_options", f"{num_blocks} KV blocks of {self.block_size} tokens cannot hold "
@@ -102,10 +106,12 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def _positive_option(options: dict, key: str) -> int:
+def _positive_option(options: dict, key: str, at_most: int | None = None) -> int:
     value = options[key]
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError("backend_options", f"{key} must be a positive integer, got {value!r}")
+    if at_most is not None and value > at_most:
+        raise ConfigError("backend_options", f"{key} must be at most {at_most}, got {value}")
     return value
 
 
@@ -114,6 +120,12 @@ def _bool_option(options: dict, key: str, *, default: bool) -> bool:
     if not isinstance(value, bool):
         raise ConfigError("backend_options", f"{key} must be true or false, got {value!r}")
     return value
+
+
+def _physical_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _kv_memory_budget(device: torch.device) -> int:
