@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pocketllm.errors import CheckpointError, UnsupportedOptionError
+from pocketllm.rope import rope_inv_freq
 from pocketllm_cpp import _native
 
 if TYPE_CHECKING:
     from pocketllm.checkpoint import Checkpoint, CheckpointTensor
-    from pocketllm.model_config import ModelConfig
 
 NAME = "cpp"
 ARCHITECTURES = ("llama", "qwen3")
@@ -57,34 +57,10 @@ def build_model(checkpoint: Checkpoint, *, num_blocks: int, block_size: int, num
         "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps,
         # llama.cpp stores Llama q/k rows so that RoPE rotates adjacent pairs: run them that way, unpermuted.
         "rope_pairs_adjacent": permuted == {True}, "qk_norm": config.architecture == "qwen3",
-        "exact_activations": exact_activations, "inv_freq": rope_inv_freq(config).tolist(),
+        "exact_activations": exact_activations, "inv_freq": rope_inv_freq(config, NAME).tolist(),
     }
     return _native.Model(native_config, _matrix(embedding), layers, _vector(take("model.norm.weight")),
                          _matrix(lm_head), num_blocks, block_size, num_threads or os.cpu_count() or 1)
-
-
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """RoPE's frequency of each pair of head dimensions, in float32 as transformers computes them, with linear
-    or Llama 3.1 scaling where the config asks."""
-    dim = config.head_dim
-    inv_freq = np.float32(1.0) / np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
-    scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
-    if kind != "llama3":
-        raise UnsupportedOptionError("rope_scaling", NAME, f"rope type {kind!r} is not implemented")
-    # Llama 3.1: slow down low frequencies, keep high ones, interpolate between.
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * np.pi / inv_freq
-    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
 def _matrix(tensor: CheckpointTensor) -> tuple[np.ndarray, str, int, int]:

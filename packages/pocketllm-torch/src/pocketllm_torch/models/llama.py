@@ -9,7 +9,6 @@ over whole heads, so permuting q and k alike leaves them unchanged.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -18,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pocketllm.errors import CheckpointError, UnsupportedOptionError
+from pocketllm.errors import CheckpointError
+from pocketllm.rope import rope_inv_freq
 from pocketllm_torch import native
 from pocketllm_torch.attention import AttentionMetadata, paged_attention
 from pocketllm_torch.backend import NAME
@@ -79,32 +79,6 @@ def apply_rope_(x: Tensor, rotation: Tensor) -> None:
 def _interleave_halves(weight: Tensor, head_dim: int) -> Tensor:
     """Reorder the rows of each head from Llama's (first half, second half) to pairs (x_i, x_{i + D/2})."""
     return weight.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)
-
-
-def rope_inv_freq(config: ModelConfig) -> Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise UnsupportedOptionError("rope_scaling", NAME, f"rope type {kind!r} is not implemented")
-
-
-def _llama3_inv_freq(inv_freq: Tensor, scaling: dict) -> Tensor:
-    """Llama 3.1's long-context scaling: slow down low frequencies, keep high ones, interpolate between."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 @dataclass(slots=True)
@@ -238,7 +212,8 @@ class LlamaModel:
         final_norm = norm("model.norm.weight")
         if tensors:
             raise CheckpointError(f"checkpoint has weights this model does not use: {sorted(tensors)[:5]}")
-        angles = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(config))
+        inv_freq = torch.from_numpy(rope_inv_freq(config, NAME))
+        angles = torch.outer(torch.arange(max_model_len, dtype=torch.float32), inv_freq)
         return cls(
             embed_tokens=dense(embed).to(device),
             layers=layers,
