@@ -1,7 +1,8 @@
 """The conformance kit on the cpp backend: the protocol, and transformers' outputs on the kit's checkpoints.
 
-ModelConformance runs with exact_activations: the kit's references are float32 arithmetic over the stored
-blocks, which 8-bit activations (the default, llama.cpp's way) only approximate on its random weights."""
+ModelConformance runs with exact_activations and a float32 KV cache: the kit's references are float32 arithmetic
+over the stored blocks, which 8-bit activations and half-precision keys and values (the defaults, llama.cpp's way)
+only approximate on its random weights."""
 
 from __future__ import annotations
 
@@ -20,4 +21,5 @@ class TestCppProtocol(ProtocolConformance):
 
 class TestCppModels(ModelConformance):
     backend = "cpp"
-    engine_kwargs: ClassVar[dict[str, object]] = {"backend_options": {"exact_activations": True}}
+    engine_kwargs: ClassVar[dict[str, object]] = {"backend_options": {"exact_activations": True},
+                                                  "kv_cache_dtype": "float32"}

@@ -15,8 +15,9 @@ kernels = pytest.importorskip("pocketllm_cpp.kernels")
 
 from pocketllm.checkpoint import load_checkpoint  # noqa: E402
 
-ISAS = ["scalar"] + (["avx2"] if kernels.best_isa() == "avx2" else [])
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+ISAS = kernels.available_isas().split()  # scalar always, and each SIMD path this CPU runs
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.fixture(params=ISAS)
@@ -35,8 +36,23 @@ def _weight(qtype: str, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray
         half = w.astype(np.float16)
         return half.view(np.uint8).reshape(-1), half.astype(np.float64)
     t = gguf.GGMLQuantizationType[qtype]
+    if qtype in K_TYPES:  # gguf has no K-quant quantizer: random blocks with sane super-block scales
+        return _random_k_blocks(qtype, rows, cols, seed)
     blocks = gguf.quants.quantize(w, t)
     return np.ascontiguousarray(blocks).reshape(-1), gguf.quants.dequantize(blocks, t).astype(np.float64)
+
+
+def _random_k_blocks(qtype: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    t = gguf.GGMLQuantizationType[qtype]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
+    scales = (rng.random((blocks.shape[0], 2)) * 0.01 + 0.001).astype(np.float16).view(np.uint8)
+    if qtype == "Q6_K":
+        blocks[:, -2:] = scales[:, :2]  # d comes last
+    else:
+        blocks[:, :4] = scales  # d, dmin first
+    return blocks.reshape(-1), gguf.quants.dequantize(blocks, t).reshape(rows, cols).astype(np.float64)
 
 
 def _reference_activations(x: np.ndarray) -> np.ndarray:
@@ -60,10 +76,10 @@ def test_activation_quantization_matches_numpy(isa: str) -> None:
     np.testing.assert_allclose(sums, scales * codes.reshape(5, 3, 32).sum(-1), rtol=1e-6)
 
 
-@pytest.mark.parametrize("qtype", ["F32", "F16", *BLOCK_TYPES])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", *BLOCK_TYPES])
 @pytest.mark.parametrize("n", [1, 3, 17])
 def test_matmul_matches_numpy(isa: str, qtype: str, n: int) -> None:
-    rows, cols = 40, 128
+    rows, cols = 42, 512  # rows: whole tiles and a remainder; 2 super-blocks of 256
     raw, w = _weight(qtype, rows, cols)
     x = np.random.default_rng(2).standard_normal((n, cols)).astype(np.float32)
     y = kernels._native.matmul(raw, qtype, rows, cols, x)
@@ -76,28 +92,29 @@ def test_matmul_matches_numpy(isa: str, qtype: str, n: int) -> None:
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
 def test_exact_mode_multiplies_float32_activations(qtype: str) -> None:
-    raw, w = _weight(qtype, 24, 64)
-    x = np.random.default_rng(6).standard_normal((3, 64)).astype(np.float32)
-    y = kernels._native.matmul(raw, qtype, 24, 64, x, exact=True)
+    raw, w = _weight(qtype, 24, 256)
+    x = np.random.default_rng(6).standard_normal((3, 256)).astype(np.float32)
+    y = kernels._native.matmul(raw, qtype, 24, 256, x, exact=True)
     np.testing.assert_allclose(y, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
 
 
-def test_isas_agree() -> None:
-    raw, _ = _weight("Q4_1", 64, 256)
-    x = np.random.default_rng(3).standard_normal((4, 256)).astype(np.float32)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_isas_agree(qtype: str) -> None:
+    raw, _ = _weight(qtype, 64, 256)
+    x = np.random.default_rng(3).standard_normal((7, 256)).astype(np.float32)
     results = {}
     for isa in ISAS:
         kernels.set_isa(isa)
-        results[isa] = kernels._native.matmul(raw, "Q4_1", 64, 256, x)
+        results[isa] = kernels._native.matmul(raw, qtype, 64, 256, x)
     kernels.set_isa("auto")
     for y in results.values():
         np.testing.assert_allclose(y, results["scalar"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("qtype", ["F16", *BLOCK_TYPES])
+@pytest.mark.parametrize("qtype", ["F16", "BF16", *BLOCK_TYPES])
 def test_dequantize_equals_gguf(qtype: str) -> None:
-    raw, w = _weight(qtype, 16, 64)
-    np.testing.assert_array_equal(kernels._native.dequantize(raw, qtype, 16, 64), w.astype(np.float32))
+    raw, w = _weight(qtype, 16, 256)
+    np.testing.assert_array_equal(kernels._native.dequantize(raw, qtype, 16, 256), w.astype(np.float32))
 
 
 def test_checkpoint_tensors_in_place(pocketllm_kit_checkpoint) -> None:
@@ -119,7 +136,8 @@ def test_checkpoint_tensors_in_place(pocketllm_kit_checkpoint) -> None:
     (("Q8_0", 40, 100), "multiple of 32"),
     (("Q8_0", -40, 128), "positive"),
     (("Q8_0", 2**62, 2**40), "bytes"),
-    (("Q5_K", 40, 128), "storage type"),
+    (("Q2_K", 40, 128), "storage type"),
+    (("Q4_K", 40, 128), "multiple of 256"),
 ])
 def test_bad_arguments_raise_value_error(args: tuple, message: str | None) -> None:
     raw, _ = _weight("Q8_0", 40, 128)

@@ -90,13 +90,20 @@ SamplingConfig sampling_config(const nb::dict& d) {
     return c;
 }
 
+KvType parse_kv_type(const std::string& name) {
+    if (name == "float16") return KvType::F16;
+    if (name == "float32") return KvType::F32;
+    throw std::invalid_argument("kv_cache_dtype must be float16 or float32, got '" + name + "'");
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
     m.doc() = "PocketLLM's native CPU kernels (see pocketllm_cpp.kernels).";
     m.def("isa", [] { return isa_name(current_isa()); }, "The instruction set the kernels use now.");
     m.def("best_isa", [] { return isa_name(best_isa()); }, "The best instruction set of this CPU and build.");
-    m.def("set_isa", &set_isa, nb::arg("name"), "Use 'scalar', 'avx2' or 'auto'; ValueError if unavailable.");
+    m.def("set_isa", &set_isa, nb::arg("name"), "Use 'scalar', 'avx2', 'avx512' or 'auto'; ValueError if unavailable.");
+    m.def("available_isas", [] { return available_isas(); }, "Every ISA this CPU and build can run, scalar first.");
     m.def("num_threads", [] { return default_pool().size(); }, "Threads of the kernels' pool.");
     m.def(
         "matmul",
@@ -142,7 +149,9 @@ NB_MODULE(_native, m) {
                               nb::cast<float>(config["rms_norm_eps"]),
                               nb::cast<bool>(config["rope_pairs_adjacent"]), nb::cast<bool>(config["qk_norm"]),
                               nb::cast<bool>(config["exact_activations"]),
-                              nb::cast<std::vector<float>>(config["inv_freq"])};
+                              nb::cast<std::vector<float>>(config["inv_freq"]),
+                              nb::cast<float>(config["rope_attention_factor"]),
+                              parse_kv_type(nb::cast<std::string>(config["kv_cache_dtype"]))};
                 std::vector<LayerWeights> weights;
                 for (const nb::dict& layer : layers) {
                     auto mat = [&](const char* key) { return self->view(nb::cast<Matmul>(layer[key])); };
@@ -202,14 +211,14 @@ NB_MODULE(_native, m) {
         .def(
             "__init__",
             [](PyEngine* self, nb::object model, int64_t max_num_seqs, int64_t max_num_batched_tokens,
-               int64_t prefill_chunk_size, int64_t seed) {
+               int64_t prefill_chunk_size, int64_t seed, bool prefix_caching) {
                 PyModel& owner = nb::cast<PyModel&>(model);
                 new (self) PyEngine{model, std::make_unique<Engine>(
                     owner.model, SchedulerConfig{max_num_seqs, max_num_batched_tokens, prefill_chunk_size,
-                                                 static_cast<uint64_t>(seed)})};
+                                                 static_cast<uint64_t>(seed), prefix_caching})};
             },
             nb::arg("model"), nb::arg("max_num_seqs"), nb::arg("max_num_batched_tokens"),
-            nb::arg("prefill_chunk_size"), nb::arg("seed"))
+            nb::arg("prefill_chunk_size"), nb::arg("seed"), nb::arg("prefix_caching") = false)
         .def(
             "add_request",
             [](PyEngine& self, const std::string& id, std::vector<int32_t> prompt, const nb::dict& sampling) {
@@ -238,26 +247,25 @@ NB_MODULE(_native, m) {
         .def("has_unfinished", [](PyEngine& self) { return self.engine->has_unfinished(); })
         .def("stats", [](PyEngine& self) {
             const EngineStats s = self.engine->stats();
-            return nb::make_tuple(s.running, s.waiting, s.blocks_total, s.blocks_used, s.preemptions);
+            return nb::make_tuple(s.running, s.waiting, s.blocks_total, s.blocks_used, s.preemptions,
+                                  s.prefix_queries, s.prefix_hits);
         });
     m.def(
         "quantize_activations",
         [](const Matrix& x) {
             const int64_t n = static_cast<int64_t>(x.shape(0)), cols = static_cast<int64_t>(x.shape(1));
             if (cols % kBlock != 0) throw std::invalid_argument("columns must be a multiple of 32");
-            std::vector<BlockQ8Act> blocks;
+            QuantizedRows act;
             {
                 nb::gil_scoped_release released;
-                blocks = quantize_activations(x.data(), n, cols);
+                quantize_activations(x.data(), n, cols, act);
             }
             // As (scale, sum-term, codes) arrays, for tests against a numpy reference.
             auto scales = new_matrix(n, cols / kBlock), sums = new_matrix(n, cols / kBlock);
-            auto* codes = new int8_t[static_cast<size_t>(n * cols)];
-            for (size_t i = 0; i < blocks.size(); ++i) {
-                scales.data()[i] = blocks[i].d;
-                sums.data()[i] = blocks[i].s;
-                std::copy(blocks[i].qs, blocks[i].qs + kBlock, codes + i * kBlock);
-            }
+            std::copy(act.d.begin(), act.d.end(), scales.data());
+            std::copy(act.s.begin(), act.s.end(), sums.data());
+            auto* codes = new int8_t[act.qs.size()];
+            std::copy(act.qs.begin(), act.qs.end(), codes);
             nb::capsule owner(codes, [](void* p) noexcept { delete[] static_cast<int8_t*>(p); });
             auto code_array = nb::ndarray<nb::numpy, int8_t, nb::ndim<2>>(
                 codes, {static_cast<size_t>(n), static_cast<size_t>(cols)}, owner);

@@ -6,11 +6,11 @@
 namespace pocketllm {
 
 Engine::Engine(std::shared_ptr<Model> model, SchedulerConfig config)
-    : model_(std::move(model)), config_(config), seeds_(config.seed) {
+    : model_(std::move(model)), config_(config), seeds_(config.seed),
+      blocks_(model_->num_blocks(), model_->block_size(), config.prefix_caching) {
     if (config.max_num_seqs <= 0 || config.max_num_batched_tokens <= 0 || config.prefill_chunk_size <= 0) {
         throw std::invalid_argument("max_num_seqs, max_num_batched_tokens and prefill_chunk_size must be positive");
     }
-    for (int64_t b = model_->num_blocks() - 1; b >= 0; --b) free_blocks_.push_back(static_cast<int32_t>(b));
 }
 
 void Engine::add_request(const std::string& id, std::vector<int32_t> prompt, SamplingConfig sampling) {
@@ -28,7 +28,8 @@ void Engine::add_request(const std::string& id, std::vector<int32_t> prompt, Sam
         throw std::invalid_argument("request '" + id + "' needs more KV blocks than the pool has");
     }
     const uint64_t seed = sampling.has_seed ? sampling.seed : seeds_.next();
-    auto seq = std::make_shared<Sequence>(Sequence{id, std::move(prompt), {}, std::move(sampling), Rng(seed), 0, {}});
+    const size_t num_prompt = prompt.size();
+    auto seq = std::make_shared<Sequence>(Sequence{id, std::move(prompt), num_prompt, std::move(sampling), Rng(seed), 0, {}, {}});
     by_id_[id] = seq;
     waiting_.push_back(seq);
 }
@@ -36,26 +37,42 @@ void Engine::add_request(const std::string& id, std::vector<int32_t> prompt, Sam
 bool Engine::reserve(const SeqPtr& seq, int64_t tokens, const std::vector<SeqPtr>& scheduled) {
     const int64_t needed = (tokens + model_->block_size() - 1) / model_->block_size();
     while (static_cast<int64_t>(seq->blocks.size()) < needed) {
-        if (free_blocks_.empty()) {
-            // Preempt the newest running sequence not in this step; if that is `seq` itself, it waits.
-            auto victim = std::find_if(running_.rbegin(), running_.rend(), [&](const SeqPtr& s) {
-                return std::find(scheduled.begin(), scheduled.end(), s) == scheduled.end();
-            });
-            if (victim == running_.rend()) return false;
-            const SeqPtr chosen = *victim;
-            preempt(chosen);
-            if (chosen == seq) return false;
+        const int32_t block = blocks_.allocate();
+        if (block >= 0) {
+            seq->blocks.push_back(block);
             continue;
         }
-        seq->blocks.push_back(free_blocks_.back());
-        free_blocks_.pop_back();
+        // Preempt the newest running sequence not in this step; if that is `seq` itself, it waits.
+        auto victim = std::find_if(running_.rbegin(), running_.rend(), [&](const SeqPtr& s) {
+            return std::find(scheduled.begin(), scheduled.end(), s) == scheduled.end();
+        });
+        if (victim == running_.rend()) return false;
+        const SeqPtr chosen = *victim;
+        preempt(chosen);
+        if (chosen == seq) return false;
     }
     return true;
 }
 
+// Moves a waiting sequence to running if its cached prefix and first chunk fit the free blocks (admission never
+// preempts); `count` is then the tokens it computes this step.
+bool Engine::admit(const SeqPtr& seq, int64_t budget, int64_t& count) {
+    const std::vector<int32_t> cached = blocks_.match(seq->tokens);
+    const int64_t start = static_cast<int64_t>(cached.size()) * model_->block_size();
+    count = std::min({seq->size() - start, config_.prefill_chunk_size, budget});
+    const int64_t fresh = (start + count + model_->block_size() - 1) / model_->block_size() -
+                          static_cast<int64_t>(cached.size());
+    if (fresh + blocks_.idle_among(cached) > blocks_.num_free()) return false;
+    seq->chain = blocks_.share(cached, seq->size());
+    seq->blocks = cached;
+    seq->computed = start;
+    for (int64_t i = 0; i < fresh; ++i) seq->blocks.push_back(blocks_.allocate());
+    return true;
+}
+
 void Engine::release(Sequence& seq) {
-    free_blocks_.insert(free_blocks_.end(), seq.blocks.rbegin(), seq.blocks.rend());
-    seq.blocks.clear();
+    blocks_.release(seq.blocks);
+    seq.chain = {};
 }
 
 void Engine::preempt(const SeqPtr& seq) {
@@ -92,12 +109,10 @@ std::vector<Delta> Engine::step() {
     }
     while (!waiting_.empty() && budget > 0 && static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
         const SeqPtr seq = waiting_.front();
-        const int64_t n = std::min({seq->size(), config_.prefill_chunk_size, budget});
-        const int64_t needed = (n + model_->block_size() - 1) / model_->block_size();
-        if (needed > static_cast<int64_t>(free_blocks_.size())) break;  // admission never preempts
+        int64_t n = 0;
+        if (!admit(seq, budget, n)) break;
         waiting_.pop_front();
         running_.push_back(seq);
-        reserve(seq, n, scheduled);
         scheduled.push_back(seq);
         counts.push_back(n);
         budget -= n;
@@ -107,9 +122,9 @@ std::vector<Delta> Engine::step() {
     std::vector<int32_t> tokens;
     std::vector<SequenceSlice> slices;
     for (size_t i = 0; i < scheduled.size(); ++i) {
-        const SeqPtr& seq = scheduled[i];
-        for (int64_t p = seq->computed; p < seq->computed + counts[i]; ++p) tokens.push_back(seq->token(p));
-        slices.push_back({seq->computed, counts[i], seq->blocks, seq->computed + counts[i] == seq->size()});
+        const Sequence& seq = *scheduled[i];
+        tokens.insert(tokens.end(), seq.tokens.begin() + seq.computed, seq.tokens.begin() + seq.computed + counts[i]);
+        slices.push_back({seq.computed, counts[i], seq.blocks, seq.computed + counts[i] == seq.size()});
     }
     const std::vector<float> logits = model_->forward(tokens, slices);
     const int64_t vocab = model_->config().vocab_size;
@@ -118,26 +133,29 @@ std::vector<Delta> Engine::step() {
     for (size_t i = 0; i < scheduled.size(); ++i) {
         const SeqPtr& seq = scheduled[i];
         seq->computed += counts[i];
+        blocks_.register_full(seq->tokens, seq->computed, seq->blocks, seq->chain);
         if (!slices[i].logits) continue;  // a prompt chunk that does not reach the end yet
-        std::vector<float> values(logits.begin() + row * vocab, logits.begin() + (row + 1) * vocab);
+        deltas.push_back(sample_next(seq, std::vector<float>(logits.begin() + row * vocab, logits.begin() + (row + 1) * vocab)));
         ++row;
-        Delta delta{seq->id, 0, Finish::None, -1, seq->sampling.logprobs >= 0, {}};
-        delta.token = sample(values, seq->sampling, seq->prompt, seq->output, seq->rng,
-                             delta.has_logprobs ? &delta.logprobs : nullptr);
-        seq->output.push_back(delta.token);
-        const auto& stops = seq->sampling.stop_ids;
-        const auto& own = seq->sampling.request_stop_ids;
-        if (static_cast<int64_t>(seq->output.size()) > seq->sampling.min_tokens &&
-            std::find(stops.begin(), stops.end(), delta.token) != stops.end()) {
-            delta.finish = Finish::Stop;
-            if (std::find(own.begin(), own.end(), delta.token) != own.end()) delta.stop_token_id = delta.token;
-        } else if (static_cast<int64_t>(seq->output.size()) >= seq->sampling.max_tokens) {
-            delta.finish = Finish::Length;
-        }
-        if (delta.finish != Finish::None) finish(seq);
-        deltas.push_back(std::move(delta));
     }
     return deltas;
+}
+
+Delta Engine::sample_next(const SeqPtr& seq, std::vector<float> logits) {
+    Delta delta{seq->id, 0, Finish::None, -1, seq->sampling.logprobs >= 0, {}};
+    delta.token = sample(logits, seq->sampling, seq->tokens, seq->num_prompt, seq->rng,
+                         delta.has_logprobs ? &delta.logprobs : nullptr);
+    seq->tokens.push_back(delta.token);
+    const auto& stops = seq->sampling.stop_ids;
+    const auto& own = seq->sampling.request_stop_ids;
+    if (seq->num_output() > seq->sampling.min_tokens && std::find(stops.begin(), stops.end(), delta.token) != stops.end()) {
+        delta.finish = Finish::Stop;
+        if (std::find(own.begin(), own.end(), delta.token) != own.end()) delta.stop_token_id = delta.token;
+    } else if (seq->num_output() >= seq->sampling.max_tokens) {
+        delta.finish = Finish::Length;
+    }
+    if (delta.finish != Finish::None) finish(seq);
+    return delta;
 }
 
 void Engine::abort(const std::vector<std::string>& ids) {
@@ -148,9 +166,9 @@ void Engine::abort(const std::vector<std::string>& ids) {
 }
 
 EngineStats Engine::stats() const {
-    const int64_t total = model_->num_blocks();
+    const int64_t total = blocks_.num_blocks();
     return {static_cast<int64_t>(running_.size()), static_cast<int64_t>(waiting_.size()), total,
-            total - static_cast<int64_t>(free_blocks_.size()), preemptions_};
+            total - blocks_.num_free(), preemptions_, blocks_.queries(), blocks_.hits()};
 }
 
 }  // namespace pocketllm

@@ -7,23 +7,28 @@
 namespace pocketllm {
 namespace {
 
-bool cpu_has_avx2() {
-#if defined(POCKETLLM_HAVE_AVX2) && (defined(__x86_64__) || defined(__i386__))
+bool cpu_has(Isa isa) {
+#if defined(POCKETLLM_HAVE_X86) && (defined(__x86_64__) || defined(__i386__))
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#else
-    return false;
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                      __builtin_cpu_supports("f16c");
+    if (isa == Isa::Avx2) return avx2;
+    if (isa == Isa::Avx512) {
+        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    }
 #endif
+    return isa == Isa::Scalar;
 }
 
 Isa parse(const std::string& name) {
     if (name == "auto" || name.empty()) return best_isa();
-    if (name == "scalar") return Isa::Scalar;
-    if (name == "avx2") {
-        if (!cpu_has_avx2()) throw std::invalid_argument("ISA 'avx2' is not available: this CPU or build lacks it");
-        return Isa::Avx2;
+    for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+        if (name != isa_name(isa)) continue;
+        if (!cpu_has(isa)) throw std::invalid_argument("ISA '" + name + "' is not available: this CPU or build lacks it");
+        return isa;
     }
-    throw std::invalid_argument("unknown ISA '" + name + "'; expected scalar, avx2 or auto");
+    throw std::invalid_argument("unknown ISA '" + name + "'; expected scalar, avx2, avx512 or auto");
 }
 
 std::atomic<Isa>& selected() {
@@ -40,9 +45,28 @@ std::atomic<Isa>& selected() {
 
 }  // namespace
 
-Isa best_isa() { return cpu_has_avx2() ? Isa::Avx2 : Isa::Scalar; }
+Isa best_isa() {
+    if (cpu_has(Isa::Avx512)) return Isa::Avx512;
+    return cpu_has(Isa::Avx2) ? Isa::Avx2 : Isa::Scalar;
+}
 Isa current_isa() { return selected().load(); }
 void set_isa(const std::string& name) { selected().store(parse(name)); }
-std::string isa_name(Isa isa) { return isa == Isa::Avx2 ? "avx2" : "scalar"; }
+
+std::string isa_name(Isa isa) {
+    switch (isa) {
+        case Isa::Avx2: return "avx2";
+        case Isa::Avx512: return "avx512";
+        case Isa::Scalar: break;
+    }
+    return "scalar";
+}
+
+std::string available_isas() {
+    std::string names;
+    for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+        if (cpu_has(isa)) names += (names.empty() ? "" : " ") + isa_name(isa);
+    }
+    return names;
+}
 
 }  // namespace pocketllm

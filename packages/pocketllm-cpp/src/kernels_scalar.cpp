@@ -6,96 +6,123 @@
 namespace pocketllm::kernels {
 namespace {
 
-// sum(code * x) over a 4-bit block: byte j holds element j (low nibble) and element j + 16 (high nibble).
-int nibble_dot(const uint8_t* qs, const int8_t* x) {
-    int dot = 0;
-    for (int j = 0; j < 16; ++j) dot += (qs[j] & 0x0F) * x[j] + (qs[j] >> 4) * x[j + 16];
-    return dot;
+float dense_value(QType type, const uint8_t* row, int64_t i) {
+    switch (type) {
+        case QType::F16: return fp16_to_fp32(reinterpret_cast<const uint16_t*>(row)[i]);
+        case QType::BF16: return bf16_to_fp32(reinterpret_cast<const uint16_t*>(row)[i]);
+        default: return reinterpret_cast<const float*>(row)[i];
+    }
+}
+
+// sum(w * x) of one decoded sub-block against one 8-bit activation block (scales applied).
+float sub_block_dot(const SubBlock& sub, const int8_t* x, float dx, float sx) {
+    int halves[2] = {0, 0};
+    for (int j = 0; j < kBlock; ++j) {
+        const int code = sub.is_signed ? static_cast<int8_t>(sub.code[j]) : sub.code[j];
+        halves[j / 16] += code * x[j];
+    }
+    const int dot = halves[0] * sub.mul[0] + halves[1] * sub.mul[1];
+    return sub.dw * dx * static_cast<float>(dot) + sub.mw * sx;
 }
 
 }  // namespace
 
-void quantize_row_scalar(const float* x, int64_t cols, BlockQ8Act* out) {
+void quantize_row_scalar(const float* x, int64_t cols, int8_t* qs, float* d, float* s) {
     for (int64_t b = 0; b < cols / kBlock; ++b) {
         const float* v = x + b * kBlock;
         float amax = 0.0f;
         for (int j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(v[j]));
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float scale = amax / 127.0f;
+        const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
         int sum = 0;
         for (int j = 0; j < kBlock; ++j) {
             // nearbyint rounds half to even (the default rounding mode), as the AVX2 path and numpy's rint do.
-            const int q = static_cast<int>(std::nearbyint(v[j] * id));
-            out[b].qs[j] = static_cast<int8_t>(q);
+            const int q = static_cast<int>(std::nearbyint(v[j] * inverse));
+            qs[b * kBlock + j] = static_cast<int8_t>(q);
             sum += q;
         }
-        out[b].d = d;
-        out[b].s = d * static_cast<float>(sum);
+        d[b] = scale;
+        s[b] = scale * static_cast<float>(sum);
     }
 }
 
-void dot_rows_scalar(const WeightView& w, int64_t row, const BlockQ8Act* act, const float* x, int64_t n, float* y,
-                     int64_t y_stride) {
-    const int64_t nb = w.cols / kBlock;
-    const uint8_t* base = w.data + row * static_cast<int64_t>(row_bytes(w.type, w.cols));
-    for (int64_t r = 0; r < n; ++r) {
-        const BlockQ8Act* a = act + r * nb;
-        float sum = 0.0f;
-        switch (w.type) {
-            case QType::F32: {
-                const float* wr = reinterpret_cast<const float*>(base);
-                for (int64_t i = 0; i < w.cols; ++i) sum += wr[i] * x[r * w.cols + i];
-                break;
+void gemm_scalar(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, const float* x,
+                 int64_t n, float* y, int64_t y_stride) {
+    const size_t stride = row_bytes(w.type, w.cols);
+    for (int64_t row = row_begin; row < row_end; ++row) {
+        const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
+        if (!is_block_type(w.type)) {
+            for (int64_t r = 0; r < n; ++r) {
+                float sum = 0.0f;
+                for (int64_t i = 0; i < w.cols; ++i) sum += dense_value(w.type, base, i) * x[r * w.cols + i];
+                y[r * y_stride + row] = sum;
             }
-            case QType::F16: {
-                const uint16_t* wr = reinterpret_cast<const uint16_t*>(base);
-                for (int64_t i = 0; i < w.cols; ++i) sum += fp16_to_fp32(wr[i]) * x[r * w.cols + i];
-                break;
-            }
-            case QType::Q4_0: {
-                const BlockQ4_0* blocks = reinterpret_cast<const BlockQ4_0*>(base);
-                for (int64_t b = 0; b < nb; ++b) {
-                    const int dot = nibble_dot(blocks[b].qs, a[b].qs);
-                    // sum((q - 8) * d_w * q_x * d_x) = d_w * (d_x * sum(q q_x) - 8 * s_x)
-                    sum += fp16_to_fp32(blocks[b].d) * (a[b].d * static_cast<float>(dot) - 8.0f * a[b].s);
-                }
-                break;
-            }
-            case QType::Q4_1: {
-                const BlockQ4_1* blocks = reinterpret_cast<const BlockQ4_1*>(base);
-                for (int64_t b = 0; b < nb; ++b) {
-                    const int dot = nibble_dot(blocks[b].qs, a[b].qs);
-                    sum += fp16_to_fp32(blocks[b].d) * a[b].d * static_cast<float>(dot) +
-                           fp16_to_fp32(blocks[b].m) * a[b].s;
-                }
-                break;
-            }
-            case QType::Q8_0: {
-                const BlockQ8_0* blocks = reinterpret_cast<const BlockQ8_0*>(base);
-                for (int64_t b = 0; b < nb; ++b) {
-                    int dot = 0;
-                    for (int j = 0; j < kBlock; ++j) dot += blocks[b].qs[j] * a[b].qs[j];
-                    sum += fp16_to_fp32(blocks[b].d) * a[b].d * static_cast<float>(dot);
-                }
-                break;
+            continue;
+        }
+        for (int64_t r = 0; r < n; ++r) y[r * y_stride + row] = 0.0f;
+        SubBlock sub;
+        for (int64_t b = 0; b < w.cols / kBlock; ++b) {
+            decode_sub_block(w.type, base, b, sub);
+            for (int64_t r = 0; r < n; ++r) {
+                y[r * y_stride + row] += sub_block_dot(sub, act.codes(r, b), act.scale(r, b), act.offset(r, b));
             }
         }
-        y[r * y_stride] = sum;
     }
 }
 
-void dot_many_scalar(const float* q, const float* keys, int64_t count, int64_t dim, float* scores) {
+void gemm_exact(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows&, const float* x,
+                int64_t n, float* y, int64_t y_stride) {
+    std::vector<float> values(static_cast<size_t>(w.cols));
+    for (int64_t row = row_begin; row < row_end; ++row) {
+        dequantize_row(w, row, values.data());
+        for (int64_t r = 0; r < n; ++r) {
+            float sum = 0.0f;
+            for (int64_t i = 0; i < w.cols; ++i) sum += values[static_cast<size_t>(i)] * x[r * w.cols + i];
+            y[r * y_stride + row] = sum;
+        }
+    }
+}
+
+namespace {
+
+template <typename T>
+float load(const T* p, int64_t i);
+template <>
+float load(const float* p, int64_t i) { return p[i]; }
+template <>
+float load(const uint16_t* p, int64_t i) { return fp16_to_fp32(p[i]); }
+
+template <typename T>
+void dot_many(const float* q, const void* keys, int64_t count, int64_t dim, float* scores) {
+    const T* k = static_cast<const T*>(keys);
     for (int64_t i = 0; i < count; ++i) {
         float dot = 0.0f;
-        for (int64_t j = 0; j < dim; ++j) dot += q[j] * keys[i * dim + j];
+        for (int64_t j = 0; j < dim; ++j) dot += q[j] * load(k, i * dim + j);
         scores[i] = dot;
     }
 }
 
-void axpy_many_scalar(const float* weights, const float* values, int64_t count, int64_t dim, float* out) {
+template <typename T>
+void axpy_many(const float* weights, const void* values, int64_t count, int64_t dim, float* out) {
+    const T* v = static_cast<const T*>(values);
     for (int64_t i = 0; i < count; ++i) {
-        for (int64_t j = 0; j < dim; ++j) out[j] += weights[i] * values[i * dim + j];
+        for (int64_t j = 0; j < dim; ++j) out[j] += weights[i] * load(v, i * dim + j);
     }
+}
+
+void store_f32(const float* values, int64_t dim, void* out) {
+    for (int64_t j = 0; j < dim; ++j) static_cast<float*>(out)[j] = values[j];
+}
+
+void store_f16(const float* values, int64_t dim, void* out) {
+    for (int64_t j = 0; j < dim; ++j) static_cast<uint16_t*>(out)[j] = fp32_to_fp16(values[j]);
+}
+
+}  // namespace
+
+Attention attention_scalar(KvType kv) {
+    if (kv == KvType::F16) return {dot_many<uint16_t>, axpy_many<uint16_t>, store_f16};
+    return {dot_many<float>, axpy_many<float>, store_f32};
 }
 
 }  // namespace pocketllm::kernels

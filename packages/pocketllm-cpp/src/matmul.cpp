@@ -6,15 +6,33 @@
 #include "pocketllm_cpp/isa.h"
 
 namespace pocketllm {
+namespace {
+
+constexpr int64_t kRowsPerTask = 4;  // the largest tile of weight rows: tasks never split one
+
+kernels::Gemm gemm_for(QType type, bool exact) {
+    if (exact && is_block_type(type)) return kernels::gemm_exact;
+#ifdef POCKETLLM_HAVE_X86
+    switch (current_isa()) {
+        case Isa::Avx512: return kernels::gemm_avx512;
+        case Isa::Avx2: return kernels::gemm_avx2;
+        case Isa::Scalar: break;
+    }
+#endif
+    return kernels::gemm_scalar;
+}
+
+}  // namespace
 
 void validate(const WeightView& w, int64_t data_bytes) {
     if (w.rows <= 0 || w.cols <= 0) {
         throw std::invalid_argument("weight shape [" + std::to_string(w.rows) + ", " + std::to_string(w.cols) +
                                     "] must be positive");
     }
-    if (w.cols % kBlock != 0) {
+    const int64_t multiple = std::max<int64_t>(kBlock, block_values(w.type));
+    if (w.cols % multiple != 0) {
         throw std::invalid_argument("input features " + std::to_string(w.cols) + " are not a multiple of " +
-                                    std::to_string(kBlock));
+                                    std::to_string(multiple));
     }
     const size_t per_row = row_bytes(w.type, w.cols);
     size_t expected = 0;
@@ -30,83 +48,77 @@ void validate(const WeightView& w, int64_t data_bytes) {
     }
 }
 
-std::vector<BlockQ8Act> quantize_activations(const float* x, int64_t n, int64_t cols) {
-    std::vector<BlockQ8Act> blocks(static_cast<size_t>(n * (cols / kBlock)));
-    const bool avx2 = current_isa() == Isa::Avx2;
-    for (int64_t r = 0; r < n; ++r) {
-        BlockQ8Act* out = blocks.data() + r * (cols / kBlock);
-#ifdef POCKETLLM_HAVE_AVX2
-        if (avx2) {
-            kernels::quantize_row_avx2(x + r * cols, cols, out);
-            continue;
-        }
+void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows& out) {
+    out.rows = n;
+    out.cols = cols;
+    out.qs.resize(static_cast<size_t>(n * cols));
+    out.d.resize(static_cast<size_t>(n * (cols / kBlock)));
+    out.s.resize(out.d.size());
+    auto quantize = kernels::quantize_row_scalar;
+#ifdef POCKETLLM_HAVE_X86
+    if (current_isa() != Isa::Scalar) quantize = kernels::quantize_row_avx2;
 #endif
-        (void)avx2;
-        kernels::quantize_row_scalar(x + r * cols, cols, out);
+    for (int64_t r = 0; r < n; ++r) {
+        const int64_t b = r * (cols / kBlock);
+        quantize(x + r * cols, cols, out.qs.data() + r * cols, out.d.data() + b, out.s.data() + b);
     }
-    return blocks;
 }
 
 void matmul(const WeightView& w, const float* x, int64_t n, float* y, ThreadPool& pool, bool exact) {
-    if (exact && is_block_type(w.type)) {
-        pool.parallel_for(w.rows, [&](int64_t begin, int64_t end) {
-            for (int64_t row = begin; row < end; ++row) kernels::dot_rows_exact(w, row, x, n, y + row, w.rows);
-        });
-        return;
+    matmul_many({{&w, y}}, x, n, pool, exact);
+}
+
+void matmul_many(const std::vector<Product>& products, const float* x, int64_t n, ThreadPool& pool, bool exact) {
+    if (products.empty() || n <= 0) return;
+    const int64_t cols = products[0].w->cols;
+    bool quantized = false;
+    for (const Product& p : products) {
+        if (p.w->cols != cols) throw std::invalid_argument("products of one input must take the same columns");
+        quantized |= is_block_type(p.w->type) && !exact;
     }
-    std::vector<BlockQ8Act> act;
-    if (is_block_type(w.type)) act = quantize_activations(x, n, w.cols);
-    auto dot = kernels::dot_rows_scalar;
-#ifdef POCKETLLM_HAVE_AVX2
-    if (current_isa() == Isa::Avx2) dot = kernels::dot_rows_avx2;
-#endif
-    pool.parallel_for(w.rows, [&](int64_t begin, int64_t end) {
-        for (int64_t row = begin; row < end; ++row) dot(w, row, act.data(), x, n, y + row, w.rows);
+    // The calling thread's buffer, reused: a decode step quantizes a few hundred small inputs. Workers read it
+    // through this reference (a thread_local named in the task would be each worker's own, empty one).
+    thread_local QuantizedRows buffer;
+    const QuantizedRows& act = buffer;
+    if (quantized) quantize_activations(x, n, cols, buffer);
+    // Tasks of kRowsPerTask weight rows over every product: first[i] is product i's first task.
+    std::vector<int64_t> first(products.size() + 1, 0);
+    for (size_t i = 0; i < products.size(); ++i) {
+        first[i + 1] = first[i] + (products[i].w->rows + kRowsPerTask - 1) / kRowsPerTask;
+    }
+    pool.parallel_for(first.back(), [&](int64_t begin, int64_t end) {
+        for (size_t i = 0; i < products.size(); ++i) {
+            const int64_t lo = std::max(begin, first[i]), hi = std::min(end, first[i + 1]);
+            if (lo >= hi) continue;
+            const WeightView& w = *products[i].w;
+            const int64_t row_begin = (lo - first[i]) * kRowsPerTask;
+            const int64_t row_end = std::min(w.rows, (hi - first[i]) * kRowsPerTask);
+            gemm_for(w.type, exact)(w, row_begin, row_end, act, x, n, products[i].y, w.rows);
+        }
     });
 }
 
-void kernels::dot_rows_exact(const WeightView& w, int64_t row, const float* x, int64_t n, float* y,
-                             int64_t y_stride) {
-    std::vector<float> values(static_cast<size_t>(w.cols));
-    dequantize(WeightView{w.data + row * static_cast<int64_t>(row_bytes(w.type, w.cols)), w.type, 1, w.cols},
-               values.data());
-    for (int64_t r = 0; r < n; ++r) {
-        float sum = 0.0f;
-        for (int64_t i = 0; i < w.cols; ++i) sum += values[static_cast<size_t>(i)] * x[r * w.cols + i];
-        y[r * y_stride] = sum;
-    }
+void dequantize(const WeightView& w, float* out) {
+    for (int64_t row = 0; row < w.rows; ++row) dequantize_row(w, row, out + row * w.cols);
 }
 
-void dequantize(const WeightView& w, float* out) {
-    const int64_t nb = w.cols / kBlock;
-    for (int64_t row = 0; row < w.rows; ++row) {
-        const uint8_t* base = w.data + row * static_cast<int64_t>(row_bytes(w.type, w.cols));
-        float* o = out + row * w.cols;
-        for (int64_t b = 0; b < nb; ++b) {
-            for (int j = 0; j < kBlock; ++j) {
-                const int64_t i = b * kBlock + j;
-                switch (w.type) {
-                    case QType::F32: o[i] = reinterpret_cast<const float*>(base)[i]; break;
-                    case QType::F16: o[i] = fp16_to_fp32(reinterpret_cast<const uint16_t*>(base)[i]); break;
-                    case QType::Q4_0: {
-                        const auto& blk = reinterpret_cast<const BlockQ4_0*>(base)[b];
-                        const int q = j < 16 ? (blk.qs[j] & 0x0F) : (blk.qs[j - 16] >> 4);
-                        o[i] = static_cast<float>(q - 8) * fp16_to_fp32(blk.d);
-                        break;
-                    }
-                    case QType::Q4_1: {
-                        const auto& blk = reinterpret_cast<const BlockQ4_1*>(base)[b];
-                        const int q = j < 16 ? (blk.qs[j] & 0x0F) : (blk.qs[j - 16] >> 4);
-                        o[i] = static_cast<float>(q) * fp16_to_fp32(blk.d) + fp16_to_fp32(blk.m);
-                        break;
-                    }
-                    case QType::Q8_0: {
-                        const auto& blk = reinterpret_cast<const BlockQ8_0*>(base)[b];
-                        o[i] = static_cast<float>(blk.qs[j]) * fp16_to_fp32(blk.d);
-                        break;
-                    }
-                }
-            }
+void dequantize_row(const WeightView& w, int64_t row, float* out) {
+    const uint8_t* base = w.data + row * static_cast<int64_t>(row_bytes(w.type, w.cols));
+    if (!is_block_type(w.type)) {
+        for (int64_t i = 0; i < w.cols; ++i) {
+            const uint16_t* half = reinterpret_cast<const uint16_t*>(base);
+            out[i] = w.type == QType::F32 ? reinterpret_cast<const float*>(base)[i]
+                     : w.type == QType::F16 ? fp16_to_fp32(half[i]) : bf16_to_fp32(half[i]);
+        }
+        return;
+    }
+    SubBlock sub;
+    for (int64_t b = 0; b < w.cols / kBlock; ++b) {
+        decode_sub_block(w.type, base, b, sub);
+        for (int j = 0; j < kBlock; ++j) {
+            const int code = sub.is_signed ? static_cast<int8_t>(sub.code[j]) : sub.code[j];
+            // The order of gguf's dequantizers: (d * scale) * q, minus (dmin * min).
+            out[b * kBlock + j] = sub.dw * static_cast<float>(sub.mul[j / 16]) * static_cast<float>(code) + sub.mw;
         }
     }
 }

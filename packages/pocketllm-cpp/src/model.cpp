@@ -1,45 +1,73 @@
 #include "pocketllm_cpp/model.h"
 
-#include "pocketllm_cpp/isa.h"
-
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
+#include "pocketllm_cpp/isa.h"
+
 namespace pocketllm {
 namespace {
 
-void rms_norm(const float* x, const float* weight, int64_t size, float eps, float* out) {
+constexpr int64_t kQueryTile = 16;     // prompt tokens of one head that share each KV block read in attention
+constexpr int64_t kParallelRows = 16;  // below this many tokens, per-token work runs on the calling thread
+
+float rms_scale(const float* x, int64_t size, float eps) {
     double sum = 0.0;
     for (int64_t i = 0; i < size; ++i) sum += static_cast<double>(x[i]) * x[i];
-    const float scale = 1.0f / std::sqrt(static_cast<float>(sum / static_cast<double>(size)) + eps);
+    return 1.0f / std::sqrt(static_cast<float>(sum / static_cast<double>(size)) + eps);
+}
+
+void rms_norm(const float* x, const float* weight, int64_t size, float eps, float* out) {
+    const float scale = rms_scale(x, size, eps);
     for (int64_t i = 0; i < size; ++i) out[i] = x[i] * scale * weight[i];
 }
 
-void rope(float* head, int64_t dim, int64_t position, const std::vector<float>& inv_freq, bool pairs_adjacent) {
+// x += delta, then out = RMSNorm(x): the residual add and the next norm in one pass over x.
+void add_rms_norm(float* x, const float* delta, const float* weight, int64_t size, float eps, float* out) {
+    for (int64_t i = 0; i < size; ++i) x[i] += delta[i];
+    rms_norm(x, weight, size, eps, out);
+}
+
+void rope(float* head, int64_t dim, const float* cos, const float* sin, bool pairs_adjacent) {
     for (int64_t i = 0; i < dim / 2; ++i) {
-        const float angle = static_cast<float>(position) * inv_freq[static_cast<size_t>(i)];
-        const float c = std::cos(angle), s = std::sin(angle);
         float& a = pairs_adjacent ? head[2 * i] : head[i];
         float& b = pairs_adjacent ? head[2 * i + 1] : head[i + dim / 2];
         const float x0 = a, x1 = b;
-        a = x0 * c - x1 * s;
-        b = x1 * c + x0 * s;
+        a = x0 * cos[i] - x1 * sin[i];
+        b = x1 * cos[i] + x0 * sin[i];
     }
+}
+
+kernels::Attention attention_ops(KvType kv, int64_t dim) {
+#ifdef POCKETLLM_HAVE_X86
+    if (current_isa() != Isa::Scalar && dim % 8 == 0) return kernels::attention_avx2(kv);
+#endif
+    (void)dim;
+    return kernels::attention_scalar(kv);
+}
+
+void for_rows(ThreadPool& pool, int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+    if (n < kParallelRows) return fn(0, n);
+    pool.parallel_for(n, fn);
 }
 
 }  // namespace
 
-void dequantize_row(const WeightView& w, int64_t row, float* out) {
-    const WeightView one{w.data + row * static_cast<int64_t>(row_bytes(w.type, w.cols)), w.type, 1, w.cols};
-    dequantize(one, out);
-}
+// Every buffer of one forward pass, sized once.
+struct Model::Batch {
+    int64_t n;
+    std::vector<int64_t> slice_of, position;
+    std::vector<float> cos, sin;  // [n, head_dim / 2]: each token's RoPE rotation, shared by every layer
+    std::vector<float> x, h, q, k, v, attn, out, gate, up;
+};
 
 Model::Model(ModelConfig config, WeightView embedding, std::vector<LayerWeights> layers, std::vector<float> final_norm,
              WeightView lm_head, int64_t num_blocks, int64_t block_size, int num_threads)
     : config_(config), embedding_(embedding), lm_head_(lm_head), layers_(std::move(layers)),
-      final_norm_(std::move(final_norm)), num_blocks_(num_blocks), block_size_(block_size), pool_(num_threads) {
+      final_norm_(std::move(final_norm)), num_blocks_(num_blocks), block_size_(block_size),
+      kv_element_(config.kv_type == KvType::F16 ? 2 : 4), pool_(num_threads) {
     const ModelConfig& c = config_;
     if (c.head_dim % 2 != 0 || c.num_kv_heads <= 0 || c.num_heads % c.num_kv_heads != 0) {
         throw std::invalid_argument("heads must split evenly into KV heads, with an even head size");
@@ -51,17 +79,17 @@ Model::Model(ModelConfig config, WeightView embedding, std::vector<LayerWeights>
         throw std::invalid_argument("inv_freq must hold head_dim / 2 frequencies");
     }
     size_t cache_size = 0;
-    if (__builtin_mul_overflow(static_cast<size_t>(c.num_layers * 2 * c.num_kv_heads * c.head_dim),
+    if (__builtin_mul_overflow(static_cast<size_t>(c.num_layers * 2 * c.num_kv_heads * c.head_dim) * kv_element_,
                                static_cast<size_t>(num_blocks * block_size), &cache_size)) {
         throw std::invalid_argument("KV cache size overflows");
     }
     // Left uninitialised: attention reads only positions already written, and untouched pages of a pool sized
     // for max_num_seqs full-length sequences cost no memory until used.
-    cache_.reset(new float[cache_size]);
+    cache_.reset(new uint8_t[cache_size]);
 }
 
-float* Model::kv(int64_t layer, int64_t block, int which) {
-    const int64_t per_block = config_.num_kv_heads * block_size_ * config_.head_dim;
+uint8_t* Model::kv(int64_t layer, int64_t block, int which) {
+    const int64_t per_block = config_.num_kv_heads * block_size_ * config_.head_dim * static_cast<int64_t>(kv_element_);
     return cache_.get() + ((layer * num_blocks_ + block) * 2 + which) * per_block;
 }
 
@@ -93,104 +121,179 @@ void Model::check(const std::vector<int32_t>& tokens, const std::vector<Sequence
 std::vector<float> Model::forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices) {
     check(tokens, slices);
     const ModelConfig& c = config_;
-    const int64_t n = static_cast<int64_t>(tokens.size()), hidden = c.hidden_size, dim = c.head_dim;
-    const int64_t q_size = c.num_heads * dim, kv_size = c.num_kv_heads * dim, group = c.num_heads / c.num_kv_heads;
-    // Each token's slice and absolute position.
-    std::vector<int64_t> slice_of(static_cast<size_t>(n)), position(static_cast<size_t>(n));
+    const int64_t n = static_cast<int64_t>(tokens.size()), hidden = c.hidden_size, half = c.head_dim / 2;
+    Batch batch;
+    batch.n = n;
+    batch.slice_of.resize(static_cast<size_t>(n));
+    batch.position.resize(static_cast<size_t>(n));
     for (int64_t s = 0, t = 0; s < static_cast<int64_t>(slices.size()); ++s) {
         for (int64_t i = 0; i < slices[s].num_tokens; ++i, ++t) {
-            slice_of[t] = s;
-            position[t] = slices[s].start + i;
+            batch.slice_of[t] = s;
+            batch.position[t] = slices[s].start + i;
         }
     }
-    std::vector<float> x(static_cast<size_t>(n * hidden)), h(x.size()), q(static_cast<size_t>(n * q_size)),
-        k(static_cast<size_t>(n * kv_size)), v(k.size()), attn(q.size()), out(x.size()),
-        gate(static_cast<size_t>(n * c.intermediate_size)), up(gate.size());
-    for (int64_t t = 0; t < n; ++t) dequantize_row(embedding_, tokens[t], x.data() + t * hidden);
+    batch.cos.resize(static_cast<size_t>(n * half));
+    batch.sin.resize(batch.cos.size());
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t i = 0; i < half; ++i) {
+            const float angle = static_cast<float>(batch.position[t]) * c.inv_freq[static_cast<size_t>(i)];
+            batch.cos[t * half + i] = std::cos(angle) * c.rope_attention_factor;
+            batch.sin[t * half + i] = std::sin(angle) * c.rope_attention_factor;
+        }
+    }
+    const auto size = [n](int64_t width) { return static_cast<size_t>(n * width); };
+    batch.x.resize(size(hidden));
+    batch.h.resize(size(hidden));
+    batch.out.resize(size(hidden));
+    batch.q.resize(size(c.num_heads * c.head_dim));
+    batch.attn.resize(batch.q.size());
+    batch.k.resize(size(c.num_kv_heads * c.head_dim));
+    batch.v.resize(batch.k.size());
+    batch.gate.resize(size(c.intermediate_size));
+    batch.up.resize(batch.gate.size());
+    for (int64_t t = 0; t < n; ++t) dequantize_row(embedding_, tokens[t], &batch.x[t * hidden]);
 
     for (int64_t l = 0; l < c.num_layers; ++l) {
         const LayerWeights& L = layers_[static_cast<size_t>(l)];
-        for (int64_t t = 0; t < n; ++t) rms_norm(&x[t * hidden], L.input_norm.data(), hidden, c.rms_norm_eps, &h[t * hidden]);
-        matmul(L.q, h.data(), n, q.data(), pool_, c.exact_activations);
-        matmul(L.k, h.data(), n, k.data(), pool_, c.exact_activations);
-        matmul(L.v, h.data(), n, v.data(), pool_, c.exact_activations);
-        for (int64_t t = 0; t < n; ++t) {
-            for (int64_t hd = 0; hd < c.num_heads; ++hd) {
-                float* head = &q[t * q_size + hd * dim];
-                if (c.qk_norm) rms_norm(head, L.q_norm.data(), dim, c.rms_norm_eps, head);
-                rope(head, dim, position[t], c.inv_freq, c.rope_pairs_adjacent);
-            }
-            for (int64_t hd = 0; hd < c.num_kv_heads; ++hd) {
-                float* head = &k[t * kv_size + hd * dim];
-                if (c.qk_norm) rms_norm(head, L.k_norm.data(), dim, c.rms_norm_eps, head);
-                rope(head, dim, position[t], c.inv_freq, c.rope_pairs_adjacent);
-                // Into the cache: block table entry of the position, slot within the block.
-                const auto& table = slices[slice_of[t]].block_table;
-                const int64_t block = table[position[t] / block_size_], slot = position[t] % block_size_;
-                std::copy(head, head + dim, kv(l, block, 0) + (hd * block_size_ + slot) * dim);
-                std::copy(&v[t * kv_size + hd * dim], &v[t * kv_size + hd * dim] + dim,
-                          kv(l, block, 1) + (hd * block_size_ + slot) * dim);
-            }
-        }
-        // Causal attention of each (token, head) over its sequence's positions 0..p, read through the block table.
-        const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
-        auto dot_many = kernels::dot_many_scalar;
-        auto axpy_many = kernels::axpy_many_scalar;
-#ifdef POCKETLLM_HAVE_AVX2
-        if (current_isa() == Isa::Avx2) {
-            dot_many = kernels::dot_many_avx2;
-            axpy_many = kernels::axpy_many_avx2;
-        }
-#endif
-        pool_.parallel_for(n * c.num_heads, [&](int64_t begin, int64_t end) {
-            std::vector<float> scores;
-            for (int64_t job = begin; job < end; ++job) {
-                const int64_t t = job / c.num_heads, hd = job % c.num_heads, kvh = hd / group;
-                const auto& table = slices[slice_of[t]].block_table;
-                const float* qh = &q[t * q_size + hd * dim];
-                const int64_t length = position[t] + 1;
-                scores.resize(static_cast<size_t>(length));
-                // Block by block: a block's keys (and values) of one KV head are contiguous rows.
-                for (int64_t p = 0; p < length; p += block_size_) {
-                    const int64_t count = std::min(block_size_, length - p);
-                    dot_many(qh, kv(l, table[p / block_size_], 0) + kvh * block_size_ * dim, count, dim, &scores[p]);
-                }
-                float best = -INFINITY;
-                for (float& s : scores) best = std::max(best, s *= scale);
-                float total = 0.0f;
-                for (float& s : scores) total += (s = std::exp(s - best));
-                for (float& s : scores) s /= total;
-                float* o = &attn[t * q_size + hd * dim];
-                std::fill(o, o + dim, 0.0f);
-                for (int64_t p = 0; p < length; p += block_size_) {
-                    const int64_t count = std::min(block_size_, length - p);
-                    axpy_many(&scores[p], kv(l, table[p / block_size_], 1) + kvh * block_size_ * dim, count, dim, o);
-                }
+        float* x = batch.x.data();
+        float* h = batch.h.data();
+        for_rows(pool_, n, [&](int64_t begin, int64_t end) {
+            for (int64_t t = begin; t < end; ++t) {
+                // The previous layer's MLP output joins the residual stream here, in the same pass as the norm.
+                if (l == 0) rms_norm(&x[t * hidden], L.input_norm.data(), hidden, c.rms_norm_eps, &h[t * hidden]);
+                else add_rms_norm(&x[t * hidden], &batch.out[t * hidden], L.input_norm.data(), hidden, c.rms_norm_eps, &h[t * hidden]);
             }
         });
-        matmul(L.o, attn.data(), n, out.data(), pool_, c.exact_activations);
-        for (size_t i = 0; i < x.size(); ++i) x[i] += out[i];
-        for (int64_t t = 0; t < n; ++t) {
-            rms_norm(&x[t * hidden], L.post_attention_norm.data(), hidden, c.rms_norm_eps, &h[t * hidden]);
-        }
-        matmul(L.gate, h.data(), n, gate.data(), pool_, c.exact_activations);
-        matmul(L.up, h.data(), n, up.data(), pool_, c.exact_activations);
-        for (size_t i = 0; i < gate.size(); ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-        matmul(L.down, gate.data(), n, out.data(), pool_, c.exact_activations);
-        for (size_t i = 0; i < x.size(); ++i) x[i] += out[i];
+        attention_layer(l, batch, slices);
+        matmul(L.o, batch.attn.data(), n, batch.out.data(), pool_, c.exact_activations);
+        for_rows(pool_, n, [&](int64_t begin, int64_t end) {
+            for (int64_t t = begin; t < end; ++t) {
+                add_rms_norm(&x[t * hidden], &batch.out[t * hidden], L.post_attention_norm.data(), hidden,
+                             c.rms_norm_eps, &h[t * hidden]);
+            }
+        });
+        matmul_many({{&L.gate, batch.gate.data()}, {&L.up, batch.up.data()}}, h, n, pool_, c.exact_activations);
+        const int64_t inter = c.intermediate_size;
+        for_rows(pool_, n, [&](int64_t begin, int64_t end) {
+            for (int64_t i = begin * inter; i < end * inter; ++i) {
+                const float g = batch.gate[static_cast<size_t>(i)];
+                batch.gate[static_cast<size_t>(i)] = g / (1.0f + std::exp(-g)) * batch.up[static_cast<size_t>(i)];
+            }
+        });
+        matmul(L.down, batch.gate.data(), n, batch.out.data(), pool_, c.exact_activations);
     }
 
     std::vector<float> last;  // the final norm of each wanted slice's last token
     for (int64_t s = 0, end = 0; s < static_cast<int64_t>(slices.size()); ++s) {
         end += slices[s].num_tokens;
         if (!slices[s].logits) continue;
+        const int64_t t = end - 1;
+        for (int64_t i = 0; i < hidden; ++i) batch.x[t * hidden + i] += batch.out[t * hidden + i];
         last.resize(last.size() + static_cast<size_t>(hidden));
-        rms_norm(&x[(end - 1) * hidden], final_norm_.data(), hidden, c.rms_norm_eps, &last[last.size() - hidden]);
+        rms_norm(&batch.x[t * hidden], final_norm_.data(), hidden, c.rms_norm_eps, &last[last.size() - hidden]);
     }
     const int64_t rows = static_cast<int64_t>(last.size()) / hidden;
     std::vector<float> logits(static_cast<size_t>(rows * c.vocab_size));
     if (rows > 0) matmul(lm_head_, last.data(), rows, logits.data(), pool_, c.exact_activations);
     return logits;
+}
+
+void Model::attention_layer(int64_t l, Batch& batch, const std::vector<SequenceSlice>& slices) {
+    const ModelConfig& c = config_;
+    const LayerWeights& L = layers_[static_cast<size_t>(l)];
+    const int64_t n = batch.n, dim = c.head_dim, half = dim / 2;
+    const int64_t q_size = c.num_heads * dim, kv_size = c.num_kv_heads * dim;
+    matmul_many({{&L.q, batch.q.data()}, {&L.k, batch.k.data()}, {&L.v, batch.v.data()}}, batch.h.data(), n, pool_,
+                c.exact_activations);
+    const kernels::Attention ops = attention_ops(c.kv_type, dim);
+    // Per token, one pass: q/k head norms (Qwen3), RoPE, and the new keys and values into the cache.
+    for_rows(pool_, n, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+            const float* cos = &batch.cos[t * half];
+            const float* sin = &batch.sin[t * half];
+            for (int64_t hd = 0; hd < c.num_heads; ++hd) {
+                float* head = &batch.q[t * q_size + hd * dim];
+                if (c.qk_norm) rms_norm(head, L.q_norm.data(), dim, c.rms_norm_eps, head);
+                rope(head, dim, cos, sin, c.rope_pairs_adjacent);
+            }
+            const auto& table = slices[batch.slice_of[t]].block_table;
+            const int64_t position = batch.position[t];
+            const int64_t block = table[position / block_size_], slot = position % block_size_;
+            for (int64_t hd = 0; hd < c.num_kv_heads; ++hd) {
+                float* head = &batch.k[t * kv_size + hd * dim];
+                if (c.qk_norm) rms_norm(head, L.k_norm.data(), dim, c.rms_norm_eps, head);
+                rope(head, dim, cos, sin, c.rope_pairs_adjacent);
+                const int64_t offset = (hd * block_size_ + slot) * dim * static_cast<int64_t>(kv_element_);
+                ops.store(head, dim, kv(l, block, 0) + offset);
+                ops.store(&batch.v[t * kv_size + hd * dim], dim, kv(l, block, 1) + offset);
+            }
+        }
+    });
+    attend(l, batch, slices);
+}
+
+// Causal attention of each token and head over its sequence's positions 0..p, read block by block through the
+// block table with an online softmax. A job is one head over a tile of up to kQueryTile consecutive tokens of
+// one slice: each KV block is read once for the whole tile.
+void Model::attend(int64_t l, Batch& batch, const std::vector<SequenceSlice>& slices) {
+    const ModelConfig& c = config_;
+    const int64_t dim = c.head_dim, q_size = c.num_heads * dim, group = c.num_heads / c.num_kv_heads;
+    const kernels::Attention ops = attention_ops(c.kv_type, dim);
+    struct Job { int64_t slice, head, first, count; };  // tokens [first, first + count) of the batch
+    std::vector<Job> jobs;
+    for (int64_t s = 0, first = 0; s < static_cast<int64_t>(slices.size()); first += slices[s].num_tokens, ++s) {
+        for (int64_t t = 0; t < slices[s].num_tokens; t += kQueryTile) {
+            for (int64_t hd = 0; hd < c.num_heads; ++hd) {
+                jobs.push_back({s, hd, first + t, std::min(kQueryTile, slices[s].num_tokens - t)});
+            }
+        }
+    }
+    const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+    const int64_t head_bytes = block_size_ * dim * static_cast<int64_t>(kv_element_);
+    pool_.parallel_for(static_cast<int64_t>(jobs.size()), [&](int64_t begin, int64_t end) {
+        std::vector<float> scores(static_cast<size_t>(block_size_));
+        float max_score[kQueryTile], total[kQueryTile];
+        for (int64_t j = begin; j < end; ++j) {
+            const Job& job = jobs[static_cast<size_t>(j)];
+            const auto& table = slices[job.slice].block_table;
+            const int64_t kvh = job.head / group;
+            const int64_t last = batch.position[job.first + job.count - 1];
+            for (int64_t i = 0; i < job.count; ++i) {
+                max_score[i] = -INFINITY;
+                total[i] = 0.0f;
+                float* o = &batch.attn[(job.first + i) * q_size + job.head * dim];
+                std::fill(o, o + dim, 0.0f);
+            }
+            for (int64_t p = 0; p <= last; p += block_size_) {
+                const uint8_t* keys = kv(l, table[p / block_size_], 0) + kvh * head_bytes;
+                const uint8_t* values = kv(l, table[p / block_size_], 1) + kvh * head_bytes;
+                for (int64_t i = 0; i < job.count; ++i) {
+                    const int64_t t = job.first + i, length = batch.position[t] + 1;
+                    if (p >= length) continue;  // causal: this token ends before the block, later ones may not
+                    const int64_t count = std::min(block_size_, length - p);
+                    ops.dot_many(&batch.q[t * q_size + job.head * dim], keys, count, dim, scores.data());
+                    float best = max_score[i];
+                    for (int64_t k = 0; k < count; ++k) best = std::max(best, scores[k] *= scale);
+                    // Rescale what was summed under the old maximum, then add this block's terms.
+                    const float correction = std::exp(max_score[i] - best);
+                    float* o = &batch.attn[t * q_size + job.head * dim];
+                    if (correction != 1.0f) {
+                        for (int64_t d = 0; d < dim; ++d) o[d] *= correction;
+                    }
+                    float sum = 0.0f;
+                    for (int64_t k = 0; k < count; ++k) sum += (scores[k] = std::exp(scores[k] - best));
+                    total[i] = total[i] * correction + sum;
+                    max_score[i] = best;
+                    ops.axpy_many(scores.data(), values, count, dim, o);
+                }
+            }
+            for (int64_t i = 0; i < job.count; ++i) {
+                float* o = &batch.attn[(job.first + i) * q_size + job.head * dim];
+                const float inverse = 1.0f / total[i];
+                for (int64_t d = 0; d < dim; ++d) o[d] *= inverse;
+            }
+        }
+    });
 }
 
 }  // namespace pocketllm

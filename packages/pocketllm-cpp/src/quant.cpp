@@ -5,25 +5,116 @@
 namespace pocketllm {
 
 QType parse_qtype(const std::string& name) {
-    if (name == "F32") return QType::F32;
-    if (name == "F16") return QType::F16;
-    if (name == "Q4_0") return QType::Q4_0;
-    if (name == "Q4_1") return QType::Q4_1;
-    if (name == "Q8_0") return QType::Q8_0;
-    throw std::invalid_argument("storage type '" + name + "' is not one of F32, F16, Q4_0, Q4_1, Q8_0");
+    static const std::pair<const char*, QType> names[] = {
+        {"F32", QType::F32}, {"F16", QType::F16}, {"BF16", QType::BF16}, {"Q4_0", QType::Q4_0},
+        {"Q4_1", QType::Q4_1}, {"Q8_0", QType::Q8_0}, {"Q4_K", QType::Q4_K}, {"Q5_K", QType::Q5_K},
+        {"Q6_K", QType::Q6_K}};
+    for (const auto& [text, type] : names) {
+        if (name == text) return type;
+    }
+    throw std::invalid_argument("storage type '" + name +
+                                "' is not one of F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K");
 }
 
-bool is_block_type(QType type) { return type != QType::F32 && type != QType::F16; }
+bool is_block_type(QType type) { return type != QType::F32 && type != QType::F16 && type != QType::BF16; }
+
+int64_t block_values(QType type) {
+    switch (type) {
+        case QType::F32: case QType::F16: case QType::BF16: return 1;
+        case QType::Q4_0: case QType::Q4_1: case QType::Q8_0: return kBlock;
+        case QType::Q4_K: case QType::Q5_K: case QType::Q6_K: return kSuper;
+    }
+    return 1;
+}
 
 size_t row_bytes(QType type, int64_t cols) {
+    const auto blocks = static_cast<size_t>(cols / block_values(type));
     switch (type) {
-        case QType::F32: return static_cast<size_t>(cols) * 4;
-        case QType::F16: return static_cast<size_t>(cols) * 2;
-        case QType::Q4_0: return static_cast<size_t>(cols / kBlock) * sizeof(BlockQ4_0);
-        case QType::Q4_1: return static_cast<size_t>(cols / kBlock) * sizeof(BlockQ4_1);
-        case QType::Q8_0: return static_cast<size_t>(cols / kBlock) * sizeof(BlockQ8_0);
+        case QType::F32: return blocks * 4;
+        case QType::F16: case QType::BF16: return blocks * 2;
+        case QType::Q4_0: return blocks * sizeof(BlockQ4_0);
+        case QType::Q4_1: return blocks * sizeof(BlockQ4_1);
+        case QType::Q8_0: return blocks * sizeof(BlockQ8_0);
+        case QType::Q4_K: return blocks * sizeof(BlockQ4_K);
+        case QType::Q5_K: return blocks * sizeof(BlockQ5_K);
+        case QType::Q6_K: return blocks * sizeof(BlockQ6_K);
     }
     return 0;
+}
+
+void decode_sub_block(QType type, const uint8_t* row, int64_t b, SubBlock& out) {
+    out.mul[0] = out.mul[1] = 1;
+    out.mw = 0.0f;
+    out.is_signed = false;
+    switch (type) {
+        case QType::Q4_0: case QType::Q4_1: {
+            const uint8_t* qs = type == QType::Q4_0 ? reinterpret_cast<const BlockQ4_0*>(row)[b].qs
+                                                    : reinterpret_cast<const BlockQ4_1*>(row)[b].qs;
+            const int bias = type == QType::Q4_0 ? 8 : 0;  // Q4_0's codes are signed: q - 8
+            for (int j = 0; j < 16; ++j) {
+                out.code[j] = static_cast<uint8_t>((qs[j] & 0x0F) - bias);
+                out.code[j + 16] = static_cast<uint8_t>((qs[j] >> 4) - bias);
+            }
+            if (type == QType::Q4_0) {
+                out.dw = fp16_to_fp32(reinterpret_cast<const BlockQ4_0*>(row)[b].d);
+                out.is_signed = true;
+            } else {
+                out.dw = fp16_to_fp32(reinterpret_cast<const BlockQ4_1*>(row)[b].d);
+                out.mw = fp16_to_fp32(reinterpret_cast<const BlockQ4_1*>(row)[b].m);
+            }
+            return;
+        }
+        case QType::Q8_0: {
+            const BlockQ8_0& blk = reinterpret_cast<const BlockQ8_0*>(row)[b];
+            std::memcpy(out.code, blk.qs, kBlock);
+            out.dw = fp16_to_fp32(blk.d);
+            out.is_signed = true;
+            return;
+        }
+        case QType::Q4_K: case QType::Q5_K: {
+            const int j = static_cast<int>(b % 8);
+            const uint8_t *scales, *qs;
+            uint16_t d, dmin;
+            if (type == QType::Q4_K) {
+                const BlockQ4_K& blk = reinterpret_cast<const BlockQ4_K*>(row)[b / 8];
+                scales = blk.scales, qs = blk.qs, d = blk.d, dmin = blk.dmin;
+            } else {
+                const BlockQ5_K& blk = reinterpret_cast<const BlockQ5_K*>(row)[b / 8];
+                scales = blk.scales, qs = blk.qs, d = blk.d, dmin = blk.dmin;
+            }
+            // Sub-blocks 2c and 2c + 1 are the low and high nibbles of the same 32 bytes.
+            const uint8_t* q = qs + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            for (int l = 0; l < kBlock; ++l) out.code[l] = (q[l] >> shift) & 0x0F;
+            if (type == QType::Q5_K) {
+                const uint8_t* qh = reinterpret_cast<const BlockQ5_K*>(row)[b / 8].qh;
+                for (int l = 0; l < kBlock; ++l) out.code[l] |= ((qh[l] >> j) & 1) << 4;
+            }
+            int scale, min;
+            k_scale_min(j, scales, scale, min);
+            out.dw = fp16_to_fp32(d) * static_cast<float>(scale);
+            out.mw = -fp16_to_fp32(dmin) * static_cast<float>(min);
+            return;
+        }
+        case QType::Q6_K: {
+            const BlockQ6_K& blk = reinterpret_cast<const BlockQ6_K*>(row)[b / 8];
+            const int j = static_cast<int>(b % 8), half = j / 4, part = j % 4;
+            const uint8_t* ql = blk.ql + 64 * half + 32 * (part & 1);
+            const uint8_t* qh = blk.qh + 32 * half;
+            const int shift = 4 * (part / 2);
+            for (int l = 0; l < kBlock; ++l) {
+                const int q = ((ql[l] >> shift) & 0x0F) | (((qh[l] >> (2 * part)) & 3) << 4);
+                out.code[l] = static_cast<uint8_t>(static_cast<int8_t>(q - 32));
+            }
+            out.mul[0] = blk.scales[8 * half + 2 * part];
+            out.mul[1] = blk.scales[8 * half + 2 * part + 1];
+            out.dw = fp16_to_fp32(blk.d);
+            out.is_signed = true;
+            return;
+        }
+        case QType::F32: case QType::F16: case QType::BF16: break;
+    }
+    throw std::invalid_argument("decode_sub_block takes block types only");
 }
 
 }  // namespace pocketllm

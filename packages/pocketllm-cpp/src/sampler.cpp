@@ -34,23 +34,20 @@ int32_t argmax(const std::vector<float>& v) {  // the first maximum, as torch's 
 
 }  // namespace
 
-int32_t sample(std::vector<float>& logits, const SamplingConfig& c, const std::vector<int32_t>& prompt,
-               const std::vector<int32_t>& output, Rng& rng, TokenLogprobs* logprobs) {
+int32_t sample(std::vector<float>& logits, const SamplingConfig& c, const std::vector<int32_t>& tokens,
+               size_t num_prompt, Rng& rng, TokenLogprobs* logprobs) {
     const int64_t vocab = static_cast<int64_t>(logits.size());
     std::vector<double> raw;
     if (logprobs != nullptr) raw = log_softmax(logits);  // from the model's own logits, before any processing
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    if (static_cast<int64_t>(output.size()) < c.min_tokens) {
+    if (static_cast<int64_t>(tokens.size() - num_prompt) < c.min_tokens) {
         for (int32_t id : c.stop_ids) logits[id] = neg_inf;
     }
     for (const auto& [id, bias] : c.logit_bias) logits[id] += bias;
     if (c.repetition_penalty != 1.0f || c.presence_penalty != 0.0f || c.frequency_penalty != 0.0f) {
-        std::unordered_set<int32_t> seen(prompt.begin(), prompt.end());
+        std::unordered_set<int32_t> seen(tokens.begin(), tokens.end());
         std::unordered_map<int32_t, int> counts;
-        for (int32_t id : output) {
-            seen.insert(id);
-            ++counts[id];
-        }
+        for (size_t i = num_prompt; i < tokens.size(); ++i) ++counts[tokens[i]];
         for (int32_t id : seen) {
             float& v = logits[id];
             v = v > 0 ? v / c.repetition_penalty : v * c.repetition_penalty;

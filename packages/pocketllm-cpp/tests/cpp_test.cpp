@@ -1,10 +1,12 @@
 // The library from C++ alone: every ISA this CPU has gives the scalar path's results; bad shapes throw.
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <random>
 #include <stdexcept>
 #include <vector>
 
+#include "pocketllm_cpp/block_manager.h"
 #include "pocketllm_cpp/engine.h"
 #include "pocketllm_cpp/isa.h"
 #include "pocketllm_cpp/matmul.h"
@@ -44,6 +46,65 @@ int main() {
     matmul(w, x.data(), n, best.data(), pool);
     for (int64_t i = 0; i < n * rows; ++i) CHECK(std::fabs(scalar[i] - best[i]) <= 1e-4f * (1.0f + std::fabs(scalar[i])));
 
+    // Every block type on every ISA this CPU has: random blocks (sane scales) give the scalar path's results.
+    const int64_t kcols = 512;
+    for (const char* name : {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}) {
+        const QType type = parse_qtype(name);
+        std::vector<uint8_t> raw(row_bytes(type, kcols) * rows);
+        for (auto& b : raw) b = static_cast<uint8_t>(byte(rng));
+        const size_t block_bytes = row_bytes(type, block_values(type));
+        for (size_t at = 0; at < raw.size(); at += block_bytes) {  // the fp16 scales: small positive halves
+            const size_t offset = type == QType::Q6_K ? block_bytes - 2 : 0;
+            const int fields = type == QType::Q4_1 || type == QType::Q4_K || type == QType::Q5_K ? 2 : 1;
+            for (int f = 0; f < fields; ++f) {
+                const uint16_t half = static_cast<uint16_t>(0x1C00 + byte(rng));
+                std::memcpy(&raw[at + offset + 2 * f], &half, 2);
+            }
+        }
+        const WeightView kw{raw.data(), type, rows, kcols};
+        validate(kw, static_cast<int64_t>(raw.size()));
+        std::vector<float> kx(5 * kcols), reference(5 * rows), got(5 * rows);
+        for (auto& v : kx) v = normal(rng);
+        set_isa("scalar");
+        matmul(kw, kx.data(), 5, reference.data(), pool);
+        for (const char* isa : {"avx2", "avx512"}) {
+            if (available_isas().find(isa) == std::string::npos) continue;
+            set_isa(isa);
+            matmul(kw, kx.data(), 5, got.data(), pool);
+            for (int64_t i = 0; i < 5 * rows; ++i) {
+                CHECK(std::fabs(reference[i] - got[i]) <= 1e-4f * (1.0f + std::fabs(reference[i])));
+            }
+        }
+        set_isa("auto");
+    }
+
+    // Block accounting with prefix caching: a shared prefix is found, referenced and kept; freed blocks are
+    // evicted least recently freed first, and an evicted block is no longer found.
+    {
+        BlockManager blocks(4, 2, true);
+        std::vector<int32_t> first{blocks.allocate(), blocks.allocate()};
+        const std::vector<int32_t> tokens{1, 2, 3, 4, 5};
+        BlockManager::Chain chain;
+        blocks.register_full(tokens, 4, first, chain);
+        CHECK(chain.blocks == 2);
+        CHECK(blocks.match(tokens) == first);                                // tokens 0..3: two full blocks
+        CHECK(blocks.match({1, 2, 3, 4}).size() == 1);                       // never the last token's block
+        CHECK(blocks.match({1, 2, 9, 9, 9}).size() == 1);                    // the chain stops at a difference
+        CHECK(blocks.match({9, 9, 3, 4, 5}).empty());                        // equal block, other prefix
+        std::vector<int32_t> second = blocks.match(tokens);
+        blocks.share(second, 5);
+        CHECK(blocks.num_free() == 2 && blocks.hits() == 4 && blocks.queries() == 5);
+        blocks.release(first);
+        CHECK(blocks.num_free() == 2);  // still held by the second sequence
+        blocks.release(second);
+        CHECK(blocks.num_free() == 4 && blocks.match(tokens).size() == 2);   // free, and still cached
+        // The two never-used blocks go first; then the cached ones, the later block of the chain before its prefix.
+        std::vector<int32_t> taken;
+        for (int i = 0; i < 3; ++i) taken.push_back(blocks.allocate());
+        CHECK(blocks.match(tokens).size() == 1 && blocks.allocate() >= 0 && blocks.match(tokens).empty());
+        CHECK(blocks.allocate() == -1);
+    }
+
     bool threw = false;
     try {
         validate(WeightView{weight.data(), QType::Q8_0, rows, cols + 32}, static_cast<int64_t>(weight.size()));
@@ -71,7 +132,7 @@ int main() {
     std::vector<float> inv_freq;
     for (int64_t i = 0; i < dim / 2; ++i) inv_freq.push_back(std::pow(10000.0f, -2.0f * i / dim));
     const ModelConfig config{vocab, hidden, inter, layers, heads, kv_heads, dim, 1e-5f, false, false, false,
-                             inv_freq};
+                             inv_freq, 1.0f, KvType::F16};
     auto model = std::make_shared<Model>(config, matrix(vocab, hidden), std::move(weights),
                                          std::vector<float>(hidden, 1.0f), matrix(vocab, hidden), 16, 4, 2);
     Engine engine(model, SchedulerConfig{2, 16, 8, 7});

@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "pocketllm_cpp/block_manager.h"
 #include "pocketllm_cpp/model.h"
 #include "pocketllm_cpp/sampler.h"
 
@@ -26,12 +27,13 @@ struct Delta {
 };
 
 struct EngineStats {
-    int64_t running, waiting, blocks_total, blocks_used, preemptions;
+    int64_t running, waiting, blocks_total, blocks_used, preemptions, prefix_queries, prefix_hits;
 };
 
 struct SchedulerConfig {
     int64_t max_num_seqs, max_num_batched_tokens, prefill_chunk_size;
     uint64_t seed;  // of the stream that seeds requests without a seed of their own
+    bool prefix_caching = false;
 };
 
 class Engine {
@@ -48,27 +50,29 @@ public:
 private:
     struct Sequence {
         std::string id;
-        std::vector<int32_t> prompt, output;
+        std::vector<int32_t> tokens;  // the prompt, then the output so far
+        size_t num_prompt;
         SamplingConfig sampling;
         Rng rng;
         int64_t computed = 0;  // tokens whose keys and values are in the cache; 0 again after preemption
         std::vector<int32_t> blocks;
-        int64_t size() const { return static_cast<int64_t>(prompt.size() + output.size()); }
-        int32_t token(int64_t i) const {
-            return i < static_cast<int64_t>(prompt.size()) ? prompt[i] : output[i - prompt.size()];
-        }
+        BlockManager::Chain chain;  // its full blocks registered for prefix caching
+        int64_t size() const { return static_cast<int64_t>(tokens.size()); }
+        int64_t num_output() const { return static_cast<int64_t>(tokens.size() - num_prompt); }
     };
     using SeqPtr = std::shared_ptr<Sequence>;
 
     bool reserve(const SeqPtr& seq, int64_t tokens, const std::vector<SeqPtr>& scheduled);
+    bool admit(const SeqPtr& seq, int64_t budget, int64_t& count);
     void release(Sequence& seq);
     void preempt(const SeqPtr& seq);
     void finish(const SeqPtr& seq);
+    Delta sample_next(const SeqPtr& seq, std::vector<float> logits);
 
     std::shared_ptr<Model> model_;
     SchedulerConfig config_;
     Rng seeds_;
-    std::vector<int32_t> free_blocks_;
+    BlockManager blocks_;
     std::deque<SeqPtr> waiting_;
     std::vector<SeqPtr> running_;  // admission order: the newest is preempted first
     std::unordered_map<std::string, SeqPtr> by_id_;

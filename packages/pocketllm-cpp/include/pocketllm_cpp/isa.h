@@ -5,14 +5,17 @@
 
 namespace pocketllm {
 
-enum class Isa { Scalar, Avx2 };
+enum class Isa { Scalar, Avx2, Avx512 };
 
 // The best ISA this build and this CPU both support.
 Isa best_isa();
-// The ISA in use: POCKETLLM_CPP_ISA=scalar|avx2|auto at load, or set_isa(); defaults to best_isa().
+// The ISA in use: POCKETLLM_CPP_ISA=scalar|avx2|avx512|auto at load, or set_isa(); defaults to best_isa().
 Isa current_isa();
-// Selects an ISA by name ("scalar", "avx2", "auto"); throws std::invalid_argument for one this CPU or build lacks.
+// Selects an ISA by name ("scalar", "avx2", "avx512", "auto"); throws std::invalid_argument for one this CPU or
+// build lacks.
 void set_isa(const std::string& name);
 std::string isa_name(Isa isa);
+// Every ISA this CPU and build can run, scalar first (tests run each).
+std::string available_isas();
 
 }  // namespace pocketllm

@@ -20,31 +20,52 @@ struct WeightView {
 void validate(const WeightView& w, int64_t data_bytes);
 
 // Quantizes each of n rows of x [n, cols] to 8-bit blocks (round half to even), as the integer kernels need.
-std::vector<BlockQ8Act> quantize_activations(const float* x, int64_t n, int64_t cols);
+void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows& out);
+
+// One product of a batch that shares its input: y [n, w.rows] (row stride w.rows) = x @ w.T.
+struct Product {
+    const WeightView* w;
+    float* y;
+};
 
 // y [n, rows] = x [n, cols] @ W.T. Block-type weights multiply 8-bit-quantized activations with integer dot
 // products (llama.cpp's way) unless `exact`, where each block is dequantized and multiplies x in float32 (slower:
-// the arithmetic of a float32 reference, for fidelity checks); F32/F16 weights always multiply x as it is.
-// Work is split over output rows.
+// the arithmetic of a float32 reference, for fidelity checks); F32/F16/BF16 weights multiply x as it is.
 void matmul(const WeightView& w, const float* x, int64_t n, float* y, ThreadPool& pool, bool exact = false);
+// Several weights over the same x (q/k/v, gate/up) in one parallel region, quantizing x once.
+void matmul_many(const std::vector<Product>& products, const float* x, int64_t n, ThreadPool& pool,
+                 bool exact = false);
 
 // W as float32 [rows, cols] (tests, and layers that need dense values).
 void dequantize(const WeightView& w, float* out);
+// A row of a weight (an embedding lookup) as float32.
+void dequantize_row(const WeightView& w, int64_t row, float* out);
+
+// The KV cache's element type: float32, or IEEE half (the default: half the bytes per attention read).
+enum class KvType { F32, F16 };
 
 namespace kernels {
-// One output row against n activation rows; `act` holds n * (cols / kBlock) blocks. Per ISA.
-void dot_rows_scalar(const WeightView& w, int64_t row, const BlockQ8Act* act, const float* x, int64_t n, float* y,
-                     int64_t y_stride);
-void dot_rows_avx2(const WeightView& w, int64_t row, const BlockQ8Act* act, const float* x, int64_t n, float* y,
-                   int64_t y_stride);
-void dot_rows_exact(const WeightView& w, int64_t row, const float* x, int64_t n, float* y, int64_t y_stride);
-void quantize_row_scalar(const float* x, int64_t cols, BlockQ8Act* out);
-// Attention over one KV block: scores[i] = q . keys[i] (count rows of `dim` floats), and o += sum w[i] values[i].
-void dot_many_scalar(const float* q, const float* keys, int64_t count, int64_t dim, float* scores);
-void dot_many_avx2(const float* q, const float* keys, int64_t count, int64_t dim, float* scores);
-void axpy_many_scalar(const float* weights, const float* values, int64_t count, int64_t dim, float* out);
-void axpy_many_avx2(const float* weights, const float* values, int64_t count, int64_t dim, float* out);
-void quantize_row_avx2(const float* x, int64_t cols, BlockQ8Act* out);
+// Rows [row_begin, row_end) of W against every row of x: y[r * y_stride + row]. `act` is x quantized (block
+// types only). Per ISA; an ISA's kernel reuses each decoded weight block across several activation rows.
+using Gemm = void (*)(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act,
+                      const float* x, int64_t n, float* y, int64_t y_stride);
+void gemm_scalar(const WeightView&, int64_t, int64_t, const QuantizedRows&, const float*, int64_t, float*, int64_t);
+void gemm_avx2(const WeightView&, int64_t, int64_t, const QuantizedRows&, const float*, int64_t, float*, int64_t);
+void gemm_avx512(const WeightView&, int64_t, int64_t, const QuantizedRows&, const float*, int64_t, float*, int64_t);
+void gemm_exact(const WeightView&, int64_t, int64_t, const QuantizedRows&, const float*, int64_t, float*, int64_t);
+
+void quantize_row_scalar(const float* x, int64_t cols, int8_t* qs, float* d, float* s);
+void quantize_row_avx2(const float* x, int64_t cols, int8_t* qs, float* d, float* s);
+
+// Attention over one KV block of `count` rows of `dim` values (float or half, per `kv`):
+// scores[i] = q . keys[i], and out += sum_i weights[i] * values[i].
+struct Attention {
+    void (*dot_many)(const float* q, const void* keys, int64_t count, int64_t dim, float* scores);
+    void (*axpy_many)(const float* weights, const void* values, int64_t count, int64_t dim, float* out);
+    void (*store)(const float* values, int64_t dim, void* out);  // one row into the cache
+};
+Attention attention_scalar(KvType kv);
+Attention attention_avx2(KvType kv);
 }  // namespace kernels
 
 }  // namespace pocketllm

@@ -17,6 +17,8 @@ struct ModelConfig {
     bool qk_norm;              // Qwen3: RMSNorm over each head of q and k before RoPE
     bool exact_activations;    // float32 activations against block weights too (see matmul)
     std::vector<float> inv_freq;  // RoPE frequency of each of the head_dim / 2 pairs, scaling applied
+    float rope_attention_factor = 1.0f;  // YaRN scales cos and sin by it
+    KvType kv_type = KvType::F16;
 };
 
 struct LayerWeights {
@@ -47,19 +49,22 @@ public:
     std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices);
 
 private:
+    struct Batch;  // one forward's tokens, positions and work buffers
+
     void check(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices) const;
-    float* kv(int64_t layer, int64_t block, int which);  // which: 0 keys, 1 values; [kv_heads, block, dim]
+    void attention_layer(int64_t layer, Batch& batch, const std::vector<SequenceSlice>& slices);
+    void attend(int64_t layer, Batch& batch, const std::vector<SequenceSlice>& slices);
+    // Keys (which 0) or values (1) of one layer's block: [kv_heads, block_size, head_dim] elements.
+    uint8_t* kv(int64_t layer, int64_t block, int which);
 
     ModelConfig config_;
     WeightView embedding_, lm_head_;
     std::vector<LayerWeights> layers_;
     std::vector<float> final_norm_;
     int64_t num_blocks_, block_size_;
-    std::unique_ptr<float[]> cache_;
+    size_t kv_element_;  // bytes per cached value
+    std::unique_ptr<uint8_t[]> cache_;
     ThreadPool pool_;
 };
-
-// A row of a weight (an embedding lookup) as float32.
-void dequantize_row(const WeightView& w, int64_t row, float* out);
 
 }  // namespace pocketllm

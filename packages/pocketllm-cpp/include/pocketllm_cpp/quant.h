@@ -1,31 +1,72 @@
-// GGML block layouts the kernels read in place, and the 8-bit activation blocks they multiply with.
+// GGML block layouts the kernels read in place, and the 8-bit activation rows they multiply with.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace pocketllm {
 
-constexpr int kBlock = 32;  // values per block, for every type here
+constexpr int kBlock = 32;   // values per activation block, and per sub-block of every weight type
+constexpr int kSuper = 256;  // values per K-quant super-block
 
-enum class QType { F32, F16, Q4_0, Q4_1, Q8_0 };
+enum class QType { F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K };
 
-// One block as stored in a GGUF file (little-endian, packed).
+// One block as stored in a GGUF file (little-endian, packed); see llama.cpp's ggml-common.h.
 struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };              // w = (q - 8) * d
 struct BlockQ4_1 { uint16_t d; uint16_t m; uint8_t qs[16]; };  // w = q * d + m
 struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };               // w = q * d
+// 8 sub-blocks of 32, each with a 6-bit scale and min (packed in `scales`): w = d * sc * q - dmin * m.
+struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
+struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };  // q has a 5th bit
+// 16 sub-blocks of 16 with 8-bit scales: w = d * sc * (q - 32), q of 6 bits (4 in ql, 2 in qh).
+struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "GGUF block sizes");
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "K-quant sizes");
 
-// Activations quantized per block of 32: x ~= q * d, with s = d * sum(q) for the offset of Q4_x weights.
-struct BlockQ8Act { float d; float s; int8_t qs[32]; };
+// Activation rows quantized per block of 32 (x ~= q * d), stored as planes so that SIMD loads are contiguous:
+// codes [rows, cols], and per block its scale d and s = d * sum(q) (the offset term of the unsigned-code types).
+struct QuantizedRows {
+    int64_t rows = 0, cols = 0;
+    std::vector<int8_t> qs;
+    std::vector<float> d, s;
+    int64_t blocks_per_row() const { return cols / kBlock; }
+    const int8_t* codes(int64_t row, int64_t block) const { return qs.data() + row * cols + block * kBlock; }
+    float scale(int64_t row, int64_t block) const { return d[static_cast<size_t>(row * blocks_per_row() + block)]; }
+    float offset(int64_t row, int64_t block) const { return s[static_cast<size_t>(row * blocks_per_row() + block)]; }
+};
 
-// Parses "F32", "F16", "Q4_0", "Q4_1", "Q8_0"; throws std::invalid_argument otherwise.
+// Parses a GGUF storage type name ("F32", "Q4_K", ...); throws std::invalid_argument for one not listed here.
 QType parse_qtype(const std::string& name);
-// Bytes of one row of `cols` values (cols must be a multiple of kBlock for block types).
+// Values per storage block: 1 for the float types, 32 or 256 for the block types.
+int64_t block_values(QType type);
+// Bytes of one row of `cols` values (cols must be a multiple of block_values(type)).
 size_t row_bytes(QType type, int64_t cols);
 bool is_block_type(QType type);
+
+// One 32-value sub-block of a block-type weight row in a common form: w[i] = dw * code[i] * mul[i / 16] + mw.
+// Codes are unsigned (0..31) for the types with an offset and signed for Q4_0, Q8_0 and Q6_K (mw = 0). Every ISA's
+// kernel decodes the same way, so the scalar path is the reference for the others.
+struct SubBlock {
+    uint8_t code[kBlock];  // reinterpret as int8_t when `is_signed`
+    int16_t mul[2];        // Q6_K's per-16 scales; 1 otherwise
+    float dw, mw;
+    bool is_signed;
+};
+void decode_sub_block(QType type, const uint8_t* row, int64_t b, SubBlock& out);
+
+// Q4_K/Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes.
+inline void k_scale_min(int j, const uint8_t* q, int& scale, int& min) {
+    if (j < 4) {
+        scale = q[j] & 63;
+        min = q[j + 4] & 63;
+    } else {
+        scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
 
 // IEEE half -> float without F16C, for the scalar path (and tests).
 inline float fp16_to_fp32(uint16_t h) {
@@ -49,6 +90,33 @@ inline float fp16_to_fp32(uint16_t h) {
     float value;
     std::memcpy(&value, &bits, sizeof value);
     return value;
+}
+
+inline float bf16_to_fp32(uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float value;
+    std::memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+// float -> IEEE half, round to nearest even (the f16 KV cache's scalar path).
+inline uint16_t fp32_to_fp16(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000;
+    const uint32_t abs = x & 0x7FFFFFFF;
+    if (abs >= 0x7F800000) return static_cast<uint16_t>(sign | 0x7C00 | (abs > 0x7F800000 ? 0x200 : 0));
+    if (abs >= 0x477FF000) return static_cast<uint16_t>(sign | 0x7C00);  // rounds past the largest half
+    if (abs < 0x38800000) {  // subnormal half (or zero): scale into the 10-bit field with rounding
+        float magnitude;
+        const uint32_t a = abs;
+        std::memcpy(&magnitude, &a, sizeof magnitude);
+        const float scaled = magnitude * 16777216.0f;  // 2^24: units of the smallest subnormal
+        const uint32_t q = static_cast<uint32_t>(__builtin_nearbyintf(scaled));
+        return static_cast<uint16_t>(sign | q);
+    }
+    const uint32_t rounded = abs + 0xFFF + ((abs >> 13) & 1);
+    return static_cast<uint16_t>(sign | ((rounded - 0x38000000) >> 13));
 }
 
 }  // namespace pocketllm

@@ -1,6 +1,7 @@
 // Next-token choice for one sequence, with vLLM's semantics, and its logprobs from the raw logits.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -39,9 +40,9 @@ private:
     uint64_t state_;
 };
 
-// Chooses the next token from `logits` (vocab values, modified in place) for a sequence with `prompt` and
-// `output` tokens so far; fills `logprobs` when the config asks for them.
-int32_t sample(std::vector<float>& logits, const SamplingConfig& config, const std::vector<int32_t>& prompt,
-               const std::vector<int32_t>& output, Rng& rng, TokenLogprobs* logprobs);
+// Chooses the next token from `logits` (vocab values, modified in place) for a sequence whose `tokens` are its
+// `num_prompt` prompt tokens and then its output so far; fills `logprobs` when the config asks for them.
+int32_t sample(std::vector<float>& logits, const SamplingConfig& config, const std::vector<int32_t>& tokens,
+               size_t num_prompt, Rng& rng, TokenLogprobs* logprobs);
 
 }  // namespace pocketllm

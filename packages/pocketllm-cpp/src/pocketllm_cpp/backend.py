@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 NAME = "cpp"
 BACKEND_OPTIONS = ("block_size", "exact_activations", "num_kv_blocks", "num_threads")
 DEFAULT_BLOCK_SIZE = 16
+# KV-cache element types and their bytes; "auto" is float16, half the bytes attention reads per position.
+KV_CACHE_DTYPES = {"float16": 2, "float32": 4}
 KV_MEMORY_FRACTION = 0.25  # of physical RAM, as the torch backend
 _FINISH = {0: None, 1: "stop", 2: "length"}
 
@@ -44,11 +46,12 @@ class CppBackend:
 
         return Capabilities(
             architectures=ARCHITECTURES,
-            quantization_formats=(*STORAGE_TYPES, "BF16"),  # BF16 matrices become float32 copies
+            quantization_formats=STORAGE_TYPES,
             sampling_options=SAMPLING_OPTIONS,
+            prefix_caching=True,
             devices=("cpu",),
             dtypes=("float32",),
-            kv_cache_dtypes=("auto", "float32"),
+            kv_cache_dtypes=("auto", *KV_CACHE_DTYPES),
             backend_options=BACKEND_OPTIONS,
         )
 
@@ -73,7 +76,9 @@ class CppEngine:
         assert args.max_model_len is not None  # resolved by the core
         per_sequence = -(-args.max_model_len // block_size)
         config = checkpoint.config
-        bytes_per_block = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * block_size
+        kv_dtype = "float16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+        bytes_per_block = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+                           * KV_CACHE_DTYPES[kv_dtype] * block_size)
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         budget = int(physical * KV_MEMORY_FRACTION) // bytes_per_block
         num_blocks = _positive(options, "num_kv_blocks", min(args.max_num_seqs * per_sequence, budget))
@@ -88,9 +93,9 @@ class CppEngine:
             raise ConfigError("backend_options", f"num_threads must be at most {MAX_THREADS}, got {threads}")
         self.eos = tuple(config.eos_token_ids)
         self.model = build_model(checkpoint, num_blocks=num_blocks, block_size=block_size, num_threads=threads,
-                                 exact_activations=exact)
+                                 exact_activations=exact, kv_cache_dtype=kv_dtype)
         self.engine = _native.Engine(self.model, args.max_num_seqs, args.max_num_batched_tokens,
-                                     args.prefill_chunk_size, args.seed)
+                                     args.prefill_chunk_size, args.seed, args.enable_prefix_caching)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         # The core has checked the prompt and the parameters (see pocketllm.backend.Engine).
@@ -124,9 +129,10 @@ class CppEngine:
         return self.engine.has_unfinished()
 
     def stats(self) -> BackendStats:
-        running, waiting, total, used, preemptions = self.engine.stats()
+        running, waiting, total, used, preemptions, queries, hits = self.engine.stats()
         return BackendStats(num_running=running, num_waiting=waiting, num_kv_blocks_total=total,
-                            num_kv_blocks_used=used, num_preemptions=preemptions)
+                            num_kv_blocks_used=used, num_preemptions=preemptions, num_prefix_cache_queries=queries,
+                            num_prefix_cache_hits=hits)
 
     def shutdown(self) -> None:
         del self.engine, self.model  # the KV pool and the worker threads go with them

@@ -15,8 +15,8 @@ from pocketllm_cpp import _native
 if TYPE_CHECKING:
     from pocketllm.checkpoint import CheckpointTensor
 
-TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
 isa, best_isa, set_isa, num_threads = _native.isa, _native.best_isa, _native.set_isa, _native.num_threads
+available_isas = _native.available_isas
 quantize_activations = _native.quantize_activations
 
 

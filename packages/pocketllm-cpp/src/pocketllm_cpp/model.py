@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 NAME = "cpp"
 ARCHITECTURES = ("llama", "qwen3")
-STORAGE_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")  # what the kernels read in place
+STORAGE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # read in place
 _MATRICES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 _NORMS = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -24,9 +24,10 @@ _NORMS = {"input_norm": "input_layernorm", "post_attention_norm": "post_attentio
 
 
 def build_model(checkpoint: Checkpoint, *, num_blocks: int, block_size: int, num_threads: int | None = None,
-                exact_activations: bool = False) -> _native.Model:
+                exact_activations: bool = False, kv_cache_dtype: str = "float16") -> _native.Model:
     """The native model over ``checkpoint``'s tensors. With ``exact_activations``, block weights multiply float32
-    activations (a float32 reference's arithmetic) instead of 8-bit ones (llama.cpp's, faster)."""
+    activations (a float32 reference's arithmetic) instead of 8-bit ones (llama.cpp's, faster). The KV cache
+    holds ``kv_cache_dtype`` values: float16 (half the bytes attention reads) or float32."""
     config = checkpoint.config
     if config.architecture not in ARCHITECTURES:
         raise UnsupportedOptionError("model", NAME, f"architecture {config.architecture!r}")
@@ -58,6 +59,7 @@ def build_model(checkpoint: Checkpoint, *, num_blocks: int, block_size: int, num
         # llama.cpp stores Llama q/k rows so that RoPE rotates adjacent pairs: run them that way, unpermuted.
         "rope_pairs_adjacent": permuted == {True}, "qk_norm": config.architecture == "qwen3",
         "exact_activations": exact_activations, "inv_freq": rope_inv_freq(config, NAME).tolist(),
+        "rope_attention_factor": 1.0, "kv_cache_dtype": kv_cache_dtype,
     }
     return _native.Model(native_config, _matrix(embedding), layers, _vector(take("model.norm.weight")),
                          _matrix(lm_head), num_blocks, block_size, num_threads or os.cpu_count() or 1)

@@ -335,6 +335,27 @@ class ProtocolConformance(KitBase):
         finally:
             chunked.shutdown()
 
+    def test_prefix_caching_keeps_outputs(self, llm: Any, model_path: Path) -> None:
+        """With enable_prefix_caching, prompts sharing a long prefix (and a repeat of one) generate what they do
+        without it, and a backend that reports prefix-cache stats counts hits. Small blocks and a small pool make
+        the cache evict and reuse blocks across the runs."""
+        if not self.caps(llm).prefix_caching:
+            pytest.skip(f"{self.backend} does not declare prefix caching")
+        prompts = [LONG_PROMPT + " and then", LONG_PROMPT + " but not", LONG_PROMPT + " and then", PROMPTS[1]]
+        expected = [self.reference(llm, p, GREEDY.max_tokens) for p in prompts]
+        cached = self.make_llm(model_path, enable_prefix_caching=True, max_num_seqs=2)
+        try:
+            for _ in range(2):
+                for prompt, tokens in zip(prompts, expected, strict=True):
+                    assert cached.generate(prompt, GREEDY)[0].outputs[0].token_ids == tokens
+            assert [o.outputs[0].token_ids for o in cached.generate(prompts, GREEDY)] == expected
+            stats = cached.stats()
+            if stats.num_prefix_cache_queries:
+                assert 0 < stats.num_prefix_cache_hits <= stats.num_prefix_cache_queries
+            self.wait_idle(cached)
+        finally:
+            cached.shutdown()
+
     # -- cancellation and errors ----------------------------------------------------------------------------------
 
     def test_abort_running_request(self, llm: Any) -> None:

@@ -1,0 +1,99 @@
+#include "pocketllm_cpp/block_manager.h"
+
+#include <algorithm>
+
+namespace pocketllm {
+
+BlockManager::BlockManager(int64_t num_blocks, int64_t block_size, bool prefix_caching)
+    : block_size_(block_size), prefix_caching_(prefix_caching), blocks_(static_cast<size_t>(num_blocks)) {
+    for (int32_t b = 0; b < static_cast<int32_t>(num_blocks); ++b) blocks_[b].free_at = free_.insert(free_.end(), b);
+}
+
+uint64_t BlockManager::hash_of(uint64_t parent, const int32_t* tokens) const {
+    // FNV-1a over the parent's hash and the block's tokens: a chain, so equal blocks after different prefixes
+    // differ. Lookups compare the tokens too.
+    uint64_t h = 1469598103934665603ULL ^ parent;
+    for (int64_t i = 0; i < block_size_; ++i) {
+        h ^= static_cast<uint32_t>(tokens[i]);
+        h *= 1099511628211ULL;
+    }
+    return h;
+}
+
+std::vector<int32_t> BlockManager::match(const std::vector<int32_t>& tokens) const {
+    std::vector<int32_t> found;
+    if (!prefix_caching_ || tokens.empty()) return found;
+    const int64_t full = static_cast<int64_t>(tokens.size() - 1) / block_size_;
+    uint64_t parent = 0;
+    for (int64_t i = 0; i < full; ++i) {
+        const int32_t* start = tokens.data() + i * block_size_;
+        parent = hash_of(parent, start);
+        auto it = cached_.find(parent);
+        if (it == cached_.end()) break;
+        const Block& block = blocks_[static_cast<size_t>(it->second)];
+        if (!std::equal(block.tokens.begin(), block.tokens.end(), start)) break;
+        found.push_back(it->second);
+    }
+    return found;
+}
+
+int64_t BlockManager::idle_among(const std::vector<int32_t>& blocks) const {
+    return std::count_if(blocks.begin(), blocks.end(), [&](int32_t b) { return blocks_[static_cast<size_t>(b)].refs == 0; });
+}
+
+BlockManager::Chain BlockManager::share(const std::vector<int32_t>& blocks, int64_t tokens_queried) {
+    if (prefix_caching_) {
+        queries_ += tokens_queried;
+        hits_ += static_cast<int64_t>(blocks.size()) * block_size_;
+    }
+    Chain chain;
+    for (int32_t b : blocks) {
+        Block& block = blocks_[static_cast<size_t>(b)];
+        if (block.refs++ == 0) free_.erase(block.free_at);
+        chain = {chain.blocks + 1, block.hash};
+    }
+    return chain;
+}
+
+int32_t BlockManager::allocate() {
+    if (free_.empty()) return -1;
+    const int32_t b = free_.front();
+    free_.pop_front();
+    Block& block = blocks_[static_cast<size_t>(b)];
+    if (block.hashed) {  // evicted: its contents are about to be overwritten
+        auto it = cached_.find(block.hash);
+        if (it != cached_.end() && it->second == b) cached_.erase(it);
+        block.hashed = false;
+        block.tokens.clear();
+    }
+    block.refs = 1;
+    return b;
+}
+
+void BlockManager::release(std::vector<int32_t>& blocks) {
+    // The sequence's last blocks are freed first, so its prefix (the likeliest to be shared) is evicted last.
+    for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
+        Block& block = blocks_[static_cast<size_t>(*it)];
+        if (--block.refs == 0) block.free_at = free_.insert(free_.end(), *it);
+    }
+    blocks.clear();
+}
+
+void BlockManager::register_full(const std::vector<int32_t>& tokens, int64_t computed,
+                                 const std::vector<int32_t>& blocks, Chain& chain) {
+    if (!prefix_caching_) return;
+    const int64_t full = std::min<int64_t>(computed / block_size_, static_cast<int64_t>(blocks.size()));
+    for (; chain.blocks < full; ++chain.blocks) {
+        const int32_t b = blocks[static_cast<size_t>(chain.blocks)];
+        const auto first = tokens.begin() + chain.blocks * block_size_;
+        chain.hash = hash_of(chain.hash, &*first);
+        Block& block = blocks_[static_cast<size_t>(b)];
+        if (block.hashed) continue;
+        block.hashed = true;
+        block.hash = chain.hash;
+        block.tokens.assign(first, first + block_size_);
+        cached_.emplace(chain.hash, b);  // where an equal block is cached already, that one stays the one found
+    }
+}
+
+}  // namespace pocketllm

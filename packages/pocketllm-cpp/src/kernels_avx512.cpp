@@ -1,0 +1,7 @@
+// AVX-512 (F, BW, VL) with VNNI: the x86 kernels with vpdpbusd (u8 x s8 -> s32 in one instruction) and, with 32
+// vector registers, tiles of 4 weight rows x 4 activation rows. Compiled with those flags alone (CMakeLists.txt)
+// and called only after the CPU was checked (isa.cpp).
+#define PLLM_VNNI 1
+#define PLLM_GEMM gemm_avx512
+#define PLLM_TILE_ROWS 4
+#include "kernels_x86.inl"

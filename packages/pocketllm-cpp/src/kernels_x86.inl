@@ -1,0 +1,218 @@
+// The x86 kernels, written once for 256-bit vectors and compiled twice: kernels_avx2.cpp (AVX2 + FMA + F16C:
+// maddubs + madd for 8-bit dot products) and kernels_avx512.cpp (adding AVX-512 VL/BW/VNNI: one vpdpbusd, 32
+// vector registers, so larger tiles). Each file defines PLLM_VNNI, PLLM_GEMM and PLLM_TILE_ROWS, then includes
+// this; isa.cpp calls one only after checking the CPU's features.
+#include <immintrin.h>
+
+#include <type_traits>
+
+#include "pocketllm_cpp/matmul.h"
+
+namespace pocketllm::kernels {
+namespace {
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline float half(uint16_t h) { return _cvtsh_ss(h); }
+
+inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// Bytes of `v` shifted right by `bits`, masked to `mask`: 16-bit shifts leak the neighbour byte's bits into the
+// top of each byte, and the mask drops them.
+inline __m256i bits(__m256i v, int shift, int mask) {
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
+}
+
+template <QType T>
+constexpr bool kSigned = T == QType::Q4_0 || T == QType::Q8_0 || T == QType::Q6_K;  // codes are int8, and no offset term
+template <QType T>
+constexpr bool kOffset = !kSigned<T>;
+
+// A 32-value sub-block decoded into registers: w = dw * code * mul + mw, as decode_sub_block defines it.
+struct Sub {
+    __m256i codes, mul;  // mul: Q6_K's per-16 scales as 16-bit lanes
+    float dw, mw;
+};
+
+// The 32 codes of a 4-bit block in element order: bytes 0..15 the low nibbles, 16..31 the high ones.
+inline __m256i nibbles(const uint8_t* qs) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+template <QType T>
+inline Sub decode(const uint8_t* row, int64_t b) {
+    Sub s;
+    s.mw = 0.0f;
+    if constexpr (T == QType::Q4_0) {
+        const BlockQ4_0& blk = reinterpret_cast<const BlockQ4_0*>(row)[b];
+        s.codes = _mm256_sub_epi8(nibbles(blk.qs), _mm256_set1_epi8(8));
+        s.dw = half(blk.d);
+    } else if constexpr (T == QType::Q4_1) {
+        const BlockQ4_1& blk = reinterpret_cast<const BlockQ4_1*>(row)[b];
+        s.codes = nibbles(blk.qs);
+        s.dw = half(blk.d);
+        s.mw = half(blk.m);
+    } else if constexpr (T == QType::Q8_0) {
+        const BlockQ8_0& blk = reinterpret_cast<const BlockQ8_0*>(row)[b];
+        s.codes = load(blk.qs);
+        s.dw = half(blk.d);
+    } else if constexpr (T == QType::Q4_K || T == QType::Q5_K) {
+        using Block = std::conditional_t<T == QType::Q4_K, BlockQ4_K, BlockQ5_K>;
+        const Block& blk = reinterpret_cast<const Block*>(row)[b / 8];
+        const int j = static_cast<int>(b % 8);
+        s.codes = bits(load(blk.qs + 32 * (j / 2)), 4 * (j % 2), 0x0F);
+        if constexpr (T == QType::Q5_K) s.codes = _mm256_or_si256(s.codes, _mm256_slli_epi16(bits(load(blk.qh), j, 1), 4));
+        int scale, min;
+        k_scale_min(j, blk.scales, scale, min);
+        s.dw = half(blk.d) * static_cast<float>(scale);
+        s.mw = -half(blk.dmin) * static_cast<float>(min);
+    } else {
+        static_assert(T == QType::Q6_K);
+        const BlockQ6_K& blk = reinterpret_cast<const BlockQ6_K*>(row)[b / 8];
+        const int j = static_cast<int>(b % 8), h = j / 4, part = j % 4;
+        const __m256i low = bits(load(blk.ql + 64 * h + 32 * (part & 1)), 4 * (part / 2), 0x0F);
+        const __m256i high = bits(load(blk.qh + 32 * h), 2 * part, 3);
+        s.codes = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+        s.mul = _mm256_set_m128i(_mm_set1_epi16(blk.scales[8 * h + 2 * part + 1]),
+                                 _mm_set1_epi16(blk.scales[8 * h + 2 * part]));
+        s.dw = half(blk.d);
+    }
+    return s;
+}
+
+// sum(code * x) in 8 int32 lanes; `unsigned_codes` is |code| for the signed types, whose sign moves onto x.
+template <QType T>
+inline __m256i dot32(const Sub& s, __m256i unsigned_codes, __m256i x) {
+    if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, s.codes);
+#if PLLM_VNNI
+    if constexpr (T != QType::Q6_K) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), unsigned_codes, x);
+#endif
+    const __m256i pairs = _mm256_maddubs_epi16(unsigned_codes, x);  // |pair sums| <= 2 * 128 * 127: no saturation
+    if constexpr (T == QType::Q6_K) return _mm256_madd_epi16(pairs, s.mul);
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+// C weight rows from `row` against R activation rows from `r0`: each decoded block serves R rows, and each
+// activation block C weight rows, with the R x C sums in registers.
+template <QType T, int R, int C>
+void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t r0, float* y,
+          int64_t y_stride) {
+    const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
+    __m256 acc[R][C];
+    float extra[R][C];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) {
+            acc[i][c] = _mm256_setzero_ps();
+            extra[i][c] = 0.0f;
+        }
+    }
+    const int64_t nb = w.cols / kBlock;
+    for (int64_t b = 0; b < nb; ++b) {
+        Sub s[C];
+        __m256i codes[C];
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) {
+            s[c] = decode<T>(base + c * stride, b);
+            codes[c] = kSigned<T> ? _mm256_sign_epi8(s[c].codes, s[c].codes) : s[c].codes;
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+            const __m256i xq = load(act.codes(r0 + i, b));
+            const float dx = act.scale(r0 + i, b);
+            const float sx = kOffset<T> ? act.offset(r0 + i, b) : 0.0f;
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) {
+                const __m256 sums = _mm256_cvtepi32_ps(dot32<T>(s[c], codes[c], xq));
+                acc[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(s[c].dw * dx), sums, acc[i][c]);
+                if constexpr (kOffset<T>) extra[i][c] += s[c].mw * sx;
+            }
+        }
+    }
+    for (int i = 0; i < R; ++i) {
+        for (int c = 0; c < C; ++c) y[(r0 + i) * y_stride + row + c] = hsum(acc[i][c]) + extra[i][c];
+    }
+}
+
+template <QType T, int C>
+void rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t n, float* y,
+          int64_t y_stride) {
+    int64_t r = 0;
+    for (; r + 4 <= n; r += 4) tile<T, 4, C>(w, stride, row, act, r, y, y_stride);
+    if (r + 2 <= n) {
+        tile<T, 2, C>(w, stride, row, act, r, y, y_stride);
+        r += 2;
+    }
+    if (r < n) tile<T, 1, C>(w, stride, row, act, r, y, y_stride);
+}
+
+template <QType T>
+void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, int64_t n,
+                 float* y, int64_t y_stride) {
+    const size_t stride = row_bytes(w.type, w.cols);
+    int64_t row = row_begin;
+    for (; row + PLLM_TILE_ROWS <= row_end; row += PLLM_TILE_ROWS) {
+        rows<T, PLLM_TILE_ROWS>(w, stride, row, act, n, y, y_stride);
+    }
+    for (; row < row_end; ++row) rows<T, 1>(w, stride, row, act, n, y, y_stride);
+}
+
+template <QType T>
+inline __m256 dense8(const uint8_t* row, int64_t i) {
+    if constexpr (T == QType::F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(row) + i));
+    if constexpr (T == QType::F16) return _mm256_cvtph_ps(halves);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));  // bf16: the top half of f32
+}
+
+template <QType T, int R>
+void dense_tile(const uint8_t* base, const float* x, int64_t cols, int64_t r0, float* y, int64_t y_stride,
+                int64_t row) {
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < cols; k += 8) {
+        const __m256 wv = dense8<T>(base, k);
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (r0 + i) * cols + k), acc[i]);
+    }
+    for (int i = 0; i < R; ++i) y[(r0 + i) * y_stride + row] = hsum(acc[i]);
+}
+
+template <QType T>
+void gemm_dense(const WeightView& w, int64_t row_begin, int64_t row_end, const float* x, int64_t n, float* y,
+                int64_t y_stride) {
+    const size_t stride = row_bytes(w.type, w.cols);
+    for (int64_t row = row_begin; row < row_end; ++row) {
+        const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
+        int64_t r = 0;
+        for (; r + 4 <= n; r += 4) dense_tile<T, 4>(base, x, w.cols, r, y, y_stride, row);
+        for (; r < n; ++r) dense_tile<T, 1>(base, x, w.cols, r, y, y_stride, row);
+    }
+}
+
+}  // namespace
+
+void PLLM_GEMM(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, const float* x,
+               int64_t n, float* y, int64_t y_stride) {
+    switch (w.type) {
+        case QType::F32: return gemm_dense<QType::F32>(w, row_begin, row_end, x, n, y, y_stride);
+        case QType::F16: return gemm_dense<QType::F16>(w, row_begin, row_end, x, n, y, y_stride);
+        case QType::BF16: return gemm_dense<QType::BF16>(w, row_begin, row_end, x, n, y, y_stride);
+        case QType::Q4_0: return gemm_blocks<QType::Q4_0>(w, row_begin, row_end, act, n, y, y_stride);
+        case QType::Q4_1: return gemm_blocks<QType::Q4_1>(w, row_begin, row_end, act, n, y, y_stride);
+        case QType::Q8_0: return gemm_blocks<QType::Q8_0>(w, row_begin, row_end, act, n, y, y_stride);
+        case QType::Q4_K: return gemm_blocks<QType::Q4_K>(w, row_begin, row_end, act, n, y, y_stride);
+        case QType::Q5_K: return gemm_blocks<QType::Q5_K>(w, row_begin, row_end, act, n, y, y_stride);
+        case QType::Q6_K: return gemm_blocks<QType::Q6_K>(w, row_begin, row_end, act, n, y, y_stride);
+    }
+}
+
+}  // namespace pocketllm::kernels
