@@ -164,17 +164,25 @@ def test_corrupt_gguf_is_a_checkpoint_error_on_the_cpp_backend(damage: str, pock
         LLM(str(path), backend="cpp").shutdown()
 
 
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
 @pytest.mark.parametrize("scaling", [
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 16},
     {"rope_type": "linear", "factor": 2.0},
-])
-def test_rope_scaling_matches_transformers(scaling: dict, pocketllm_kit_checkpoint, tmp_path) -> None:
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "attention_factor": 1.3,
+     "beta_fast": 16, "beta_slow": 2},
+], ids=["llama3", "linear", "yarn", "yarn-explicit"])
+def test_rope_scaling_matches_transformers(scaling: dict, backend: str, pocketllm_kit_checkpoint, tmp_path) -> None:
+    """Both backends share pocketllm.rope: each generates transformers' greedy tokens past the original context."""
     import json
     import shutil
 
+    from pocketllm import LLM, SamplingParams
+
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip(f"pocketllm_{backend}")
     path = tmp_path / "scaled"
     shutil.copytree(pocketllm_kit_checkpoint("llama"), path)
     config = json.loads((path / "config.json").read_text())
@@ -184,9 +192,12 @@ def test_rope_scaling_matches_transformers(scaling: dict, pocketllm_kit_checkpoi
     reference.generation_config.eos_token_id = None
     expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                   pad_token_id=0)[0, len(prompt):].tolist()
-    model = build_model(load_checkpoint(str(path)), num_blocks=16, block_size=BLOCK, num_threads=2)
-    [run] = _greedy(model, [prompt], 12, _tables(1, 16))
-    assert [int(np.argmax(lp)) for lp in run] == expected
+    llm = LLM(str(path), backend=backend, dtype="float32", kv_cache_dtype="float32")
+    try:
+        [out] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert out.outputs[0].token_ids == expected
     unscaled = REFERENCES.checkpoints["llama"].references[4].token_ids[:12]
     assert expected != unscaled  # the scaling changed the output: the test can tell scaled from not
 
@@ -197,10 +208,11 @@ def test_unknown_rope_scaling_is_refused(pocketllm_kit_checkpoint, tmp_path) -> 
 
     from pocketllm import LLM, UnsupportedOptionError
 
-    path = tmp_path / "yarn"
+    path = tmp_path / "longrope"
     shutil.copytree(pocketllm_kit_checkpoint("llama"), path)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    scaling = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    (path / "config.json").write_text(json.dumps({**config, "rope_scaling": scaling}))
     with pytest.raises(UnsupportedOptionError) as err:
         LLM(str(path), backend="cpp")
     assert (err.value.option, err.value.backend) == ("rope_scaling", "cpp")

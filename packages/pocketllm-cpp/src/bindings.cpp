@@ -245,6 +245,17 @@ NB_MODULE(_native, m) {
              "One scheduling step: (request_id, token, finish 0/1 stop/2 length, stop_token_id or -1, logprobs).")
         .def("abort", [](PyEngine& self, const std::vector<std::string>& ids) { self.engine->abort(ids); })
         .def("has_unfinished", [](PyEngine& self) { return self.engine->has_unfinished(); })
+        .def("profile",
+             [](PyEngine& self) {
+                 const Profile p = self.engine->profile();
+                 nb::dict d;
+                 d["step"] = p.step, d["schedule"] = p.schedule, d["forward"] = p.forward, d["matmul"] = p.matmul;
+                 d["lm_head"] = p.lm_head, d["attention"] = p.attention, d["wait"] = p.wait, d["sample"] = p.sample;
+                 d["steps"] = p.steps, d["tokens"] = p.tokens, d["regions"] = p.regions;
+                 return d;
+             },
+             "Seconds spent per phase since the last reset_profile(), with steps, tokens and parallel regions.")
+        .def("reset_profile", [](PyEngine& self) { self.engine->reset_profile(); })
         .def("stats", [](PyEngine& self) {
             const EngineStats s = self.engine->stats();
             return nb::make_tuple(s.running, s.waiting, s.blocks_total, s.blocks_used, s.preemptions,

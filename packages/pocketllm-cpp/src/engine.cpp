@@ -93,6 +93,7 @@ void Engine::finish(const SeqPtr& seq) {
 }
 
 std::vector<Delta> Engine::step() {
+    Stopwatch timed(profile_.step);
     std::vector<SeqPtr> scheduled;
     std::vector<int64_t> counts;
     int64_t budget = config_.max_num_batched_tokens;
@@ -127,6 +128,8 @@ std::vector<Delta> Engine::step() {
         slices.push_back({seq.computed, counts[i], seq.blocks, seq.computed + counts[i] == seq.size()});
     }
     const std::vector<float> logits = model_->forward(tokens, slices);
+    ++profile_.steps;
+    profile_.tokens += static_cast<int64_t>(tokens.size());
     const int64_t vocab = model_->config().vocab_size;
     std::vector<Delta> deltas;
     int64_t row = 0;
@@ -135,6 +138,7 @@ std::vector<Delta> Engine::step() {
         seq->computed += counts[i];
         blocks_.register_full(seq->tokens, seq->computed, seq->blocks, seq->chain);
         if (!slices[i].logits) continue;  // a prompt chunk that does not reach the end yet
+        Stopwatch sampling(profile_.sample);
         deltas.push_back(sample_next(seq, std::vector<float>(logits.begin() + row * vocab, logits.begin() + (row + 1) * vocab)));
         ++row;
     }
@@ -163,6 +167,18 @@ void Engine::abort(const std::vector<std::string>& ids) {
         auto it = by_id_.find(id);
         if (it != by_id_.end()) finish(it->second);
     }
+}
+
+Profile Engine::profile() const {
+    Profile p = profile_;
+    model_->add_profile(p);
+    p.schedule = p.step - p.forward - p.sample;
+    return p;
+}
+
+void Engine::reset_profile() {
+    profile_ = {};
+    model_->reset_profile();
 }
 
 EngineStats Engine::stats() const {

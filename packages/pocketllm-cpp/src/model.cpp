@@ -118,8 +118,24 @@ void Model::check(const std::vector<int32_t>& tokens, const std::vector<Sequence
     }
 }
 
+void Model::add_profile(Profile& into) const {
+    into.forward += profile_.forward;
+    into.matmul += profile_.matmul;
+    into.lm_head += profile_.lm_head;
+    into.attention += profile_.attention;
+    into.wait += pool_.wait_seconds() - wait_at_reset_;
+    into.regions += pool_.regions() - regions_at_reset_;
+}
+
+void Model::reset_profile() {
+    profile_ = {};
+    wait_at_reset_ = pool_.wait_seconds();
+    regions_at_reset_ = pool_.regions();
+}
+
 std::vector<float> Model::forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices) {
     check(tokens, slices);
+    Stopwatch total(profile_.forward);
     const ModelConfig& c = config_;
     const int64_t n = static_cast<int64_t>(tokens.size()), hidden = c.hidden_size, half = c.head_dim / 2;
     Batch batch;
@@ -165,14 +181,20 @@ std::vector<float> Model::forward(const std::vector<int32_t>& tokens, const std:
             }
         });
         attention_layer(l, batch, slices);
-        matmul(L.o, batch.attn.data(), n, batch.out.data(), pool_, c.exact_activations);
+        {
+            Stopwatch timed(profile_.matmul);
+            matmul(L.o, batch.attn.data(), n, batch.out.data(), pool_, c.exact_activations);
+        }
         for_rows(pool_, n, [&](int64_t begin, int64_t end) {
             for (int64_t t = begin; t < end; ++t) {
                 add_rms_norm(&x[t * hidden], &batch.out[t * hidden], L.post_attention_norm.data(), hidden,
                              c.rms_norm_eps, &h[t * hidden]);
             }
         });
-        matmul_many({{&L.gate, batch.gate.data()}, {&L.up, batch.up.data()}}, h, n, pool_, c.exact_activations);
+        {
+            Stopwatch timed(profile_.matmul);
+            matmul_many({{&L.gate, batch.gate.data()}, {&L.up, batch.up.data()}}, h, n, pool_, c.exact_activations);
+        }
         const int64_t inter = c.intermediate_size;
         for_rows(pool_, n, [&](int64_t begin, int64_t end) {
             for (int64_t i = begin * inter; i < end * inter; ++i) {
@@ -180,6 +202,7 @@ std::vector<float> Model::forward(const std::vector<int32_t>& tokens, const std:
                 batch.gate[static_cast<size_t>(i)] = g / (1.0f + std::exp(-g)) * batch.up[static_cast<size_t>(i)];
             }
         });
+        Stopwatch timed(profile_.matmul);
         matmul(L.down, batch.gate.data(), n, batch.out.data(), pool_, c.exact_activations);
     }
 
@@ -194,6 +217,7 @@ std::vector<float> Model::forward(const std::vector<int32_t>& tokens, const std:
     }
     const int64_t rows = static_cast<int64_t>(last.size()) / hidden;
     std::vector<float> logits(static_cast<size_t>(rows * c.vocab_size));
+    Stopwatch timed(profile_.lm_head);
     if (rows > 0) matmul(lm_head_, last.data(), rows, logits.data(), pool_, c.exact_activations);
     return logits;
 }
@@ -203,8 +227,12 @@ void Model::attention_layer(int64_t l, Batch& batch, const std::vector<SequenceS
     const LayerWeights& L = layers_[static_cast<size_t>(l)];
     const int64_t n = batch.n, dim = c.head_dim, half = dim / 2;
     const int64_t q_size = c.num_heads * dim, kv_size = c.num_kv_heads * dim;
-    matmul_many({{&L.q, batch.q.data()}, {&L.k, batch.k.data()}, {&L.v, batch.v.data()}}, batch.h.data(), n, pool_,
-                c.exact_activations);
+    {
+        Stopwatch timed(profile_.matmul);
+        matmul_many({{&L.q, batch.q.data()}, {&L.k, batch.k.data()}, {&L.v, batch.v.data()}}, batch.h.data(), n,
+                    pool_, c.exact_activations);
+    }
+    Stopwatch timed(profile_.attention);
     const kernels::Attention ops = attention_ops(c.kv_type, dim);
     // Per token, one pass: q/k head norms (Qwen3), RoPE, and the new keys and values into the cache.
     for_rows(pool_, n, [&](int64_t begin, int64_t end) {
@@ -233,67 +261,100 @@ void Model::attention_layer(int64_t l, Batch& batch, const std::vector<SequenceS
 }
 
 // Causal attention of each token and head over its sequence's positions 0..p, read block by block through the
-// block table with an online softmax. A job is one head over a tile of up to kQueryTile consecutive tokens of
-// one slice: each KV block is read once for the whole tile.
+// block table with an online softmax. A job is one KV head over a tile of up to kQueryTile consecutive tokens of
+// one slice: each KV block is read from memory once for every query head of its group and every token of the
+// tile (a decode step's KV reads drop by the group size), then stays in L1 for them. With fewer jobs than
+// threads (decoding one sequence) each job's blocks are split into parts whose softmax states merge at the end.
 void Model::attend(int64_t l, Batch& batch, const std::vector<SequenceSlice>& slices) {
     const ModelConfig& c = config_;
     const int64_t dim = c.head_dim, q_size = c.num_heads * dim, group = c.num_heads / c.num_kv_heads;
     const kernels::Attention ops = attention_ops(c.kv_type, dim);
-    struct Job { int64_t slice, head, first, count; };  // tokens [first, first + count) of the batch
+    struct Job { int64_t slice, kv_head, first, count, blocks; };  // tokens [first, first + count) of the batch
     std::vector<Job> jobs;
     for (int64_t s = 0, first = 0; s < static_cast<int64_t>(slices.size()); first += slices[s].num_tokens, ++s) {
         for (int64_t t = 0; t < slices[s].num_tokens; t += kQueryTile) {
-            for (int64_t hd = 0; hd < c.num_heads; ++hd) {
-                jobs.push_back({s, hd, first + t, std::min(kQueryTile, slices[s].num_tokens - t)});
-            }
+            const int64_t count = std::min(kQueryTile, slices[s].num_tokens - t);
+            const int64_t blocks = batch.position[first + t + count - 1] / block_size_ + 1;
+            for (int64_t kvh = 0; kvh < c.num_kv_heads; ++kvh) jobs.push_back({s, kvh, first + t, count, blocks});
         }
     }
+    const int64_t num_jobs = static_cast<int64_t>(jobs.size());
+    const int64_t parts = std::max<int64_t>(1, (2 * pool_.size() + num_jobs - 1) / num_jobs);
+    // Per (job, part, head of the group, token of the tile): the part's softmax state, when a job has parts.
+    const int64_t states = group * kQueryTile;
+    std::vector<float> part_out(parts > 1 ? static_cast<size_t>(num_jobs * parts * states * dim) : 0);
+    std::vector<float> part_max(static_cast<size_t>(num_jobs * parts * states), -INFINITY), part_sum(part_max.size(), 0.0f);
     const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
     const int64_t head_bytes = block_size_ * dim * static_cast<int64_t>(kv_element_);
-    pool_.parallel_for(static_cast<int64_t>(jobs.size()), [&](int64_t begin, int64_t end) {
+    auto out = [&](const Job& job, int64_t g, int64_t i) {
+        return &batch.attn[(job.first + i) * q_size + (job.kv_head * group + g) * dim];
+    };
+    pool_.parallel_for(num_jobs * parts, [&](int64_t begin, int64_t end) {
         std::vector<float> scores(static_cast<size_t>(block_size_));
-        float max_score[kQueryTile], total[kQueryTile];
-        for (int64_t j = begin; j < end; ++j) {
-            const Job& job = jobs[static_cast<size_t>(j)];
+        for (int64_t item = begin; item < end; ++item) {
+            const Job& job = jobs[static_cast<size_t>(item / parts)];
+            const int64_t part = item % parts, state0 = item * states;
             const auto& table = slices[job.slice].block_table;
-            const int64_t kvh = job.head / group;
-            const int64_t last = batch.position[job.first + job.count - 1];
-            for (int64_t i = 0; i < job.count; ++i) {
-                max_score[i] = -INFINITY;
-                total[i] = 0.0f;
-                float* o = &batch.attn[(job.first + i) * q_size + job.head * dim];
-                std::fill(o, o + dim, 0.0f);
+            auto o_of = [&](int64_t g, int64_t i) {
+                return parts > 1 ? &part_out[static_cast<size_t>((state0 + g * kQueryTile + i) * dim)] : out(job, g, i);
+            };
+            for (int64_t g = 0; g < group; ++g) {
+                for (int64_t i = 0; i < job.count; ++i) std::fill(o_of(g, i), o_of(g, i) + dim, 0.0f);
             }
-            for (int64_t p = 0; p <= last; p += block_size_) {
-                const uint8_t* keys = kv(l, table[p / block_size_], 0) + kvh * head_bytes;
-                const uint8_t* values = kv(l, table[p / block_size_], 1) + kvh * head_bytes;
+            for (int64_t b = job.blocks * part / parts; b < job.blocks * (part + 1) / parts; ++b) {
+                const int64_t p = b * block_size_;
+                const uint8_t* keys = kv(l, table[b], 0) + job.kv_head * head_bytes;
+                const uint8_t* values = kv(l, table[b], 1) + job.kv_head * head_bytes;
                 for (int64_t i = 0; i < job.count; ++i) {
                     const int64_t t = job.first + i, length = batch.position[t] + 1;
                     if (p >= length) continue;  // causal: this token ends before the block, later ones may not
                     const int64_t count = std::min(block_size_, length - p);
-                    ops.dot_many(&batch.q[t * q_size + job.head * dim], keys, count, dim, scores.data());
-                    float best = max_score[i];
-                    for (int64_t k = 0; k < count; ++k) best = std::max(best, scores[k] *= scale);
-                    // Rescale what was summed under the old maximum, then add this block's terms.
-                    const float correction = std::exp(max_score[i] - best);
-                    float* o = &batch.attn[t * q_size + job.head * dim];
-                    if (correction != 1.0f) {
-                        for (int64_t d = 0; d < dim; ++d) o[d] *= correction;
+                    for (int64_t g = 0; g < group; ++g) {
+                        const int64_t head = job.kv_head * group + g;
+                        ops.dot_many(&batch.q[t * q_size + head * dim], keys, count, dim, scores.data());
+                        float& running_max = part_max[static_cast<size_t>(state0 + g * kQueryTile + i)];
+                        float best = running_max;
+                        for (int64_t k = 0; k < count; ++k) best = std::max(best, scores[k] *= scale);
+                        // Rescale what was summed under the old maximum, then add this block's terms.
+                        const float correction = std::exp(running_max - best);
+                        float* o = o_of(g, i);
+                        if (correction != 1.0f) {
+                            for (int64_t d = 0; d < dim; ++d) o[d] *= correction;
+                        }
+                        float sum = 0.0f;
+                        for (int64_t k = 0; k < count; ++k) sum += (scores[k] = std::exp(scores[k] - best));
+                        float& running_sum = part_sum[static_cast<size_t>(state0 + g * kQueryTile + i)];
+                        running_sum = running_sum * correction + sum;
+                        running_max = best;
+                        ops.axpy_many(scores.data(), values, count, dim, o);
                     }
-                    float sum = 0.0f;
-                    for (int64_t k = 0; k < count; ++k) sum += (scores[k] = std::exp(scores[k] - best));
-                    total[i] = total[i] * correction + sum;
-                    max_score[i] = best;
-                    ops.axpy_many(scores.data(), values, count, dim, o);
                 }
-            }
-            for (int64_t i = 0; i < job.count; ++i) {
-                float* o = &batch.attn[(job.first + i) * q_size + job.head * dim];
-                const float inverse = 1.0f / total[i];
-                for (int64_t d = 0; d < dim; ++d) o[d] *= inverse;
             }
         }
     });
+    // Each (head, token): the parts' states merged under their common maximum, then divided by the total.
+    for (int64_t j = 0; j < num_jobs; ++j) {
+        const Job& job = jobs[static_cast<size_t>(j)];
+        for (int64_t g = 0; g < group; ++g) {
+            for (int64_t i = 0; i < job.count; ++i) {
+                float* o = out(job, g, i);
+                auto state = [&](int64_t part) { return static_cast<size_t>((j * parts + part) * states + g * kQueryTile + i); };
+                float best = -INFINITY, total = 0.0f;
+                for (int64_t part = 0; part < parts; ++part) best = std::max(best, part_max[state(part)]);
+                if (parts > 1) std::fill(o, o + dim, 0.0f);
+                for (int64_t part = 0; part < parts; ++part) {
+                    if (part_max[state(part)] == -INFINITY) continue;  // a part with no positions for this token
+                    const float weight = std::exp(part_max[state(part)] - best);
+                    total += part_sum[state(part)] * weight;
+                    if (parts == 1) continue;
+                    const float* partial = &part_out[state(part) * static_cast<size_t>(dim)];
+                    for (int64_t d = 0; d < dim; ++d) o[d] += partial[d] * weight;
+                }
+                const float inverse = 1.0f / total;
+                for (int64_t d = 0; d < dim; ++d) o[d] *= inverse;
+            }
+        }
+    }
 }
 
 }  // namespace pocketllm

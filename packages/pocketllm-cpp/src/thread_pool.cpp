@@ -59,7 +59,12 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
         wake_.notify_all();
     }
     run_range(0);
-    while (pending_.load() > 0) POCKETLLM_PAUSE();
+    ++regions_;
+    if (pending_.load() > 0) {
+        const auto idle = std::chrono::steady_clock::now();
+        while (pending_.load() > 0) POCKETLLM_PAUSE();
+        wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - idle).count();
+    }
     task_ = nullptr;
     if (error_) std::rethrow_exception(error_);
 }

@@ -46,6 +46,9 @@ public:
     void abort(const std::vector<std::string>& ids);  // frees their blocks before returning; unknown ids ignored
     bool has_unfinished() const { return !waiting_.empty() || !running_.empty(); }
     EngineStats stats() const;
+    // Where the steps' time went since the last reset (schedule: the step's time outside forward and sampling).
+    Profile profile() const;
+    void reset_profile();
 
 private:
     struct Sequence {
@@ -77,6 +80,7 @@ private:
     std::vector<SeqPtr> running_;  // admission order: the newest is preempted first
     std::unordered_map<std::string, SeqPtr> by_id_;
     int64_t preemptions_ = 0;
+    Profile profile_;  // step, sample, steps and tokens; the model keeps its own share
 };
 
 }  // namespace pocketllm

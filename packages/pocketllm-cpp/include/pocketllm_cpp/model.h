@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "pocketllm_cpp/matmul.h"
+#include "pocketllm_cpp/profile.h"
 #include "pocketllm_cpp/thread_pool.h"
 
 namespace pocketllm {
@@ -47,6 +48,9 @@ public:
     // values to the cache; returns the logits [slices with logits, vocab] of each wanted slice's last token.
     // Throws std::invalid_argument for ids, positions or blocks out of range, before touching the cache.
     std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices);
+    // Adds forward's share of the time (forward, matmul, lm_head, attention, wait, regions) to `into`.
+    void add_profile(Profile& into) const;
+    void reset_profile();
 
 private:
     struct Batch;  // one forward's tokens, positions and work buffers
@@ -65,6 +69,9 @@ private:
     size_t kv_element_;  // bytes per cached value
     std::unique_ptr<uint8_t[]> cache_;
     ThreadPool pool_;
+    Profile profile_;
+    double wait_at_reset_ = 0;
+    int64_t regions_at_reset_ = 0;
 };
 
 }  // namespace pocketllm

@@ -22,6 +22,9 @@ public:
     ThreadPool& operator=(const ThreadPool&) = delete;
 
     int size() const { return static_cast<int>(workers_.size()) + 1; }
+    // Seconds the caller spent waiting for workers after its own range, and regions run (see Profile).
+    double wait_seconds() const { return wait_seconds_; }
+    int64_t regions() const { return regions_; }
     // Runs fn(begin, end) over [0, n) split into one contiguous range per thread; returns when all are done.
     // The first exception thrown by any range is rethrown here. Not reentrant: one caller at a time.
     void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn);
@@ -40,6 +43,8 @@ private:
     std::mutex mutex_;  // guards sleeping and the first error
     std::condition_variable wake_;
     std::exception_ptr error_;
+    double wait_seconds_ = 0;
+    int64_t regions_ = 0;
 };
 
 }  // namespace pocketllm

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pocketllm.errors import CheckpointError, UnsupportedOptionError
-from pocketllm.rope import rope_inv_freq
+from pocketllm.rope import rope_frequencies
 from pocketllm_cpp import _native
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ def build_model(checkpoint: Checkpoint, *, num_blocks: int, block_size: int, num
         layers.append(layer)
     embedding = take("model.embed_tokens.weight")
     lm_head = embedding if config.tie_word_embeddings else take("lm_head.weight")
+    inv_freq, attention = rope_frequencies(config, NAME)
     native_config = {
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size, "num_layers": config.num_hidden_layers,
@@ -58,8 +59,8 @@ def build_model(checkpoint: Checkpoint, *, num_blocks: int, block_size: int, num
         "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps,
         # llama.cpp stores Llama q/k rows so that RoPE rotates adjacent pairs: run them that way, unpermuted.
         "rope_pairs_adjacent": permuted == {True}, "qk_norm": config.architecture == "qwen3",
-        "exact_activations": exact_activations, "inv_freq": rope_inv_freq(config, NAME).tolist(),
-        "rope_attention_factor": 1.0, "kv_cache_dtype": kv_cache_dtype,
+        "exact_activations": exact_activations, "inv_freq": inv_freq.tolist(), "rope_attention_factor": attention,
+        "kv_cache_dtype": kv_cache_dtype,
     }
     return _native.Model(native_config, _matrix(embedding), layers, _vector(take("model.norm.weight")),
                          _matrix(lm_head), num_blocks, block_size, num_threads or os.cpu_count() or 1)

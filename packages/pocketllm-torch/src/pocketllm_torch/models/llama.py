@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pocketllm.errors import CheckpointError
-from pocketllm.rope import rope_inv_freq
+from pocketllm.rope import rope_frequencies
 from pocketllm_torch import native
 from pocketllm_torch.attention import AttentionMetadata, paged_attention
 from pocketllm_torch.backend import NAME
@@ -212,13 +212,13 @@ class LlamaModel:
         final_norm = norm("model.norm.weight")
         if tensors:
             raise CheckpointError(f"checkpoint has weights this model does not use: {sorted(tensors)[:5]}")
-        inv_freq = torch.from_numpy(rope_inv_freq(config, NAME))
-        angles = torch.outer(torch.arange(max_model_len, dtype=torch.float32), inv_freq)
+        inv_freq, attention_factor = rope_frequencies(config, NAME)
+        angles = torch.outer(torch.arange(max_model_len, dtype=torch.float32), torch.from_numpy(inv_freq))
         return cls(
             embed_tokens=dense(embed).to(device),
             layers=layers,
             norm=final_norm,
             lm_head=make_linear(embed if head is None else head, None, device, dtype),
-            rope=torch.polar(torch.ones_like(angles), angles).to(device),
+            rope=torch.polar(torch.full_like(angles, attention_factor), angles).to(device),  # YaRN scales cos, sin
             dtype=act_dtype,
         )
