@@ -45,29 +45,6 @@ void quantize_row_avx2(const float* x, int64_t cols, int8_t* qs, float* d, float
 
 namespace {
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-template <typename T>
-void dot_many(const float* q, const void* keys, int64_t count, int64_t dim, float* scores) {
-    const T* k = static_cast<const T*>(keys);
-    for (int64_t i = 0; i < count; ++i) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = 0; j < dim; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(k + i * dim + j), acc);
-        scores[i] = hsum(acc);
-    }
-}
-
-template <typename T>
-void axpy_many(const float* weights, const void* values, int64_t count, int64_t dim, float* out) {
-    const T* v = static_cast<const T*>(values);
-    for (int64_t j = 0; j < dim; j += 8) {
-        __m256 acc = _mm256_loadu_ps(out + j);
-        for (int64_t i = 0; i < count; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(weights[i]), load8(v + i * dim + j), acc);
-        _mm256_storeu_ps(out + j, acc);
-    }
-}
-
 void store_f16(const float* values, int64_t dim, void* out) {
     for (int64_t j = 0; j < dim; j += 8) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + j),
@@ -75,12 +52,90 @@ void store_f16(const float* values, int64_t dim, void* out) {
     }
 }
 
+void load_f16(const void* rows, int64_t count, int64_t dim, float* out) {
+    const uint16_t* in = static_cast<const uint16_t*>(rows);
+    for (int64_t i = 0; i < count * dim; i += 8) {
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    }
+}
+
+// The 8 sums of 8 vectors' lanes, in order: a transpose by hadd, one vector op per input instead of a full
+// horizontal sum each.
+inline __m256 hsum8(const __m256* v) {
+    const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    // Lanes: [v0..v3 low halves, v0..v3 high halves] and the same for v4..v7: add the halves across.
+    const __m256 low = _mm256_permute2f128_ps(s0123, s4567, 0x20), high = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+    return _mm256_add_ps(low, high);
+}
+
+void scores(const float* q, int64_t nq, const float* keys, int64_t count, int64_t dim, float scale, float* out) {
+    const __m256 factor = _mm256_set1_ps(scale);
+    for (int64_t i = 0; i < nq; ++i) {
+        const float* qi = q + i * dim;
+        int64_t k = 0;
+        for (; k + 8 <= count; k += 8) {
+            __m256 acc[8];
+            for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < dim; j += 8) {
+                const __m256 qv = _mm256_loadu_ps(qi + j);
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + (k + r) * dim + j), acc[r]);
+            }
+            _mm256_storeu_ps(out + i * count + k, _mm256_mul_ps(hsum8(acc), factor));
+        }
+        for (; k < count; ++k) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t j = 0; j < dim; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + j), _mm256_loadu_ps(keys + k * dim + j), acc);
+            out[i * count + k] = hsum(acc) * scale;
+        }
+    }
+}
+
+void accumulate(const float* weights, const float* values, int64_t count, int64_t dim, float* out) {
+    for (int64_t j = 0; j < dim; j += 8) {
+        __m256 acc = _mm256_loadu_ps(out + j);
+        for (int64_t k = 0; k < count; ++k) acc = _mm256_fmadd_ps(_mm256_set1_ps(weights[k]), _mm256_loadu_ps(values + k * dim + j), acc);
+        _mm256_storeu_ps(out + j, acc);
+    }
+}
+
+// exp over 8 lanes (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2]; relative error ~1e-7).
+inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) {
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+    }
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+}
+
+float exp_shifted(float* x, int64_t count, float shift) {
+    __m256 total = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= count; k += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + k), _mm256_set1_ps(shift)));
+        _mm256_storeu_ps(x + k, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float sum = hsum(total);
+    for (; k < count; ++k) sum += (x[k] = std::exp(x[k] - shift));
+    return sum;
+}
+
 }  // namespace
 
 Attention attention_avx2(KvType kv) {
     const Attention scalar = attention_scalar(kv);
-    if (kv == KvType::F16) return {dot_many<uint16_t>, axpy_many<uint16_t>, store_f16};
-    return {dot_many<float>, axpy_many<float>, scalar.store};
+    if (kv == KvType::F16) return {store_f16, load_f16, scores, accumulate, exp_shifted};
+    return {scalar.store, scalar.load, scores, accumulate, exp_shifted};
 }
 
 }  // namespace pocketllm::kernels

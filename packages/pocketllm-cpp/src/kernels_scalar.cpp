@@ -1,5 +1,6 @@
 // Portable kernels: the reference every other ISA is tested against, and the path on any other CPU.
 #include <cmath>
+#include <cstring>
 
 #include "pocketllm_cpp/matmul.h"
 
@@ -85,31 +86,6 @@ void gemm_exact(const WeightView& w, int64_t row_begin, int64_t row_end, const Q
 
 namespace {
 
-template <typename T>
-float load(const T* p, int64_t i);
-template <>
-float load(const float* p, int64_t i) { return p[i]; }
-template <>
-float load(const uint16_t* p, int64_t i) { return fp16_to_fp32(p[i]); }
-
-template <typename T>
-void dot_many(const float* q, const void* keys, int64_t count, int64_t dim, float* scores) {
-    const T* k = static_cast<const T*>(keys);
-    for (int64_t i = 0; i < count; ++i) {
-        float dot = 0.0f;
-        for (int64_t j = 0; j < dim; ++j) dot += q[j] * load(k, i * dim + j);
-        scores[i] = dot;
-    }
-}
-
-template <typename T>
-void axpy_many(const float* weights, const void* values, int64_t count, int64_t dim, float* out) {
-    const T* v = static_cast<const T*>(values);
-    for (int64_t i = 0; i < count; ++i) {
-        for (int64_t j = 0; j < dim; ++j) out[j] += weights[i] * load(v, i * dim + j);
-    }
-}
-
 void store_f32(const float* values, int64_t dim, void* out) {
     for (int64_t j = 0; j < dim; ++j) static_cast<float*>(out)[j] = values[j];
 }
@@ -118,11 +94,41 @@ void store_f16(const float* values, int64_t dim, void* out) {
     for (int64_t j = 0; j < dim; ++j) static_cast<uint16_t*>(out)[j] = fp32_to_fp16(values[j]);
 }
 
+void load_f32(const void* rows, int64_t count, int64_t dim, float* out) {
+    std::memcpy(out, rows, static_cast<size_t>(count * dim) * sizeof(float));
+}
+
+void load_f16(const void* rows, int64_t count, int64_t dim, float* out) {
+    for (int64_t i = 0; i < count * dim; ++i) out[i] = fp16_to_fp32(static_cast<const uint16_t*>(rows)[i]);
+}
+
+void scores(const float* q, int64_t nq, const float* keys, int64_t count, int64_t dim, float scale, float* out) {
+    for (int64_t i = 0; i < nq; ++i) {
+        for (int64_t k = 0; k < count; ++k) {
+            float dot = 0.0f;
+            for (int64_t j = 0; j < dim; ++j) dot += q[i * dim + j] * keys[k * dim + j];
+            out[i * count + k] = dot * scale;
+        }
+    }
+}
+
+void accumulate(const float* weights, const float* values, int64_t count, int64_t dim, float* out) {
+    for (int64_t k = 0; k < count; ++k) {
+        for (int64_t j = 0; j < dim; ++j) out[j] += weights[k] * values[k * dim + j];
+    }
+}
+
+float exp_shifted(float* x, int64_t count, float shift) {
+    float sum = 0.0f;
+    for (int64_t k = 0; k < count; ++k) sum += (x[k] = std::exp(x[k] - shift));
+    return sum;
+}
+
 }  // namespace
 
 Attention attention_scalar(KvType kv) {
-    if (kv == KvType::F16) return {dot_many<uint16_t>, axpy_many<uint16_t>, store_f16};
-    return {dot_many<float>, axpy_many<float>, store_f32};
+    if (kv == KvType::F16) return {store_f16, load_f16, scores, accumulate, exp_shifted};
+    return {store_f32, load_f32, scores, accumulate, exp_shifted};
 }
 
 }  // namespace pocketllm::kernels

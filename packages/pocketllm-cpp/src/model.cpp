@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -289,11 +290,24 @@ void Model::attend(int64_t l, Batch& batch, const std::vector<SequenceSlice>& sl
     auto out = [&](const Job& job, int64_t g, int64_t i) {
         return &batch.attn[(job.first + i) * q_size + (job.kv_head * group + g) * dim];
     };
-    pool_.parallel_for(num_jobs * parts, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(static_cast<size_t>(block_size_));
-        for (int64_t item = begin; item < end; ++item) {
+    // Jobs by decreasing length (a prompt's later tiles read more blocks), taken dynamically: a static split of
+    // a prefill's tiles left one thread with most of the work.
+    std::vector<int64_t> order(static_cast<size_t>(num_jobs * parts));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        return jobs[static_cast<size_t>(a / parts)].blocks > jobs[static_cast<size_t>(b / parts)].blocks;
+    });
+    pool_.parallel_each(static_cast<int64_t>(order.size()), [&](int64_t index) {
+        // One block's keys and values as float32, and the scores of the group's heads for one token.
+        thread_local std::vector<float> keys, values, scores;
+        keys.resize(static_cast<size_t>(block_size_ * dim));
+        values.resize(keys.size());
+        scores.resize(static_cast<size_t>(group * block_size_));
+        {
+            const int64_t item = order[static_cast<size_t>(index)];
             const Job& job = jobs[static_cast<size_t>(item / parts)];
             const int64_t part = item % parts, state0 = item * states;
+            const int64_t last = batch.position[job.first + job.count - 1];
             const auto& table = slices[job.slice].block_table;
             auto o_of = [&](int64_t g, int64_t i) {
                 return parts > 1 ? &part_out[static_cast<size_t>((state0 + g * kQueryTile + i) * dim)] : out(job, g, i);
@@ -302,31 +316,29 @@ void Model::attend(int64_t l, Batch& batch, const std::vector<SequenceSlice>& sl
                 for (int64_t i = 0; i < job.count; ++i) std::fill(o_of(g, i), o_of(g, i) + dim, 0.0f);
             }
             for (int64_t b = job.blocks * part / parts; b < job.blocks * (part + 1) / parts; ++b) {
-                const int64_t p = b * block_size_;
-                const uint8_t* keys = kv(l, table[b], 0) + job.kv_head * head_bytes;
-                const uint8_t* values = kv(l, table[b], 1) + job.kv_head * head_bytes;
+                const int64_t p = b * block_size_, rows = std::min(block_size_, last + 1 - p);
+                ops.load(kv(l, table[b], 0) + job.kv_head * head_bytes, rows, dim, keys.data());
+                ops.load(kv(l, table[b], 1) + job.kv_head * head_bytes, rows, dim, values.data());
                 for (int64_t i = 0; i < job.count; ++i) {
                     const int64_t t = job.first + i, length = batch.position[t] + 1;
                     if (p >= length) continue;  // causal: this token ends before the block, later ones may not
                     const int64_t count = std::min(block_size_, length - p);
+                    ops.scores(&batch.q[t * q_size + job.kv_head * group * dim], group, keys.data(), count, dim, scale,
+                               scores.data());
                     for (int64_t g = 0; g < group; ++g) {
-                        const int64_t head = job.kv_head * group + g;
-                        ops.dot_many(&batch.q[t * q_size + head * dim], keys, count, dim, scores.data());
+                        float* s = &scores[static_cast<size_t>(g * count)];
                         float& running_max = part_max[static_cast<size_t>(state0 + g * kQueryTile + i)];
-                        float best = running_max;
-                        for (int64_t k = 0; k < count; ++k) best = std::max(best, scores[k] *= scale);
+                        const float best = std::max(running_max, *std::max_element(s, s + count));
                         // Rescale what was summed under the old maximum, then add this block's terms.
                         const float correction = std::exp(running_max - best);
                         float* o = o_of(g, i);
                         if (correction != 1.0f) {
                             for (int64_t d = 0; d < dim; ++d) o[d] *= correction;
                         }
-                        float sum = 0.0f;
-                        for (int64_t k = 0; k < count; ++k) sum += (scores[k] = std::exp(scores[k] - best));
                         float& running_sum = part_sum[static_cast<size_t>(state0 + g * kQueryTile + i)];
-                        running_sum = running_sum * correction + sum;
+                        running_sum = running_sum * correction + ops.exp_shifted(s, count, best);
                         running_max = best;
-                        ops.axpy_many(scores.data(), values, count, dim, o);
+                        ops.accumulate(s, values.data(), count, dim, o);
                     }
                 }
             }

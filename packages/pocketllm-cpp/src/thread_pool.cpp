@@ -69,6 +69,13 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
     if (error_) std::rethrow_exception(error_);
 }
 
+void ThreadPool::parallel_each(int64_t n, const std::function<void(int64_t)>& fn) {
+    std::atomic<int64_t> next{0};
+    parallel_for(std::min<int64_t>(n, size()), [&](int64_t, int64_t) {
+        for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+    });
+}
+
 void ThreadPool::work(int index) {
     uint64_t seen = 0;
     for (;;) {

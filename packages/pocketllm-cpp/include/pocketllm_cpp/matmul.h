@@ -57,12 +57,18 @@ void gemm_exact(const WeightView&, int64_t, int64_t, const QuantizedRows&, const
 void quantize_row_scalar(const float* x, int64_t cols, int8_t* qs, float* d, float* s);
 void quantize_row_avx2(const float* x, int64_t cols, int8_t* qs, float* d, float* s);
 
-// Attention over one KV block of `count` rows of `dim` values (float or half, per `kv`):
-// scores[i] = q . keys[i], and out += sum_i weights[i] * values[i].
+// Attention over one KV block of `count` rows of `dim` values, the block first converted to float32 once for
+// every query that reads it. Per ISA and KV type.
 struct Attention {
-    void (*dot_many)(const float* q, const void* keys, int64_t count, int64_t dim, float* scores);
-    void (*axpy_many)(const float* weights, const void* values, int64_t count, int64_t dim, float* out);
-    void (*store)(const float* values, int64_t dim, void* out);  // one row into the cache
+    void (*store)(const float* values, int64_t dim, void* out);                  // one row into the cache
+    void (*load)(const void* rows, int64_t count, int64_t dim, float* out);      // a block's rows as float32
+    // scores[i * count + k] = scale * q_i . keys[k] for nq query rows q_i = q + i * dim.
+    void (*scores)(const float* q, int64_t nq, const float* keys, int64_t count, int64_t dim, float scale,
+                   float* scores);
+    // out += sum_k weights[k] * values[k]
+    void (*accumulate)(const float* weights, const float* values, int64_t count, int64_t dim, float* out);
+    // x[k] = exp(x[k] - shift); returns their sum
+    float (*exp_shifted)(float* x, int64_t count, float shift);
 };
 Attention attention_scalar(KvType kv);
 Attention attention_avx2(KvType kv);

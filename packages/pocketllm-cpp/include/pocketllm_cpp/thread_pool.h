@@ -28,6 +28,9 @@ public:
     // Runs fn(begin, end) over [0, n) split into one contiguous range per thread; returns when all are done.
     // The first exception thrown by any range is rethrown here. Not reentrant: one caller at a time.
     void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn);
+    // Runs fn(i) for each i in [0, n), threads taking the next index as they finish one: for items of uneven
+    // cost (attention over sequences of different lengths), given largest first.
+    void parallel_each(int64_t n, const std::function<void(int64_t)>& fn);
 
 private:
     void work(int index);
