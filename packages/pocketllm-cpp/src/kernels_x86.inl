@@ -29,9 +29,11 @@ inline __m256i bits(__m256i v, int shift, int mask) {
 }
 
 template <QType T>
-constexpr bool kSigned = T == QType::Q4_0 || T == QType::Q8_0 || T == QType::Q6_K;  // codes are int8, and no offset term
+constexpr bool kSigned = T == QType::Q8_0 || T == QType::Q6_K;  // codes are int8, and no offset term
 template <QType T>
 constexpr bool kOffset = !kSigned<T>;
+template <QType T>
+constexpr bool kGrouped = T != QType::Q6_K;  // sub-blocks with one scale: the 8-block path of tile()
 
 // A 32-value sub-block decoded into registers: w = dw * code * mul + mw, as decode_sub_block defines it.
 struct Sub {
@@ -52,8 +54,9 @@ inline Sub decode(const uint8_t* row, int64_t b) {
     s.mw = 0.0f;
     if constexpr (T == QType::Q4_0) {
         const BlockQ4_0& blk = reinterpret_cast<const BlockQ4_0*>(row)[b];
-        s.codes = _mm256_sub_epi8(nibbles(blk.qs), _mm256_set1_epi8(8));
+        s.codes = nibbles(blk.qs);  // unsigned, with the offset term: (q - 8) d = q d - 8 d
         s.dw = half(blk.d);
+        s.mw = -8.0f * s.dw;
     } else if constexpr (T == QType::Q4_1) {
         const BlockQ4_1& blk = reinterpret_cast<const BlockQ4_1*>(row)[b];
         s.codes = nibbles(blk.qs);
@@ -133,7 +136,59 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
         }
     }
     const int64_t nb = w.cols / kBlock;
-    for (int64_t b = 0; b < nb; ++b) {
+    const int64_t grouped = kGrouped<T> ? nb / 8 * 8 : 0;
+    // Groups of 8 blocks: the weight blocks decoded once into L1, then per activation row and weight row 8
+    // integer dot products summed across lanes by one hadd tree, converted and scaled as one vector of 8 block
+    // scales (instead of a conversion, a broadcast and a scalar offset per block).
+    for (int64_t b0 = 0; b0 < grouped; b0 += 8) {
+        alignas(32) uint8_t codes[C][8][kBlock];  // |w| for the signed types
+        alignas(32) int8_t signs[kSigned<T> ? C : 1][8][kBlock];
+        alignas(32) float dw[C][8], mw[C][8];
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) {
+            for (int k = 0; k < 8; ++k) {
+                prefetch<T>(base + c * stride, b0 + k);
+                const Sub sub = decode<T>(base + c * stride, b0 + k);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(codes[c][k]),
+                                   kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes);
+                if constexpr (kSigned<T>) _mm256_store_si256(reinterpret_cast<__m256i*>(signs[c][k]), sub.codes);
+                dw[c][k] = sub.dw;
+                mw[c][k] = sub.mw;
+            }
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+            const int64_t at = (r0 + i) * nb + b0;
+            const __m256 dx = _mm256_loadu_ps(act.d.data() + at);
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) {
+                __m256i pairs[4];
+                for (int k = 0; k < 8; k += 2) {
+                    __m256i sums[2];
+                    for (int h = 0; h < 2; ++h) {
+                        __m256i x = load(act.codes(r0 + i, b0 + k + h));
+                        if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, load(signs[c][k + h]));
+                        const __m256i w8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[c][k + h]));
+#if PLLM_VNNI
+                        sums[h] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w8, x);
+#else
+                        sums[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(w8, x), _mm256_set1_epi16(1));
+#endif
+                    }
+                    pairs[k / 2] = _mm256_hadd_epi32(sums[0], sums[1]);
+                }
+                const __m256i low4 = _mm256_hadd_epi32(pairs[0], pairs[1]), high4 = _mm256_hadd_epi32(pairs[2], pairs[3]);
+                const __m256i blocks = _mm256_add_epi32(_mm256_permute2x128_si256(low4, high4, 0x20),
+                                                        _mm256_permute2x128_si256(low4, high4, 0x31));
+                const __m256 scale = _mm256_mul_ps(_mm256_load_ps(dw[c]), dx);
+                acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), scale, acc[i][c]);
+                if constexpr (kOffset<T>) {
+                    acc[i][c] = _mm256_fmadd_ps(_mm256_load_ps(mw[c]), _mm256_loadu_ps(act.s.data() + at), acc[i][c]);
+                }
+            }
+        }
+    }
+    for (int64_t b = grouped; b < nb; ++b) {
         Sub s[C];
         __m256i codes[C];
 #pragma GCC unroll 16
