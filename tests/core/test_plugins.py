@@ -32,14 +32,18 @@ def test_allow_list_limits_which_plugins_load(monkeypatch: pytest.MonkeyPatch) -
 
 
 class _Fake:
-    def __init__(self, name: str, score: int, api_version: object = API_VERSION) -> None:
+    def __init__(self, name: str, score: int, api_version: object = API_VERSION,
+                 architectures: tuple[str, ...] = ("llama",), unavailable: str | None = None) -> None:
         self.name, self.score, self.api_version = name, score, api_version
+        self.architectures, self.unavailable = architectures, unavailable
 
     def probe(self) -> int:
+        if self.unavailable:
+            raise RuntimeError(self.unavailable)
         return self.score
 
     def capabilities(self) -> Capabilities:
-        return Capabilities()
+        return Capabilities(architectures=self.architectures)
 
     def create_engine(self, args, checkpoint):
         raise NotImplementedError
@@ -65,6 +69,28 @@ def test_auto_picks_the_highest_score_and_breaks_ties_by_name() -> None:
     with pytest.raises(BackendNotFoundError, match="nope"):
         registry.select(EngineArgs(backend="nope"))
     assert _registry(_Fake("zeta", 5), _Fake("alpha", 5), _Fake("mid", 3)).select(EngineArgs()).name == "alpha"
+
+
+def test_auto_skips_backends_that_cannot_serve_the_checkpoint(pocketllm_kit_checkpoint) -> None:
+    from pocketllm.checkpoint import load_checkpoint
+
+    llama = load_checkpoint(str(pocketllm_kit_checkpoint("llama")))
+    registry = _registry(_Fake("best", 9, architectures=("qwen3",)), _Fake("second", 5))
+    assert registry.select(EngineArgs(), llama).name == "second"  # the best one refuses Llama
+    assert registry.select(EngineArgs()).name == "best"  # without a checkpoint: the score alone
+    with pytest.raises(UnsupportedOptionError) as err:  # nobody serves it: the best-scored backend's refusal
+        _registry(_Fake("best", 9, architectures=("qwen3",)), _Fake("other", 5, architectures=("qwen3",))).select(
+            EngineArgs(), llama)
+    assert (err.value.option, err.value.backend) == ("model", "best")
+    with pytest.raises(UnsupportedOptionError, match="dtype"):  # options count too, not only the architecture
+        _registry(_Fake("only", 9)).select(EngineArgs(dtype="bfloat16"), llama)
+
+
+def test_a_probe_that_raises_is_unavailable_with_its_reason() -> None:
+    registry = _registry(_Fake("needs-gpu", 20, unavailable="no CUDA device here"), _Fake("cpu", 10))
+    [entry] = [e for e in registry.entries() if e.name == "needs-gpu"]
+    assert (entry.score, entry.unavailable) == (0, "no CUDA device here")
+    assert registry.select(EngineArgs()).name == "cpu"
 
 
 def test_contract_version_compatibility_is_checked_and_reported() -> None:

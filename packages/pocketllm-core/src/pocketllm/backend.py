@@ -25,7 +25,9 @@ Semantics a backend implements
   otherwise 1-9 for a reference or test backend that should never win
   ``backend="auto"`` over a real one, 10-19 for a general CPU engine, 20-29 for
   an engine on an accelerator it has to itself. ``auto`` takes the highest
-  score; a tie goes to the backend whose name sorts first.
+  score; a tie goes to the backend whose name sorts first. A probe that cannot
+  run here may raise instead of returning 0: its message is the reason
+  ``pocketllm backends`` shows.
 * **Stop tokens.** A request ends with ``finish_reason="stop"`` when it samples
   an EOS id of the model (unless ``ignore_eos``) or one of
   ``params.stop_token_ids``. The token is part of ``new_token_ids``.

@@ -75,7 +75,7 @@ def _backends() -> int:
     registry = BackendRegistry()
     for entry in registry.entries():
         caps = entry.capabilities
-        state = f"score {entry.score}" if entry.score > 0 else "unavailable here"
+        state = f"score {entry.score}" if entry.score > 0 else f"unavailable here: {entry.unavailable or 'probe 0'}"
         print(f"{entry.name}  ({entry.distribution} {entry.version}, {state})")
         print(f"    architectures: {', '.join(caps.architectures)}; devices: {', '.join(caps.devices)}; "
               f"dtypes: {', '.join(caps.dtypes)}")

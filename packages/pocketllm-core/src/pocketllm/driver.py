@@ -73,19 +73,20 @@ class EngineDriver:
     def __init__(self, args: EngineArgs, registry: BackendRegistry | None = None,
                  progress: LoadProgress | None = None) -> None:
         progress = progress or LoadProgress()
-        with progress.stage("finding a backend" if args.backend == "auto" else f"starting backend {args.backend}"):
-            self.registry = registry or BackendRegistry()
-            plugin = self.registry.select(args)
-            self.backend_name = plugin.name
-            self.capabilities = plugin.capabilities()
         with progress.stage(f"reading {args.model}"):
             checkpoint = load_checkpoint(args.model, args.model_format)
             self.args = dataclasses.replace(args, max_model_len=resolve_max_model_len(args, checkpoint.config))
-            check_engine_args(plugin.name, self.capabilities, self.args, checkpoint)
             self.model_config = checkpoint.config
             self.checkpoint_path = checkpoint.path
             self.sampling_defaults = checkpoint.sampling_defaults()
             self.tokenizer = Tokenizer.from_checkpoint(checkpoint)
+        # After the checkpoint: "auto" picks among the backends that can serve this model with these options.
+        with progress.stage("finding a backend" if args.backend == "auto" else f"starting backend {args.backend}"):
+            self.registry = registry or BackendRegistry()
+            plugin = self.registry.select(self.args, checkpoint)
+            self.backend_name = plugin.name
+            self.capabilities = plugin.capabilities()
+            check_engine_args(plugin.name, self.capabilities, self.args, checkpoint)
 
         self._cond = threading.Condition()
         self._commands: list[tuple[str, object, Future[None] | None]] = []

@@ -12,10 +12,12 @@ import pluggy
 
 from pocketllm import hookspecs
 from pocketllm.backend import API_VERSION, BackendPlugin, Capabilities
-from pocketllm.errors import BackendNotFoundError
+from pocketllm.errors import BackendNotFoundError, UnsupportedOptionError
+from pocketllm.support import check_engine_args
 
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
+    from pocketllm.checkpoint import Checkpoint
 
 ENTRY_POINT_GROUP = "pocketllm.backends"
 ALLOW_ENV = "POCKETLLM_PLUGINS"
@@ -39,6 +41,7 @@ class BackendEntry(msgspec.Struct, frozen=True):
     score: int
     capabilities: Capabilities
     plugin: BackendPlugin
+    unavailable: str | None = None  # why probe() found this machine unusable, when it said
 
 
 class BackendRegistry:
@@ -95,23 +98,38 @@ class BackendRegistry:
             raise BackendNotFoundError(_not_found(name, self.names(), self.failures)) from None
 
     def entries(self) -> list[BackendEntry]:
-        return [
-            BackendEntry(name, dist, version, _safe_probe(plugin), plugin.capabilities(), plugin)
-            for name, (plugin, dist, version) in sorted(self._backends.items())
-        ]
+        entries = []
+        for name, (plugin, dist, version) in sorted(self._backends.items()):
+            score, reason = _probe(plugin)
+            entries.append(BackendEntry(name, dist, version, score, plugin.capabilities(), plugin, reason))
+        return entries
 
-    def select(self, args: EngineArgs) -> BackendPlugin:
-        """Resolve ``args.backend``: an explicit name, else a hook's choice, else the highest score above 0."""
+    def select(self, args: EngineArgs, checkpoint: Checkpoint | None = None) -> BackendPlugin:
+        """Resolve ``args.backend``: an explicit name, else a hook's choice, else the highest score above 0 among
+        the backends whose Capabilities serve ``checkpoint`` with ``args`` (all of them without a checkpoint).
+        When none does, the best-scored backend's refusal is raised: it names what is unsupported."""
         if args.backend != "auto":
             return self.get(args.backend)
-        scores = {name: _safe_probe(plugin) for name, (plugin, _, _) in self._backends.items()}
+        scores = {name: _probe(plugin)[0] for name, (plugin, _, _) in self._backends.items()}
         chosen = self.pm.hook.pocketllm_select_backend(args=args, scores=scores)
         if chosen is not None:
             return self.get(chosen)
-        available = [(-score, name) for name, score in scores.items() if score > 0]
+        # The highest score first; on a tie, the name that sorts first.
+        available = sorted((-score, name) for name, score in scores.items() if score > 0)
         if not available:
             raise BackendNotFoundError(_not_found("auto", self.names(), self.failures))
-        return self.get(min(available)[1])  # the highest score; on a tie, the name that sorts first
+        refusals: list[UnsupportedOptionError] = []
+        for _, name in available:
+            plugin = self.get(name)
+            if checkpoint is None:
+                return plugin
+            try:
+                check_engine_args(name, plugin.capabilities(), args, checkpoint)
+            except UnsupportedOptionError as e:
+                refusals.append(e)
+                continue
+            return plugin
+        raise refusals[0]
 
 
 def _incompatibility(backend: object) -> str | None:
@@ -128,12 +146,13 @@ def _incompatibility(backend: object) -> str | None:
     return None
 
 
-def _safe_probe(plugin: BackendPlugin) -> int:
+def _probe(plugin: BackendPlugin) -> tuple[int, str | None]:
+    """The backend's score, and why it is 0 when its probe raised to say (see "Probe scores" in backend.py)."""
     try:
-        return max(0, int(plugin.probe()))
+        return max(0, int(plugin.probe())), None
     except Exception as e:
-        log.warning("backend %r probe failed: %s", plugin.name, e)
-        return 0
+        log.warning("backend %r is unavailable here: %s", plugin.name, e)
+        return 0, str(e) or type(e).__name__
 
 
 def _allow_from_env() -> set[str] | None:

@@ -37,9 +37,12 @@ class CppBackend:
     api_version = API_VERSION
 
     def probe(self) -> int:
-        # Runs on any CPU (a scalar path everywhere). Below torch's 10 until it is faster than torch: "auto" must
-        # not pick the slower engine.
-        return 9
+        # Above torch's 10 on CPUs with the SIMD kernels (faster than torch there: see bench/results); below it on
+        # others, where the scalar path runs but torch's vectorised kernels are faster. Raises (the reason
+        # `pocketllm backends` shows) when the native module cannot load here.
+        from pocketllm_cpp import _native
+
+        return 15 if _native.best_isa() != "scalar" else 9
 
     def capabilities(self) -> Capabilities:
         from pocketllm_cpp.model import ARCHITECTURES, STORAGE_TYPES
