@@ -101,6 +101,30 @@ constexpr int64_t kStorageBytes = T == QType::Q4_0 ? sizeof(BlockQ4_0) : T == QT
                                   : T == QType::Q5_K ? sizeof(BlockQ5_K) : sizeof(BlockQ6_K);
 
 template <QType T>
+constexpr bool kBlock32 = T == QType::Q4_0 || T == QType::Q4_1 || T == QType::Q8_0;
+
+// The fp16 scales of 8 consecutive 32-value blocks (each block's first 4 bytes: d, and m for Q4_1) as two float
+// vectors in one gather and two conversions, instead of two scalar conversions per block.
+template <QType T>
+inline void scales8(const uint8_t* row, int64_t b0, float* dw, float* mw) {
+    const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                               _mm256_set1_epi32(static_cast<int>(kStorageBytes<T>)));
+    const __m256i heads = _mm256_i32gather_epi32(reinterpret_cast<const int*>(row + b0 * kStorageBytes<T>), offsets, 1);
+    // Each 32-bit head's low (d) or high (m) 16 bits, packed into 8 halves in order.
+    auto halves = [&](int high) {
+        const __m256i pick = _mm256_setr_epi8(0 + high, 1 + high, 4 + high, 5 + high, 8 + high, 9 + high, 12 + high, 13 + high,
+                                              -1, -1, -1, -1, -1, -1, -1, -1, 0 + high, 1 + high, 4 + high, 5 + high,
+                                              8 + high, 9 + high, 12 + high, 13 + high, -1, -1, -1, -1, -1, -1, -1, -1);
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(heads, pick), _MM_SHUFFLE(3, 1, 2, 0));
+        return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+    };
+    const __m256 d = halves(0);
+    _mm256_store_ps(dw, d);
+    if constexpr (T == QType::Q4_1) _mm256_store_ps(mw, halves(2));
+    if constexpr (T == QType::Q4_0) _mm256_store_ps(mw, _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)));  // (q - 8) d
+}
+
+template <QType T>
 inline void prefetch(const uint8_t* row, int64_t b) {
     constexpr bool super = T == QType::Q4_K || T == QType::Q5_K || T == QType::Q6_K;  // 8 sub-blocks per block
     const int64_t at = super ? (b / 8) * kStorageBytes<T> + (b % 8) * (kStorageBytes<T> / 8) : b * kStorageBytes<T>;
@@ -141,50 +165,83 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
     // integer dot products summed across lanes by one hadd tree, converted and scaled as one vector of 8 block
     // scales (instead of a conversion, a broadcast and a scalar offset per block).
     for (int64_t b0 = 0; b0 < grouped; b0 += 8) {
-        alignas(32) uint8_t codes[C][8][kBlock];  // |w| for the signed types
-        alignas(32) int8_t signs[kSigned<T> ? C : 1][8][kBlock];
+        alignas(32) uint8_t codes[R > 1 ? C : 1][8][kBlock];  // |w| for the signed types
+        alignas(32) int8_t signs[R > 1 && kSigned<T> ? C : 1][8][kBlock];
         alignas(32) float dw[C][8], mw[C][8];
+        // One block's integer dot with activation row i: from registers with one activation row (decode), else
+        // from the blocks decoded once into L1 for all rows.
+        auto dot = [&](int c, int k, int i, const Sub* sub) {
+            __m256i x = load(act.codes(r0 + i, b0 + k));
+            __m256i w8;
+            if (sub != nullptr) {
+                if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, sub->codes);
+                w8 = kSigned<T> ? _mm256_sign_epi8(sub->codes, sub->codes) : sub->codes;
+            } else {
+                if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, load(signs[c][k]));
+                w8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[c][k]));
+            }
+#if PLLM_VNNI
+            return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w8, x);
+#else
+            return _mm256_madd_epi16(_mm256_maddubs_epi16(w8, x), _mm256_set1_epi16(1));
+#endif
+        };
+        // The 8 blocks' dots of (c, i) summed across lanes by one hadd tree, scaled as one vector, into acc.
+        auto finish = [&](int c, int i, const __m256i* pairs) {
+            const int64_t at = (r0 + i) * nb + b0;
+            const __m256i low4 = _mm256_hadd_epi32(pairs[0], pairs[1]), high4 = _mm256_hadd_epi32(pairs[2], pairs[3]);
+            const __m256i blocks = _mm256_add_epi32(_mm256_permute2x128_si256(low4, high4, 0x20),
+                                                    _mm256_permute2x128_si256(low4, high4, 0x31));
+            const __m256 scale = _mm256_mul_ps(_mm256_load_ps(dw[c]), _mm256_loadu_ps(act.d.data() + at));
+            acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), scale, acc[i][c]);
+            if constexpr (kOffset<T>) {
+                acc[i][c] = _mm256_fmadd_ps(_mm256_load_ps(mw[c]), _mm256_loadu_ps(act.s.data() + at), acc[i][c]);
+            }
+        };
+        if constexpr (R == 1) {
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) {
+                if constexpr (kBlock32<T>) scales8<T>(base + c * stride, b0, dw[c], mw[c]);
+                __m256i pairs[4];
+                for (int k = 0; k < 8; k += 2) {
+                    __m256i sums[2];
+                    for (int h = 0; h < 2; ++h) {
+                        prefetch<T>(base + c * stride, b0 + k + h);
+                        const Sub sub = decode<T>(base + c * stride, b0 + k + h);
+                        if constexpr (!kBlock32<T>) {
+                            dw[c][k + h] = sub.dw;
+                            mw[c][k + h] = sub.mw;
+                        }
+                        sums[h] = dot(c, k + h, 0, &sub);
+                    }
+                    pairs[k / 2] = _mm256_hadd_epi32(sums[0], sums[1]);
+                }
+                finish(c, 0, pairs);
+            }
+            continue;
+        }
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
+            if constexpr (kBlock32<T>) scales8<T>(base + c * stride, b0, dw[c], mw[c]);
             for (int k = 0; k < 8; ++k) {
                 prefetch<T>(base + c * stride, b0 + k);
                 const Sub sub = decode<T>(base + c * stride, b0 + k);
                 _mm256_store_si256(reinterpret_cast<__m256i*>(codes[c][k]),
                                    kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes);
                 if constexpr (kSigned<T>) _mm256_store_si256(reinterpret_cast<__m256i*>(signs[c][k]), sub.codes);
-                dw[c][k] = sub.dw;
-                mw[c][k] = sub.mw;
+                if constexpr (!kBlock32<T>) {
+                    dw[c][k] = sub.dw;
+                    mw[c][k] = sub.mw;
+                }
             }
         }
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i) {
-            const int64_t at = (r0 + i) * nb + b0;
-            const __m256 dx = _mm256_loadu_ps(act.d.data() + at);
 #pragma GCC unroll 16
             for (int c = 0; c < C; ++c) {
                 __m256i pairs[4];
-                for (int k = 0; k < 8; k += 2) {
-                    __m256i sums[2];
-                    for (int h = 0; h < 2; ++h) {
-                        __m256i x = load(act.codes(r0 + i, b0 + k + h));
-                        if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, load(signs[c][k + h]));
-                        const __m256i w8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[c][k + h]));
-#if PLLM_VNNI
-                        sums[h] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w8, x);
-#else
-                        sums[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(w8, x), _mm256_set1_epi16(1));
-#endif
-                    }
-                    pairs[k / 2] = _mm256_hadd_epi32(sums[0], sums[1]);
-                }
-                const __m256i low4 = _mm256_hadd_epi32(pairs[0], pairs[1]), high4 = _mm256_hadd_epi32(pairs[2], pairs[3]);
-                const __m256i blocks = _mm256_add_epi32(_mm256_permute2x128_si256(low4, high4, 0x20),
-                                                        _mm256_permute2x128_si256(low4, high4, 0x31));
-                const __m256 scale = _mm256_mul_ps(_mm256_load_ps(dw[c]), dx);
-                acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), scale, acc[i][c]);
-                if constexpr (kOffset<T>) {
-                    acc[i][c] = _mm256_fmadd_ps(_mm256_load_ps(mw[c]), _mm256_loadu_ps(act.s.data() + at), acc[i][c]);
-                }
+                for (int k = 0; k < 8; k += 2) pairs[k / 2] = _mm256_hadd_epi32(dot(c, k, i, nullptr), dot(c, k + 1, i, nullptr));
+                finish(c, i, pairs);
             }
         }
     }

@@ -98,6 +98,13 @@ void matmul_many(const std::vector<Product>& products, const float* x, int64_t n
     });
 }
 
+float exp_shifted(float* x, int64_t n, float shift) {
+#ifdef POCKETLLM_HAVE_X86
+    if (current_isa() != Isa::Scalar) return kernels::attention_avx2(KvType::F32).exp_shifted(x, n, shift);
+#endif
+    return kernels::attention_scalar(KvType::F32).exp_shifted(x, n, shift);
+}
+
 void dequantize(const WeightView& w, float* out) {
     for (int64_t row = 0; row < w.rows; ++row) dequantize_row(w, row, out + row * w.cols);
 }

@@ -1,5 +1,7 @@
 #include "pocketllm_cpp/sampler.h"
 
+#include "pocketllm_cpp/matmul.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -60,32 +62,51 @@ int32_t sample(std::vector<float>& logits, const SamplingConfig& c, const std::v
     if (c.greedy()) {
         token = argmax(logits);
     } else {
-        // Candidates by probability, best first (ties by id); then top-k, top-p and min-p cut the tail.
+        // Candidates by probability, best first (ties by id); top-k, top-p and min-p each keep a prefix of that
+        // order. Only as much of it is sorted as the cuts need: sorting a 150k vocabulary for every token would
+        // cost more than the rest of the step. With no cut at all, the draw walks the vocabulary in id order.
+        auto better = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
         std::vector<int32_t> order(static_cast<size_t>(vocab));
         std::iota(order.begin(), order.end(), 0);
-        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
-        int64_t keep = c.top_k > 0 ? std::min(c.top_k, vocab) : vocab;
-        const double best = logits[order[0]] / c.temperature;
-        std::vector<double> probs(static_cast<size_t>(keep));
-        double total = 0.0;
-        for (int64_t i = 0; i < keep; ++i) total += probs[i] = std::exp(logits[order[i]] / c.temperature - best);
-        if (c.top_p < 1.0f) {  // a token stays while those above it fall short of top_p; the first always stays
+        int64_t keep = vocab;
+        if (c.top_k > 0 && c.top_k < vocab) {
+            std::nth_element(order.begin(), order.begin() + c.top_k, order.end(), better);
+            keep = c.top_k;
+        }
+        // Probabilities relative to the best token's, once, with the ISA's vector exp.
+        std::vector<float> relative(static_cast<size_t>(vocab));
+        const float inverse_temperature = 1.0f / c.temperature;
+        for (int64_t i = 0; i < vocab; ++i) relative[static_cast<size_t>(i)] = logits[static_cast<size_t>(i)] * inverse_temperature;
+        const double everything = exp_shifted(relative.data(), vocab, *std::max_element(relative.begin(), relative.end()));
+        auto prob = [&](int32_t id) { return static_cast<double>(relative[static_cast<size_t>(id)]); };
+        double total = keep == vocab ? everything : 0.0;  // of the top-k set: top-p's denominator
+        for (int64_t i = 0; keep < vocab && i < keep; ++i) total += prob(order[i]);
+        const bool cut = keep < vocab || c.top_p < 1.0f || c.min_p > 0.0f;
+        if (c.min_p > 0.0f) {  // everything under min_p times the best probability goes, whatever its rank
+            const double floor = c.min_p;  // probabilities here are relative to the best, whose is 1
+            keep = std::partition(order.begin(), order.begin() + keep, [&](int32_t id) { return prob(id) >= floor; }) -
+                   order.begin();
+        }
+        int64_t sorted = cut ? std::min<int64_t>(keep, c.top_p < 1.0f && c.min_p <= 0.0f ? 64 : keep) : 0;
+        for (;;) {
+            std::partial_sort(order.begin(), order.begin() + sorted, order.begin() + keep, better);
+            if (c.top_p >= 1.0f) break;
+            // A token stays while those above it fall short of top_p; the first always stays.
             double above = 0.0;
-            int64_t cut = 1;
-            for (; cut < keep; ++cut) {
-                above += probs[cut - 1] / total;
+            int64_t end = 1;
+            for (; end < sorted; ++end) {
+                above += prob(order[end - 1]) / total;
                 if (above >= c.top_p) break;
             }
-            keep = cut;
+            if (end < sorted || sorted == keep) {
+                keep = end;
+                break;
+            }
+            sorted = std::min(keep, 4 * sorted);  // the cut lies further down: sort more
         }
-        if (c.min_p > 0.0f) {
-            const double floor = c.min_p * probs[0];
-            int64_t cut = 1;
-            while (cut < keep && probs[cut] >= floor) ++cut;
-            keep = cut;
-        }
+        std::vector<double> probs(static_cast<size_t>(keep));
         double kept = 0.0;
-        for (int64_t i = 0; i < keep; ++i) kept += probs[i];
+        for (int64_t i = 0; i < keep; ++i) kept += probs[i] = prob(order[i]);
         double draw = rng.uniform() * kept;
         int64_t chosen = keep - 1;
         for (int64_t i = 0; i < keep; ++i) {

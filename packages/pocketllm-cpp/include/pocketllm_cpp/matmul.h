@@ -41,6 +41,9 @@ void dequantize(const WeightView& w, float* out);
 // A row of a weight (an embedding lookup) as float32.
 void dequantize_row(const WeightView& w, int64_t row, float* out);
 
+// x[i] = exp(x[i] - shift) with the current ISA's vector exp; returns their sum (softmax, sampling).
+float exp_shifted(float* x, int64_t n, float shift);
+
 // The KV cache's element type: float32, or IEEE half (the default: half the bytes per attention read).
 enum class KvType { F32, F16 };
 

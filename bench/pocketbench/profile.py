@@ -1,0 +1,122 @@
+"""Where a decode step of the cpp backend goes, against the machine's memory bandwidth.
+
+    python -m pocketbench.profile [--model M] [--threads 2] [--context 128 512] [--out results/]
+
+Per context length: one prompt of that many tokens, 128 greedy tokens, timed from the first streamed token. The
+engine's own profile (``Engine.profile``: clocks around each phase of every step) splits the step into the
+layers' weight products, the vocabulary projection, attention (norms, RoPE, KV writes and reads), other layer
+work, the caller waiting for worker threads at the end of parallel regions (imbalance and synchronisation),
+sampling and scheduling; what the caller saw beyond the steps is the Python boundary (the core's driver, its
+engine thread and the stream). The bound: bytes a decode step must read (every weight matrix but the embedding
+table, plus the KV of the context) over the machine's read bandwidth, measured here with the same threads.
+Prints a table and writes ``<date>-<machine>-profile.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pocketbench.machine import describe, machine_name
+from pocketllm import LLM, SamplingParams
+from pocketllm.args import DEFAULT_MODEL
+from pocketllm.checkpoint import load_checkpoint
+
+NEW_TOKENS = 128
+PHASES = ("matmul", "lm_head", "attention", "other", "wait", "sample", "schedule", "python")
+
+
+def read_bandwidth(threads: int, size: int = 256 << 20) -> float:
+    """Bytes per second that `threads` threads read from memory (numpy sums release the GIL), best of 5."""
+    parts = [np.ones(size // 8 // threads) for _ in range(threads)]
+    best = 0.0
+    for _ in range(5):
+        workers = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = max(best, size / (time.perf_counter() - start))
+    return best
+
+
+def weight_bytes(model: str) -> int:
+    """Bytes of the matrices a decode step reads: all but the embedding table (one row of it), lm_head included."""
+    checkpoint = load_checkpoint(model)
+    tensors = {t.name: t for t in checkpoint.tensors()}
+    total = sum(t.nbytes for name, t in tensors.items() if len(t.shape) == 2 and name != "model.embed_tokens.weight")
+    if checkpoint.config.tie_word_embeddings:
+        total += tensors["model.embed_tokens.weight"].nbytes
+    return total
+
+
+def profile(llm: Any, context: int) -> dict[str, float]:
+    engine = llm.driver.engine.engine  # the native engine of pocketllm_cpp.backend.CppEngine
+    prompt = list(np.random.default_rng(context).integers(100, 20000, context))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    stream = llm.generate_stream(prompt, params)
+    next(stream)
+    engine.reset_profile()
+    start = time.perf_counter()
+    for _ in stream:
+        pass
+    wall = time.perf_counter() - start
+    p = engine.profile()
+    steps = p["steps"]
+    per = {k: p[k] / steps * 1e3 for k in ("step", "matmul", "lm_head", "attention", "wait", "sample", "schedule")}
+    per["other"] = (p["forward"] - p["matmul"] - p["lm_head"] - p["attention"]) / steps * 1e3
+    per["python"] = wall / steps * 1e3 - per["step"]
+    per["token"] = wall / steps * 1e3
+    per["regions"] = p["regions"] / steps
+    return per
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="decode-step profile of the cpp backend")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "results")
+    args = parser.parse_args()
+    llm = LLM(args.model, backend="cpp", backend_options={"num_threads": args.threads})
+    config = llm.driver.model_config
+    weights = weight_bytes(args.model)
+    bandwidth = read_bandwidth(args.threads)
+    rows = []
+    for context in args.context:
+        per = profile(llm, context)
+        average = context + NEW_TOKENS // 2
+        kv = average * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2  # float16
+        bound = (weights + kv) / bandwidth * 1e3
+        rows.append({"context": context, "ms": per, "bytes_per_token": weights + kv, "bound_ms": bound})
+    llm.shutdown()
+    lines = [f"# Decode-step profile: cpp backend, {args.model}, {args.threads} threads", "",
+             f"Read bandwidth ({args.threads} threads, numpy): {bandwidth / 1e9:.1f} GB/s; weights read per token: "
+             f"{weights / 1e6:.1f} MB.", "",
+             "| context | tok/s | ms/token | " + " | ".join(PHASES) + " | regions | bound ms | bound tok/s | of bound |",
+             "|---" * (len(PHASES) + 7) + "|"]
+    for row in rows:
+        per = row["ms"]
+        lines.append(f"| {row['context']} | {1e3 / per['token']:.0f} | {per['token']:.2f} | "
+                     + " | ".join(f"{per[k]:.2f}" for k in PHASES)
+                     + f" | {per['regions']:.0f} | {row['bound_ms']:.2f} | {1e3 / row['bound_ms']:.0f} | "
+                     f"{row['bound_ms'] / per['token']:.0%} |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    stem = args.out / f"{datetime.date.today().isoformat()}-{machine_name()}-profile"
+    stem.with_suffix(".md").write_text(report)
+    stem.with_suffix(".json").write_text(json.dumps({"machine": describe(), "model": args.model,
+                                                     "threads": args.threads, "bandwidth": bandwidth,
+                                                     "weight_bytes": weights, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
