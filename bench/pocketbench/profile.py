@@ -60,7 +60,7 @@ def weight_bytes(model: str) -> int:
 
 def profile(llm: Any, context: int) -> dict[str, float]:
     engine = llm.driver.engine.engine  # the native engine of pocketllm_cpp.backend.CppEngine
-    prompt = list(np.random.default_rng(context).integers(100, 20000, context))
+    prompt = np.random.default_rng(context).integers(100, 20000, context).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     stream = llm.generate_stream(prompt, params)
     next(stream)
@@ -101,7 +101,8 @@ def main() -> None:
     lines = [f"# Decode-step profile: cpp backend, {args.model}, {args.threads} threads", "",
              f"Read bandwidth ({args.threads} threads, numpy): {bandwidth / 1e9:.1f} GB/s; weights read per token: "
              f"{weights / 1e6:.1f} MB.", "",
-             "| context | tok/s | ms/token | " + " | ".join(PHASES) + " | regions | bound ms | bound tok/s | of bound |",
+             "| context | tok/s | ms/token | " + " | ".join(PHASES)
+             + " | regions | bound ms | bound tok/s | of bound |",
              "|---" * (len(PHASES) + 7) + "|"]
     for row in rows:
         per = row["ms"]

@@ -132,6 +132,17 @@ float exp_shifted(float* x, int64_t count, float shift) {
 
 }  // namespace
 
+void silu_mul_avx2(float* gate, const float* up, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 sigmoid = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                                             _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+    }
+    silu_mul_scalar(gate + i, up + i, n - i);
+}
+
 Attention attention_avx2(KvType kv) {
     const Attention scalar = attention_scalar(kv);
     if (kv == KvType::F16) return {store_f16, load_f16, scores, accumulate, exp_shifted};

@@ -168,28 +168,31 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
         alignas(32) uint8_t codes[R > 1 ? C : 1][8][kBlock];  // |w| for the signed types
         alignas(32) int8_t signs[R > 1 && kSigned<T> ? C : 1][8][kBlock];
         alignas(32) float dw[C][8], mw[C][8];
-        // One block's integer dot with activation row i: from registers with one activation row (decode), else
-        // from the blocks decoded once into L1 for all rows.
-        auto dot = [&](int c, int k, int i, const Sub* sub) {
-            __m256i x = load(act.codes(r0 + i, b0 + k));
-            __m256i w8;
-            if (sub != nullptr) {
-                if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, sub->codes);
-                w8 = kSigned<T> ? _mm256_sign_epi8(sub->codes, sub->codes) : sub->codes;
-            } else {
-                if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, load(signs[c][k]));
-                w8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[c][k]));
-            }
+        // One block's integer dot with the activation row, from registers (one activation row: decode).
+        auto dot = [&](int k, const Sub& sub) {
+            __m256i x = load(act.codes(r0, b0 + k));
+            if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, sub.codes);
+            const __m256i w8 = kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes;
 #if PLLM_VNNI
             return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w8, x);
 #else
             return _mm256_madd_epi16(_mm256_maddubs_epi16(w8, x), _mm256_set1_epi16(1));
 #endif
         };
-        // The 8 blocks' dots of (c, i) summed across lanes by one hadd tree, scaled as one vector, into acc.
-        auto finish = [&](int c, int i, const __m256i* pairs) {
+        // A staged block's dot with an activation block already loaded.
+        auto dot_x = [&](int c, int k, __m256i x) {
+            if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, load(signs[c][k]));
+            const __m256i w8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[c][k]));
+#if PLLM_VNNI
+            return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w8, x);
+#else
+            return _mm256_madd_epi16(_mm256_maddubs_epi16(w8, x), _mm256_set1_epi16(1));
+#endif
+        };
+        // The 8 blocks' dots of (c, i) summed across lanes by one hadd tree (its last level here: blocks 0-3 and
+        // 4-7 in each 128-bit half), scaled as one vector, into acc.
+        auto finish_halves = [&](int c, int i, __m256i low4, __m256i high4) {
             const int64_t at = (r0 + i) * nb + b0;
-            const __m256i low4 = _mm256_hadd_epi32(pairs[0], pairs[1]), high4 = _mm256_hadd_epi32(pairs[2], pairs[3]);
             const __m256i blocks = _mm256_add_epi32(_mm256_permute2x128_si256(low4, high4, 0x20),
                                                     _mm256_permute2x128_si256(low4, high4, 0x31));
             const __m256 scale = _mm256_mul_ps(_mm256_load_ps(dw[c]), _mm256_loadu_ps(act.d.data() + at));
@@ -212,11 +215,11 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
                             dw[c][k + h] = sub.dw;
                             mw[c][k + h] = sub.mw;
                         }
-                        sums[h] = dot(c, k + h, 0, &sub);
+                        sums[h] = dot(k + h, sub);
                     }
                     pairs[k / 2] = _mm256_hadd_epi32(sums[0], sums[1]);
                 }
-                finish(c, 0, pairs);
+                finish_halves(c, 0, _mm256_hadd_epi32(pairs[0], pairs[1]), _mm256_hadd_epi32(pairs[2], pairs[3]));
             }
             continue;
         }
@@ -235,13 +238,30 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
                 }
             }
         }
+        // Each block's scale d_w * d_x as a vector per (weight row, activation row), stored for broadcasts; the
+        // offsets m_w * s_x join the sums as vectors.
+        alignas(32) float scale[C][R][8];
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i) {
+            const int64_t at = (r0 + i) * nb + b0;
+            const __m256 dx = _mm256_loadu_ps(act.d.data() + at);
 #pragma GCC unroll 16
             for (int c = 0; c < C; ++c) {
-                __m256i pairs[4];
-                for (int k = 0; k < 8; k += 2) pairs[k / 2] = _mm256_hadd_epi32(dot(c, k, i, nullptr), dot(c, k + 1, i, nullptr));
-                finish(c, i, pairs);
+                _mm256_store_ps(scale[c][i], _mm256_mul_ps(_mm256_load_ps(dw[c]), dx));
+                if constexpr (kOffset<T>) {
+                    acc[i][c] = _mm256_fmadd_ps(_mm256_load_ps(mw[c]), _mm256_loadu_ps(act.s.data() + at), acc[i][c]);
+                }
+            }
+        }
+        for (int k = 0; k < 8; ++k) {
+#pragma GCC unroll 16
+            for (int i = 0; i < R; ++i) {
+                const __m256i x = load(act.codes(r0 + i, b0 + k));
+#pragma GCC unroll 16
+                for (int c = 0; c < C; ++c) {
+                    acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_x(c, k, x)), _mm256_broadcast_ss(&scale[c][i][k]),
+                                                acc[i][c]);
+                }
             }
         }
     }

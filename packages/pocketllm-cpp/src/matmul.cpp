@@ -48,7 +48,7 @@ void validate(const WeightView& w, int64_t data_bytes) {
     }
 }
 
-void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows& out) {
+void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows& out, ThreadPool* pool) {
     out.rows = n;
     out.cols = cols;
     out.qs.resize(static_cast<size_t>(n * cols));
@@ -58,10 +58,14 @@ void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows
 #ifdef POCKETLLM_HAVE_X86
     if (current_isa() != Isa::Scalar) quantize = kernels::quantize_row_avx2;
 #endif
-    for (int64_t r = 0; r < n; ++r) {
-        const int64_t b = r * (cols / kBlock);
-        quantize(x + r * cols, cols, out.qs.data() + r * cols, out.d.data() + b, out.s.data() + b);
-    }
+    auto rows = [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const int64_t b = r * (cols / kBlock);
+            quantize(x + r * cols, cols, out.qs.data() + r * cols, out.d.data() + b, out.s.data() + b);
+        }
+    };
+    if (pool != nullptr && n >= 16) return pool->parallel_for(n, rows);  // a prompt's rows: worth a region
+    rows(0, n);
 }
 
 void matmul(const WeightView& w, const float* x, int64_t n, float* y, ThreadPool& pool, bool exact) {
@@ -80,7 +84,7 @@ void matmul_many(const std::vector<Product>& products, const float* x, int64_t n
     // through this reference (a thread_local named in the task would be each worker's own, empty one).
     thread_local QuantizedRows buffer;
     const QuantizedRows& act = buffer;
-    if (quantized) quantize_activations(x, n, cols, buffer);
+    if (quantized) quantize_activations(x, n, cols, buffer, &pool);
     // Tasks of kRowsPerTask weight rows over every product: first[i] is product i's first task.
     std::vector<int64_t> first(products.size() + 1, 0);
     for (size_t i = 0; i < products.size(); ++i) {
@@ -103,6 +107,13 @@ float exp_shifted(float* x, int64_t n, float shift) {
     if (current_isa() != Isa::Scalar) return kernels::attention_avx2(KvType::F32).exp_shifted(x, n, shift);
 #endif
     return kernels::attention_scalar(KvType::F32).exp_shifted(x, n, shift);
+}
+
+void silu_mul(float* gate, const float* up, int64_t n) {
+#ifdef POCKETLLM_HAVE_X86
+    if (current_isa() != Isa::Scalar) return kernels::silu_mul_avx2(gate, up, n);
+#endif
+    kernels::silu_mul_scalar(gate, up, n);
 }
 
 void dequantize(const WeightView& w, float* out) {

@@ -198,10 +198,8 @@ std::vector<float> Model::forward(const std::vector<int32_t>& tokens, const std:
         }
         const int64_t inter = c.intermediate_size;
         for_rows(pool_, n, [&](int64_t begin, int64_t end) {
-            for (int64_t i = begin * inter; i < end * inter; ++i) {
-                const float g = batch.gate[static_cast<size_t>(i)];
-                batch.gate[static_cast<size_t>(i)] = g / (1.0f + std::exp(-g)) * batch.up[static_cast<size_t>(i)];
-            }
+            silu_mul(&batch.gate[static_cast<size_t>(begin * inter)], &batch.up[static_cast<size_t>(begin * inter)],
+                     (end - begin) * inter);
         });
         Stopwatch timed(profile_.matmul);
         matmul(L.down, batch.gate.data(), n, batch.out.data(), pool_, c.exact_activations);

@@ -19,8 +19,9 @@ struct WeightView {
 // Checks sizes and types; throws std::invalid_argument naming what is wrong.
 void validate(const WeightView& w, int64_t data_bytes);
 
-// Quantizes each of n rows of x [n, cols] to 8-bit blocks (round half to even), as the integer kernels need.
-void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows& out);
+// Quantizes each of n rows of x [n, cols] to 8-bit blocks (round half to even), as the integer kernels need;
+// many rows are split over `pool` when one is given.
+void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows& out, ThreadPool* pool = nullptr);
 
 // One product of a batch that shares its input: y [n, w.rows] (row stride w.rows) = x @ w.T.
 struct Product {
@@ -44,6 +45,9 @@ void dequantize_row(const WeightView& w, int64_t row, float* out);
 // x[i] = exp(x[i] - shift) with the current ISA's vector exp; returns their sum (softmax, sampling).
 float exp_shifted(float* x, int64_t n, float shift);
 
+// gate[i] = silu(gate[i]) * up[i] (SwiGLU) with the current ISA's vector exp.
+void silu_mul(float* gate, const float* up, int64_t n);
+
 // The KV cache's element type: float32, or IEEE half (the default: half the bytes per attention read).
 enum class KvType { F32, F16 };
 
@@ -58,6 +62,8 @@ void gemm_avx512(const WeightView&, int64_t, int64_t, const QuantizedRows&, cons
 void gemm_exact(const WeightView&, int64_t, int64_t, const QuantizedRows&, const float*, int64_t, float*, int64_t);
 
 void quantize_row_scalar(const float* x, int64_t cols, int8_t* qs, float* d, float* s);
+void silu_mul_scalar(float* gate, const float* up, int64_t n);
+void silu_mul_avx2(float* gate, const float* up, int64_t n);
 void quantize_row_avx2(const float* x, int64_t cols, int8_t* qs, float* d, float* s);
 
 // Attention over one KV block of `count` rows of `dim` values, the block first converted to float32 once for
