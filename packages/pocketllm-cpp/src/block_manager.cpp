@@ -6,7 +6,7 @@ namespace pocketllm {
 
 BlockManager::BlockManager(int64_t num_blocks, int64_t block_size, bool prefix_caching)
     : block_size_(block_size), prefix_caching_(prefix_caching), blocks_(static_cast<size_t>(num_blocks)) {
-    for (int32_t b = 0; b < static_cast<int32_t>(num_blocks); ++b) blocks_[b].free_at = free_.insert(free_.end(), b);
+    for (int32_t b = static_cast<int32_t>(num_blocks) - 1; b >= 0; --b) empty_.push_back(b);  // block 0 on top
 }
 
 uint64_t BlockManager::hash_of(uint64_t parent, const int32_t* tokens) const {
@@ -49,24 +49,29 @@ BlockManager::Chain BlockManager::share(const std::vector<int32_t>& blocks, int6
     Chain chain;
     for (int32_t b : blocks) {
         Block& block = blocks_[static_cast<size_t>(b)];
-        if (block.refs++ == 0) free_.erase(block.free_at);
+        if (block.refs++ == 0) cached_free_.erase(block.free_at);  // a matched block is hashed
         chain = {chain.blocks + 1, block.hash};
     }
     return chain;
 }
 
 int32_t BlockManager::allocate() {
-    if (free_.empty()) return -1;
-    const int32_t b = free_.front();
-    free_.pop_front();
-    Block& block = blocks_[static_cast<size_t>(b)];
-    if (block.hashed) {  // evicted: its contents are about to be overwritten
+    int32_t b;
+    if (!empty_.empty()) {
+        b = empty_.back();
+        empty_.pop_back();
+    } else if (!cached_free_.empty()) {
+        b = cached_free_.front();  // evicted: its contents are about to be overwritten
+        cached_free_.pop_front();
+        Block& block = blocks_[static_cast<size_t>(b)];
         auto it = cached_.find(block.hash);
         if (it != cached_.end() && it->second == b) cached_.erase(it);
         block.hashed = false;
         block.tokens.clear();
+    } else {
+        return -1;
     }
-    block.refs = 1;
+    blocks_[static_cast<size_t>(b)].refs = 1;
     return b;
 }
 
@@ -74,7 +79,12 @@ void BlockManager::release(std::vector<int32_t>& blocks) {
     // The sequence's last blocks are freed first, so its prefix (the likeliest to be shared) is evicted last.
     for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
         Block& block = blocks_[static_cast<size_t>(*it)];
-        if (--block.refs == 0) block.free_at = free_.insert(free_.end(), *it);
+        if (--block.refs > 0) continue;
+        if (block.hashed) {
+            block.free_at = cached_free_.insert(cached_free_.end(), *it);
+        } else {
+            empty_.push_back(*it);
+        }
     }
     blocks.clear();
 }

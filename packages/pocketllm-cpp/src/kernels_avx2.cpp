@@ -2,7 +2,7 @@
 // CPU was checked (isa.cpp). Integer dot products: maddubs (u8 x s8 -> s16 pairs), madd (-> s32).
 #define PLLM_VNNI 0
 #define PLLM_GEMM gemm_avx2
-#define PLLM_TILE_ROWS 2  // weight rows per tile: 2 x 4 sums fit in 16 vector registers beside the operands
+#define PLLM_TILE_ROWS 2  // weight rows per batched tile: 2 x 4 sums fit in 16 vector registers beside the operands
 #include "kernels_x86.inl"
 
 #include <cmath>

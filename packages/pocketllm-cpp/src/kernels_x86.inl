@@ -309,6 +309,9 @@ void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const 
                  float* y, int64_t y_stride) {
     const size_t stride = row_bytes(w.type, w.cols);
     int64_t row = row_begin;
+    if (n <= 2) {  // decode: 4 weight rows in flight, whose blocks stream from memory
+        for (; row + 4 <= row_end; row += 4) rows<T, 4>(w, stride, row, act, n, y, y_stride);
+    }
     for (; row + PLLM_TILE_ROWS <= row_end; row += PLLM_TILE_ROWS) {
         rows<T, PLLM_TILE_ROWS>(w, stride, row, act, n, y, y_stride);
     }

@@ -104,6 +104,18 @@ int main() {
         CHECK(blocks.match(tokens).size() == 1 && blocks.allocate() >= 0 && blocks.match(tokens).empty());
         CHECK(blocks.allocate() == -1);
     }
+    {  // Without a cached prefix, the most recently freed block is reused: the pool's pages stay untouched
+       // beyond the blocks in use at the peak.
+        BlockManager blocks(8, 2, false);
+        std::vector<int32_t> held{blocks.allocate(), blocks.allocate()};
+        CHECK(held[0] == 0 && held[1] == 1);
+        blocks.release(held);
+        for (int round = 0; round < 3; ++round) {
+            std::vector<int32_t> again{blocks.allocate(), blocks.allocate()};
+            CHECK((again == std::vector<int32_t>{0, 1}));
+            blocks.release(again);
+        }
+    }
 
     bool threw = false;
     try {

@@ -1,5 +1,7 @@
-// The KV block pool: reference-counted blocks, a free list in least-recently-freed order, and (with prefix
-// caching) a map from the hash of each full block's tokens, prefix included, to the block that holds them.
+// The KV block pool: reference-counted blocks; free blocks holding no cached prefix, reused most recently freed
+// first (their pages are resident already: a pool sized for the worst case costs memory only as far as it is
+// used); free blocks holding a cached prefix, evicted least recently freed first; and (with prefix caching) a map
+// from the hash of each full block's tokens, prefix included, to the block that holds them.
 #pragma once
 
 #include <cstdint>
@@ -15,16 +17,17 @@ public:
 
     int64_t block_size() const { return block_size_; }
     int64_t num_blocks() const { return static_cast<int64_t>(blocks_.size()); }
-    int64_t num_free() const { return static_cast<int64_t>(free_.size()); }
+    int64_t num_free() const { return static_cast<int64_t>(empty_.size() + cached_free_.size()); }
 
     // The cached blocks holding a prefix of `tokens`: whole blocks only, and never the last token (its logits
     // must be computed). Changes nothing.
     std::vector<int32_t> match(const std::vector<int32_t>& tokens) const;
     // Free blocks that taking `blocks` (from match) would use up: cached blocks no sequence holds now.
     int64_t idle_among(const std::vector<int32_t>& blocks) const;
-    // A fresh block, evicting the least recently freed cached one; -1 when none is free.
+    // A free block: one holding no cached prefix if any, else the least recently freed cached one, evicted;
+    // -1 when none is free.
     int32_t allocate();
-    // Drops a sequence's references; blocks nobody holds go to the back of the free list, keeping their hash.
+    // Drops a sequence's references; blocks nobody holds become free, the cached ones keeping their hash.
     void release(std::vector<int32_t>& blocks);
     // A sequence's progress in registering its full blocks: how many, and the hash of the last.
     struct Chain {
@@ -48,14 +51,15 @@ private:
         bool hashed = false;
         uint64_t hash = 0;
         std::vector<int32_t> tokens;  // of a hashed block: compared on lookup, so a hash collision is a miss
-        std::list<int32_t>::iterator free_at;
+        std::list<int32_t>::iterator free_at;  // in cached_free_, while free and hashed
     };
     uint64_t hash_of(uint64_t parent, const int32_t* tokens) const;
 
     int64_t block_size_;
     bool prefix_caching_;
     std::vector<Block> blocks_;
-    std::list<int32_t> free_;  // front: freed longest ago, evicted first
+    std::vector<int32_t> empty_;      // free, no cached prefix: a stack, the most recently freed on top
+    std::list<int32_t> cached_free_;  // free, cached prefix: front freed longest ago, evicted first
     std::unordered_map<uint64_t, int32_t> cached_;
     int64_t queries_ = 0, hits_ = 0;
 };
