@@ -93,7 +93,22 @@ void scores(const float* q, int64_t nq, const float* keys, int64_t count, int64_
     }
 }
 
+// out += sum_k weights[k] * values[k] with out in CHUNKS registers: one broadcast per key, not one per 8 values.
+template <int CHUNKS>
+void accumulate_in_registers(const float* weights, const float* values, int64_t count, float* out) {
+    __m256 acc[CHUNKS];
+    for (int j = 0; j < CHUNKS; ++j) acc[j] = _mm256_loadu_ps(out + 8 * j);
+    for (int64_t k = 0; k < count; ++k) {
+        const __m256 w = _mm256_broadcast_ss(weights + k);
+#pragma GCC unroll 16
+        for (int j = 0; j < CHUNKS; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values + k * 8 * CHUNKS + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < CHUNKS; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+
 void accumulate(const float* weights, const float* values, int64_t count, int64_t dim, float* out) {
+    if (dim == 64) return accumulate_in_registers<8>(weights, values, count, out);
+    if (dim == 128) return accumulate_in_registers<16>(weights, values, count, out);
     for (int64_t j = 0; j < dim; j += 8) {
         __m256 acc = _mm256_loadu_ps(out + j);
         for (int64_t k = 0; k < count; ++k) acc = _mm256_fmadd_ps(_mm256_set1_ps(weights[k]), _mm256_loadu_ps(values + k * dim + j), acc);
