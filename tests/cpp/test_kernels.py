@@ -90,6 +90,18 @@ def test_matmul_matches_numpy(isa: str, qtype: str, n: int) -> None:
     assert np.all(np.abs(y - expected) <= 1e-5 * scale + 1e-6)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_matmul_rows_ending_in_a_partial_group_of_blocks(isa: str, qtype: str, n: int) -> None:
+    # 19 blocks of 32 per row: two groups of 8 and a last group of 3, the default model's 576 columns' shape.
+    rows, cols = 13, 608
+    raw, w = _weight(qtype, rows, cols, seed=4)
+    x = np.random.default_rng(5).standard_normal((n, cols)).astype(np.float32)
+    y = kernels._native.matmul(raw, qtype, rows, cols, x)
+    xs = _reference_activations(x)
+    assert np.all(np.abs(y - xs @ w.T) <= 1e-5 * (np.abs(xs) @ np.abs(w).T) + 1e-6)
+
+
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
 def test_exact_mode_multiplies_float32_activations(qtype: str) -> None:
     raw, w = _weight(qtype, 24, 256)

@@ -4,7 +4,9 @@
 // this; isa.cpp calls one only after checking the CPU's features.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "pocketllm_cpp/matmul.h"
 
@@ -33,7 +35,7 @@ constexpr bool kSigned = T == QType::Q8_0 || T == QType::Q6_K;  // codes are int
 template <QType T>
 constexpr bool kOffset = !kSigned<T>;
 template <QType T>
-constexpr bool kGrouped = T != QType::Q6_K;  // sub-blocks with one scale: the 8-block path of tile()
+constexpr bool kGrouped = T != QType::Q6_K;  // sub-blocks with one scale: the 8-block groups of tile() and pack()
 
 // A 32-value sub-block decoded into registers: w = dw * code * mul + mw, as decode_sub_block defines it.
 struct Sub {
@@ -43,9 +45,9 @@ struct Sub {
 
 // The 32 codes of a 4-bit block in element order: bytes 0..15 the low nibbles, 16..31 the high ones.
 inline __m256i nibbles(const uint8_t* qs) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+    // The 16 bytes in both halves (one broadcast load), the upper half shifted: one shift, blend and mask.
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    return _mm256_and_si256(_mm256_blend_epi32(both, _mm256_srli_epi16(both, 4), 0xF0), _mm256_set1_epi8(0x0F));
 }
 
 template <QType T>
@@ -143,8 +145,8 @@ inline __m256i dot32(const Sub& s, __m256i unsigned_codes, __m256i x) {
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-// C weight rows from `row` against R activation rows from `r0`: each decoded block serves R rows, and each
-// activation block C weight rows, with the R x C sums in registers.
+// C weight rows from `row` against R activation rows from `r0`, each decoded block used from registers: the
+// decode path (one activation row; R > 1 only for Q6_K, whose per-16 scales the packed path does not take).
 template <QType T, int R, int C>
 void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t r0, float* y,
           int64_t y_stride) {
@@ -160,108 +162,45 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
         }
     }
     const int64_t nb = w.cols / kBlock;
-    const int64_t grouped = kGrouped<T> ? nb / 8 * 8 : 0;
-    // Groups of 8 blocks: the weight blocks decoded once into L1, then per activation row and weight row 8
-    // integer dot products summed across lanes by one hadd tree, converted and scaled as one vector of 8 block
-    // scales (instead of a conversion, a broadcast and a scalar offset per block).
+    const int64_t grouped = kGrouped<T> && R == 1 ? nb / 8 * 8 : 0;
+    // Groups of 8 blocks: per weight row 8 integer dot products with the activation row summed across lanes by
+    // one hadd tree, converted and scaled as one vector of 8 block scales (instead of a conversion, a broadcast
+    // and a scalar offset per block).
     for (int64_t b0 = 0; b0 < grouped; b0 += 8) {
-        alignas(32) uint8_t codes[R > 1 ? C : 1][8][kBlock];  // |w| for the signed types
-        alignas(32) int8_t signs[R > 1 && kSigned<T> ? C : 1][8][kBlock];
         alignas(32) float dw[C][8], mw[C][8];
-        // One block's integer dot with the activation row, from registers (one activation row: decode).
-        auto dot = [&](int k, const Sub& sub) {
-            __m256i x = load(act.codes(r0, b0 + k));
-            if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, sub.codes);
-            const __m256i w8 = kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes;
-#if PLLM_VNNI
-            return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w8, x);
-#else
-            return _mm256_madd_epi16(_mm256_maddubs_epi16(w8, x), _mm256_set1_epi16(1));
-#endif
-        };
-        // A staged block's dot with an activation block already loaded.
-        auto dot_x = [&](int c, int k, __m256i x) {
-            if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, load(signs[c][k]));
-            const __m256i w8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[c][k]));
-#if PLLM_VNNI
-            return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w8, x);
-#else
-            return _mm256_madd_epi16(_mm256_maddubs_epi16(w8, x), _mm256_set1_epi16(1));
-#endif
-        };
-        // The 8 blocks' dots of (c, i) summed across lanes by one hadd tree (its last level here: blocks 0-3 and
-        // 4-7 in each 128-bit half), scaled as one vector, into acc.
-        auto finish_halves = [&](int c, int i, __m256i low4, __m256i high4) {
-            const int64_t at = (r0 + i) * nb + b0;
-            const __m256i blocks = _mm256_add_epi32(_mm256_permute2x128_si256(low4, high4, 0x20),
-                                                    _mm256_permute2x128_si256(low4, high4, 0x31));
-            const __m256 scale = _mm256_mul_ps(_mm256_load_ps(dw[c]), _mm256_loadu_ps(act.d.data() + at));
-            acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), scale, acc[i][c]);
-            if constexpr (kOffset<T>) {
-                acc[i][c] = _mm256_fmadd_ps(_mm256_load_ps(mw[c]), _mm256_loadu_ps(act.s.data() + at), acc[i][c]);
-            }
-        };
-        if constexpr (R == 1) {
-#pragma GCC unroll 16
-            for (int c = 0; c < C; ++c) {
-                if constexpr (kBlock32<T>) scales8<T>(base + c * stride, b0, dw[c], mw[c]);
-                __m256i pairs[4];
-                for (int k = 0; k < 8; k += 2) {
-                    __m256i sums[2];
-                    for (int h = 0; h < 2; ++h) {
-                        prefetch<T>(base + c * stride, b0 + k + h);
-                        const Sub sub = decode<T>(base + c * stride, b0 + k + h);
-                        if constexpr (!kBlock32<T>) {
-                            dw[c][k + h] = sub.dw;
-                            mw[c][k + h] = sub.mw;
-                        }
-                        sums[h] = dot(k + h, sub);
-                    }
-                    pairs[k / 2] = _mm256_hadd_epi32(sums[0], sums[1]);
-                }
-                finish_halves(c, 0, _mm256_hadd_epi32(pairs[0], pairs[1]), _mm256_hadd_epi32(pairs[2], pairs[3]));
-            }
-            continue;
-        }
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
             if constexpr (kBlock32<T>) scales8<T>(base + c * stride, b0, dw[c], mw[c]);
-            for (int k = 0; k < 8; ++k) {
-                prefetch<T>(base + c * stride, b0 + k);
-                const Sub sub = decode<T>(base + c * stride, b0 + k);
-                _mm256_store_si256(reinterpret_cast<__m256i*>(codes[c][k]),
-                                   kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes);
-                if constexpr (kSigned<T>) _mm256_store_si256(reinterpret_cast<__m256i*>(signs[c][k]), sub.codes);
-                if constexpr (!kBlock32<T>) {
-                    dw[c][k] = sub.dw;
-                    mw[c][k] = sub.mw;
+            __m256i pairs[4];
+            for (int k = 0; k < 8; k += 2) {
+                __m256i sums[2];
+                for (int h = 0; h < 2; ++h) {
+                    prefetch<T>(base + c * stride, b0 + k + h);
+                    const Sub sub = decode<T>(base + c * stride, b0 + k + h);
+                    if constexpr (!kBlock32<T>) {
+                        dw[c][k + h] = sub.dw;
+                        mw[c][k + h] = sub.mw;
+                    }
+                    __m256i x = load(act.codes(r0, b0 + k + h));
+                    if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, sub.codes);
+                    const __m256i w8 = kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes;
+#if PLLM_VNNI
+                    sums[h] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w8, x);
+#else
+                    sums[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(w8, x), _mm256_set1_epi16(1));
+#endif
                 }
+                pairs[k / 2] = _mm256_hadd_epi32(sums[0], sums[1]);
             }
-        }
-        // Each block's scale d_w * d_x as a vector per (weight row, activation row), stored for broadcasts; the
-        // offsets m_w * s_x join the sums as vectors.
-        alignas(32) float scale[C][R][8];
-#pragma GCC unroll 16
-        for (int i = 0; i < R; ++i) {
-            const int64_t at = (r0 + i) * nb + b0;
-            const __m256 dx = _mm256_loadu_ps(act.d.data() + at);
-#pragma GCC unroll 16
-            for (int c = 0; c < C; ++c) {
-                _mm256_store_ps(scale[c][i], _mm256_mul_ps(_mm256_load_ps(dw[c]), dx));
-                if constexpr (kOffset<T>) {
-                    acc[i][c] = _mm256_fmadd_ps(_mm256_load_ps(mw[c]), _mm256_loadu_ps(act.s.data() + at), acc[i][c]);
-                }
-            }
-        }
-        for (int k = 0; k < 8; ++k) {
-#pragma GCC unroll 16
-            for (int i = 0; i < R; ++i) {
-                const __m256i x = load(act.codes(r0 + i, b0 + k));
-#pragma GCC unroll 16
-                for (int c = 0; c < C; ++c) {
-                    acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_x(c, k, x)), _mm256_broadcast_ss(&scale[c][i][k]),
-                                                acc[i][c]);
-                }
+            // The hadd tree's last level: blocks 0-3 and 4-7 in each 128-bit half, added across the halves.
+            const __m256i low4 = _mm256_hadd_epi32(pairs[0], pairs[1]), high4 = _mm256_hadd_epi32(pairs[2], pairs[3]);
+            const __m256i blocks = _mm256_add_epi32(_mm256_permute2x128_si256(low4, high4, 0x20),
+                                                    _mm256_permute2x128_si256(low4, high4, 0x31));
+            const int64_t at = r0 * nb + b0;
+            const __m256 scale = _mm256_mul_ps(_mm256_load_ps(dw[c]), _mm256_loadu_ps(act.d.data() + at));
+            acc[0][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), scale, acc[0][c]);
+            if constexpr (kOffset<T>) {
+                acc[0][c] = _mm256_fmadd_ps(_mm256_load_ps(mw[c]), _mm256_loadu_ps(act.s.data() + at), acc[0][c]);
             }
         }
     }
@@ -304,18 +243,144 @@ void rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
     if (r < n) tile<T, 1, C>(w, stride, row, act, r, y, y_stride);
 }
 
+// Batched products (prefill, several sequences decoding): C weight rows are decoded once for all n activation
+// rows, not once per tile of them. Per group of 8 blocks: the codes as the integer dot takes them (|w| for the
+// signed types, their signs apart) and the blocks' scales and offsets. A last, partial group is zero past the
+// row's end, so it adds nothing.
+template <QType T, int C>
+struct PackedGroup {
+    alignas(32) uint8_t codes[C][8][kBlock];
+    alignas(32) int8_t signs[kSigned<T> ? C : 1][8][kBlock];
+    alignas(32) float dw[C][8], mw[C][8];
+};
+
+template <QType T, int C>
+void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* groups) {
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+        PackedGroup<T, C>& p = groups[b0 / 8];
+        const int64_t count = std::min<int64_t>(8, nb - b0);
+        for (int c = 0; c < C; ++c) {
+            const uint8_t* row = base + c * stride;
+            // The gather reads 8 blocks' heads: only where all 8 are in the row.
+            if (kBlock32<T> && count == 8) scales8<T>(row, b0, p.dw[c], p.mw[c]);
+            for (int64_t k = 0; k < 8; ++k) {
+                auto* codes = reinterpret_cast<__m256i*>(p.codes[c][k]);
+                if (k >= count) {
+                    _mm256_store_si256(codes, _mm256_setzero_si256());
+                    p.dw[c][k] = p.mw[c][k] = 0.0f;
+                    continue;
+                }
+                prefetch<T>(row, b0 + k);
+                const Sub sub = decode<T>(row, b0 + k);
+                _mm256_store_si256(codes, kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes);
+                if constexpr (kSigned<T>) _mm256_store_si256(reinterpret_cast<__m256i*>(p.signs[c][k]), sub.codes);
+                if (!kBlock32<T> || count < 8) {
+                    p.dw[c][k] = sub.dw;
+                    p.mw[c][k] = sub.mw;
+                }
+            }
+        }
+    }
+}
+
+// R activation rows from `r0` against C packed weight rows.
+template <QType T, int R, int C>
+void packed_tile(const PackedGroup<T, C>* groups, int64_t nb, const QuantizedRows& act, int64_t r0, float* y,
+                 int64_t y_stride, int64_t row) {
+    __m256 acc[R][C];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
+    }
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+        const PackedGroup<T, C>& p = groups[b0 / 8];
+        const int count = static_cast<int>(std::min<int64_t>(8, nb - b0));
+        // The activation scales of a partial group stop at the row's end (and the buffer's, for the last row).
+        const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        auto floats = [&](const std::vector<float>& plane, int64_t at) {
+            return count == 8 ? _mm256_loadu_ps(plane.data() + at) : _mm256_maskload_ps(plane.data() + at, lanes);
+        };
+        // Each block's scale d_w * d_x per (weight row, activation row), stored for broadcasts; the offsets
+        // m_w * s_x join the sums as vectors.
+        alignas(32) float scale[C][R][8];
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+            const int64_t at = (r0 + i) * nb + b0;
+            const __m256 dx = floats(act.d, at);
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) {
+                _mm256_store_ps(scale[c][i], _mm256_mul_ps(_mm256_load_ps(p.dw[c]), dx));
+                if constexpr (kOffset<T>) acc[i][c] = _mm256_fmadd_ps(_mm256_load_ps(p.mw[c]), floats(act.s, at), acc[i][c]);
+            }
+        }
+        auto block = [&](int k) {
+#pragma GCC unroll 16
+            for (int i = 0; i < R; ++i) {
+                const __m256i x = load(act.codes(r0 + i, b0 + k));
+#pragma GCC unroll 16
+                for (int c = 0; c < C; ++c) {
+                    const __m256i xs = kSigned<T> ? _mm256_sign_epi8(x, load(p.signs[c][k])) : x;
+                    const __m256i w8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.codes[c][k]));
+#if PLLM_VNNI
+                    const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w8, xs);
+#else
+                    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w8, xs), _mm256_set1_epi16(1));
+#endif
+                    acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[c][i][k]), acc[i][c]);
+                }
+            }
+        };
+        if (count == 8) {
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; ++k) block(k);
+        } else {
+            for (int k = 0; k < count; ++k) block(k);
+        }
+    }
+    for (int i = 0; i < R; ++i) {
+        for (int c = 0; c < C; ++c) y[(r0 + i) * y_stride + row + c] = hsum(acc[i][c]);
+    }
+}
+
+template <QType T, int C>
+void packed_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t n, float* y,
+                 int64_t y_stride) {
+    const int64_t nb = w.cols / kBlock;
+    thread_local std::vector<PackedGroup<T, C>> groups;
+    groups.resize(static_cast<size_t>((nb + 7) / 8));
+    pack<T, C>(w.data + row * static_cast<int64_t>(stride), stride, nb, groups.data());
+    int64_t r = 0;
+    for (; r + 4 <= n; r += 4) packed_tile<T, 4, C>(groups.data(), nb, act, r, y, y_stride, row);
+    if (r + 2 <= n) {
+        packed_tile<T, 2, C>(groups.data(), nb, act, r, y, y_stride, row);
+        r += 2;
+    }
+    if (r < n) packed_tile<T, 1, C>(groups.data(), nb, act, r, y, y_stride, row);
+}
+
 template <QType T>
 void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, int64_t n,
                  float* y, int64_t y_stride) {
     const size_t stride = row_bytes(w.type, w.cols);
     int64_t row = row_begin;
-    if (n <= 2) {  // decode: 4 weight rows in flight, whose blocks stream from memory
+    if (n == 1) {  // decode: 4 weight rows in flight, whose blocks stream from memory
         for (; row + 4 <= row_end; row += 4) rows<T, 4>(w, stride, row, act, n, y, y_stride);
+        for (; row < row_end; ++row) rows<T, 1>(w, stride, row, act, n, y, y_stride);
+    } else if constexpr (kGrouped<T>) {
+        if (n == 2) {  // 2 x 4 sums: as many weight rows in flight as decode has
+            for (; row + 4 <= row_end; row += 4) packed_rows<T, 4>(w, stride, row, act, n, y, y_stride);
+        }
+        for (; row + PLLM_TILE_ROWS <= row_end; row += PLLM_TILE_ROWS) {
+            packed_rows<T, PLLM_TILE_ROWS>(w, stride, row, act, n, y, y_stride);
+        }
+        for (; row < row_end; ++row) packed_rows<T, 1>(w, stride, row, act, n, y, y_stride);
+    } else {
+        for (; row + PLLM_TILE_ROWS <= row_end; row += PLLM_TILE_ROWS) {
+            rows<T, PLLM_TILE_ROWS>(w, stride, row, act, n, y, y_stride);
+        }
+        for (; row < row_end; ++row) rows<T, 1>(w, stride, row, act, n, y, y_stride);
     }
-    for (; row + PLLM_TILE_ROWS <= row_end; row += PLLM_TILE_ROWS) {
-        rows<T, PLLM_TILE_ROWS>(w, stride, row, act, n, y, y_stride);
-    }
-    for (; row < row_end; ++row) rows<T, 1>(w, stride, row, act, n, y, y_stride);
 }
 
 template <QType T>
