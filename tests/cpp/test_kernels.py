@@ -230,3 +230,26 @@ def test_the_library_is_clean_under_address_and_undefined_behaviour_sanitizers(t
         result = subprocess.run([str(build / "pocketllm_cpp_test")], capture_output=True, text=True, timeout=120,
                                 env={**os.environ, "POCKETLLM_CPP_ISA": isa})
         assert result.returncode == 0 and result.stdout.startswith("ok"), result.stdout + result.stderr
+
+
+def test_the_neon_kernels_match_the_scalar_ones_on_arm64(tmp_path: Path) -> None:
+    """The AArch64 build (NEON kernels) cross-compiled and run under qemu-aarch64: the C++ test checks every
+    kernel of every ISA against the scalar path. The suite's nox session installs the cross compiler and qemu."""
+    import os
+    import shutil
+
+    source = Path(__file__).resolve().parents[2] / "packages" / "pocketllm-cpp"
+    tools = ("cmake", "ninja", "aarch64-linux-gnu-g++", "qemu-aarch64")
+    if not (all(shutil.which(t) for t in tools) and (source / "CMakeLists.txt").is_file()):
+        pytest.skip(f"needs {', '.join(tools)} and the pocketllm-cpp sources")
+    build = tmp_path / "build"
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                    "-DCMAKE_SYSTEM_NAME=Linux", "-DCMAKE_SYSTEM_PROCESSOR=aarch64",
+                    "-DCMAKE_CXX_COMPILER=aarch64-linux-gnu-g++"], check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", "pocketllm_cpp_test"], check=True,
+                   capture_output=True, timeout=600)
+    for isa in ("scalar", "neon"):
+        command = ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", str(build / "pocketllm_cpp_test")]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "POCKETLLM_CPP_ISA": isa})
+        assert result.returncode == 0 and result.stdout.startswith("ok: isa neon"), result.stdout + result.stderr

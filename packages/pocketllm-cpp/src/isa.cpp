@@ -18,17 +18,22 @@ bool cpu_has(Isa isa) {
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     }
 #endif
+#ifdef POCKETLLM_HAVE_NEON
+    if (isa == Isa::Neon) return true;  // Advanced SIMD is part of every AArch64 CPU
+#endif
     return isa == Isa::Scalar;
 }
 
+constexpr Isa kAll[] = {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon};
+
 Isa parse(const std::string& name) {
     if (name == "auto" || name.empty()) return best_isa();
-    for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+    for (Isa isa : kAll) {
         if (name != isa_name(isa)) continue;
         if (!cpu_has(isa)) throw std::invalid_argument("ISA '" + name + "' is not available: this CPU or build lacks it");
         return isa;
     }
-    throw std::invalid_argument("unknown ISA '" + name + "'; expected scalar, avx2, avx512 or auto");
+    throw std::invalid_argument("unknown ISA '" + name + "'; expected scalar, avx2, avx512, neon or auto");
 }
 
 std::atomic<Isa>& selected() {
@@ -46,8 +51,10 @@ std::atomic<Isa>& selected() {
 }  // namespace
 
 Isa best_isa() {
-    if (cpu_has(Isa::Avx512)) return Isa::Avx512;
-    return cpu_has(Isa::Avx2) ? Isa::Avx2 : Isa::Scalar;
+    for (Isa isa : {Isa::Avx512, Isa::Avx2, Isa::Neon}) {
+        if (cpu_has(isa)) return isa;
+    }
+    return Isa::Scalar;
 }
 Isa current_isa() { return selected().load(); }
 void set_isa(const std::string& name) { selected().store(parse(name)); }
@@ -56,6 +63,7 @@ std::string isa_name(Isa isa) {
     switch (isa) {
         case Isa::Avx2: return "avx2";
         case Isa::Avx512: return "avx512";
+        case Isa::Neon: return "neon";
         case Isa::Scalar: break;
     }
     return "scalar";
@@ -63,7 +71,7 @@ std::string isa_name(Isa isa) {
 
 std::string available_isas() {
     std::string names;
-    for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+    for (Isa isa : kAll) {
         if (cpu_has(isa)) names += (names.empty() ? "" : " ") + isa_name(isa);
     }
     return names;

@@ -16,8 +16,12 @@ kernels::Gemm gemm_for(QType type, bool exact) {
     switch (current_isa()) {
         case Isa::Avx512: return kernels::gemm_avx512;
         case Isa::Avx2: return kernels::gemm_avx2;
-        case Isa::Scalar: break;
+        case Isa::Scalar:
+        case Isa::Neon: break;
     }
+#endif
+#ifdef POCKETLLM_HAVE_NEON
+    if (current_isa() == Isa::Neon) return kernels::gemm_neon;
 #endif
     return kernels::gemm_scalar;
 }
@@ -57,6 +61,9 @@ void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows
     auto quantize = kernels::quantize_row_scalar;
 #ifdef POCKETLLM_HAVE_X86
     if (current_isa() != Isa::Scalar) quantize = kernels::quantize_row_avx2;
+#endif
+#ifdef POCKETLLM_HAVE_NEON
+    if (current_isa() == Isa::Neon) quantize = kernels::quantize_row_neon;
 #endif
     auto rows = [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
@@ -103,10 +110,18 @@ void matmul_many(const std::vector<Product>& products, const float* x, int64_t n
 }
 
 float exp_shifted(float* x, int64_t n, float shift) {
+    return kernels::attention_for(KvType::F32, 8).exp_shifted(x, n, shift);
+}
+
+kernels::Attention kernels::attention_for(KvType kv, int64_t dim) {
 #ifdef POCKETLLM_HAVE_X86
-    if (current_isa() != Isa::Scalar) return kernels::attention_avx2(KvType::F32).exp_shifted(x, n, shift);
+    if (current_isa() != Isa::Scalar && dim % 8 == 0) return attention_avx2(kv);
 #endif
-    return kernels::attention_scalar(KvType::F32).exp_shifted(x, n, shift);
+#ifdef POCKETLLM_HAVE_NEON
+    if (current_isa() == Isa::Neon && dim % 4 == 0) return attention_neon(kv);
+#endif
+    (void)dim;
+    return attention_scalar(kv);
 }
 
 void silu_mul(float* gate, const float* up, int64_t n) {

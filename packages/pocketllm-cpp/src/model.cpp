@@ -6,7 +6,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "pocketllm_cpp/isa.h"
 
 namespace pocketllm {
 namespace {
@@ -39,14 +38,6 @@ void rope(float* head, int64_t dim, const float* cos, const float* sin, bool pai
         a = x0 * cos[i] - x1 * sin[i];
         b = x1 * cos[i] + x0 * sin[i];
     }
-}
-
-kernels::Attention attention_ops(KvType kv, int64_t dim) {
-#ifdef POCKETLLM_HAVE_X86
-    if (current_isa() != Isa::Scalar && dim % 8 == 0) return kernels::attention_avx2(kv);
-#endif
-    (void)dim;
-    return kernels::attention_scalar(kv);
 }
 
 void for_rows(ThreadPool& pool, int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
@@ -232,7 +223,7 @@ void Model::attention_layer(int64_t l, Batch& batch, const std::vector<SequenceS
                     pool_, c.exact_activations);
     }
     Stopwatch timed(profile_.attention);
-    const kernels::Attention ops = attention_ops(c.kv_type, dim);
+    const kernels::Attention ops = kernels::attention_for(c.kv_type, dim);
     // Per token, one pass: q/k head norms (Qwen3), RoPE, and the new keys and values into the cache.
     for_rows(pool_, n, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
@@ -267,7 +258,7 @@ void Model::attention_layer(int64_t l, Batch& batch, const std::vector<SequenceS
 void Model::attend(int64_t l, Batch& batch, const std::vector<SequenceSlice>& slices) {
     const ModelConfig& c = config_;
     const int64_t dim = c.head_dim, q_size = c.num_heads * dim, group = c.num_heads / c.num_kv_heads;
-    const kernels::Attention ops = attention_ops(c.kv_type, dim);
+    const kernels::Attention ops = kernels::attention_for(c.kv_type, dim);
     struct Job { int64_t slice, kv_head, first, count, blocks; };  // tokens [first, first + count) of the batch
     std::vector<Job> jobs;
     for (int64_t s = 0, first = 0; s < static_cast<int64_t>(slices.size()); first += slices[s].num_tokens, ++s) {

@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <random>
 #include <stdexcept>
+#include <string>
+#include <algorithm>
 #include <vector>
 
 #include "pocketllm_cpp/block_manager.h"
@@ -46,34 +48,71 @@ int main() {
     matmul(w, x.data(), n, best.data(), pool);
     for (int64_t i = 0; i < n * rows; ++i) CHECK(std::fabs(scalar[i] - best[i]) <= 1e-4f * (1.0f + std::fabs(scalar[i])));
 
-    // Every block type on every ISA this CPU has: random blocks (sane scales) give the scalar path's results.
-    const int64_t kcols = 512;
+    // Every block type on every ISA this CPU has: random blocks (sane scales) give the scalar path's results, for
+    // one activation row (decode), two, and five (batched tiles); 19 blocks a row for the 32-value types (a last
+    // partial group of 8 in the batched kernels).
+    std::vector<std::string> isas;
+    for (size_t at = 0; at <= available_isas().size();) {
+        const size_t end = std::min(available_isas().find(' ', at), available_isas().size());
+        if (available_isas().substr(at, end - at) != "scalar") isas.push_back(available_isas().substr(at, end - at));
+        at = end + 1;
+    }
     for (const char* name : {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}) {
         const QType type = parse_qtype(name);
-        std::vector<uint8_t> raw(row_bytes(type, kcols) * rows);
-        for (auto& b : raw) b = static_cast<uint8_t>(byte(rng));
-        const size_t block_bytes = row_bytes(type, block_values(type));
-        for (size_t at = 0; at < raw.size(); at += block_bytes) {  // the fp16 scales: small positive halves
-            const size_t offset = type == QType::Q6_K ? block_bytes - 2 : 0;
-            const int fields = type == QType::Q4_1 || type == QType::Q4_K || type == QType::Q5_K ? 2 : 1;
-            for (int f = 0; f < fields; ++f) {
-                const uint16_t half = static_cast<uint16_t>(0x1C00 + byte(rng));
-                std::memcpy(&raw[at + offset + 2 * f], &half, 2);
+        for (const int64_t kcols : {512, 608}) {
+            if (kcols % block_values(type) != 0) continue;
+            std::vector<uint8_t> raw(row_bytes(type, kcols) * rows);
+            for (auto& b : raw) b = static_cast<uint8_t>(byte(rng));
+            const size_t block_bytes = row_bytes(type, block_values(type));
+            for (size_t at = 0; at < raw.size(); at += block_bytes) {  // the fp16 scales: small positive halves
+                const size_t offset = type == QType::Q6_K ? block_bytes - 2 : 0;
+                const int fields = type == QType::Q4_1 || type == QType::Q4_K || type == QType::Q5_K ? 2 : 1;
+                for (int f = 0; f < fields; ++f) {
+                    const uint16_t half = static_cast<uint16_t>(0x1C00 + byte(rng));
+                    std::memcpy(&raw[at + offset + 2 * f], &half, 2);
+                }
             }
+            const WeightView kw{raw.data(), type, rows, kcols};
+            validate(kw, static_cast<int64_t>(raw.size()));
+            for (const int64_t kn : {1, 2, 5}) {
+                std::vector<float> kx(kn * kcols), reference(kn * rows), got(kn * rows);
+                for (auto& v : kx) v = normal(rng);
+                set_isa("scalar");
+                matmul(kw, kx.data(), kn, reference.data(), pool);
+                for (const std::string& isa : isas) {
+                    set_isa(isa);
+                    matmul(kw, kx.data(), kn, got.data(), pool);
+                    for (int64_t i = 0; i < kn * rows; ++i) {
+                        CHECK(std::fabs(reference[i] - got[i]) <= 1e-4f * (1.0f + std::fabs(reference[i])));
+                    }
+                }
+            }
+            set_isa("auto");
         }
-        const WeightView kw{raw.data(), type, rows, kcols};
-        validate(kw, static_cast<int64_t>(raw.size()));
-        std::vector<float> kx(5 * kcols), reference(5 * rows), got(5 * rows);
-        for (auto& v : kx) v = normal(rng);
-        set_isa("scalar");
-        matmul(kw, kx.data(), 5, reference.data(), pool);
-        for (const char* isa : {"avx2", "avx512"}) {
-            if (available_isas().find(isa) == std::string::npos) continue;
+    }
+
+    // Attention kernels of every ISA against the scalar ones: scores, weighted sums, and float16 KV rows.
+    for (const KvType kv : {KvType::F32, KvType::F16}) {
+        const int64_t dim = 64, keys = 5, nq = 3;
+        std::vector<float> q(nq * dim), block(keys * dim), stored(keys * dim * 2), loaded(keys * dim);
+        for (auto& v : q) v = normal(rng);
+        for (auto& v : block) v = normal(rng);
+        auto run = [&](const std::string& isa, std::vector<float>& scores, std::vector<float>& out) {
             set_isa(isa);
-            matmul(kw, kx.data(), 5, got.data(), pool);
-            for (int64_t i = 0; i < 5 * rows; ++i) {
-                CHECK(std::fabs(reference[i] - got[i]) <= 1e-4f * (1.0f + std::fabs(reference[i])));
-            }
+            const kernels::Attention ops = kernels::attention_for(kv, dim);
+            for (int64_t k = 0; k < keys; ++k) ops.store(&block[k * dim], dim, stored.data() + k * dim * (kv == KvType::F16 ? 2 : 4) / 4);
+            ops.load(stored.data(), keys, dim, loaded.data());
+            scores.assign(nq * keys, 0.0f);
+            ops.scores(q.data(), nq, loaded.data(), keys, dim, 0.125f, scores.data());
+            out.assign(dim, 0.5f);
+            ops.accumulate(scores.data(), loaded.data(), keys, dim, out.data());
+        };
+        std::vector<float> want_scores, want_out, got_scores, got_out;
+        run("scalar", want_scores, want_out);
+        for (const std::string& isa : isas) {
+            run(isa, got_scores, got_out);
+            for (size_t i = 0; i < want_scores.size(); ++i) CHECK(std::fabs(want_scores[i] - got_scores[i]) <= 1e-4f);
+            for (size_t i = 0; i < want_out.size(); ++i) CHECK(std::fabs(want_out[i] - got_out[i]) <= 1e-4f * (1.0f + std::fabs(want_out[i])));
         }
         set_isa("auto");
     }

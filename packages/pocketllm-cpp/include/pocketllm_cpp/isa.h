@@ -5,13 +5,13 @@
 
 namespace pocketllm {
 
-enum class Isa { Scalar, Avx2, Avx512 };
+enum class Isa { Scalar, Avx2, Avx512, Neon };
 
 // The best ISA this build and this CPU both support.
 Isa best_isa();
-// The ISA in use: POCKETLLM_CPP_ISA=scalar|avx2|avx512|auto at load, or set_isa(); defaults to best_isa().
+// The ISA in use: POCKETLLM_CPP_ISA=scalar|avx2|avx512|neon|auto at load, or set_isa(); defaults to best_isa().
 Isa current_isa();
-// Selects an ISA by name ("scalar", "avx2", "avx512", "auto"); throws std::invalid_argument for one this CPU or
+// Selects an ISA by name ("scalar", "avx2", "avx512", "neon", "auto"); throws std::invalid_argument for one this CPU or
 // build lacks.
 void set_isa(const std::string& name);
 std::string isa_name(Isa isa);

@@ -59,12 +59,14 @@ using Gemm = void (*)(const WeightView& w, int64_t row_begin, int64_t row_end, c
 void gemm_scalar(const WeightView&, int64_t, int64_t, const QuantizedRows&, const float*, int64_t, float*, int64_t);
 void gemm_avx2(const WeightView&, int64_t, int64_t, const QuantizedRows&, const float*, int64_t, float*, int64_t);
 void gemm_avx512(const WeightView&, int64_t, int64_t, const QuantizedRows&, const float*, int64_t, float*, int64_t);
+void gemm_neon(const WeightView&, int64_t, int64_t, const QuantizedRows&, const float*, int64_t, float*, int64_t);
 void gemm_exact(const WeightView&, int64_t, int64_t, const QuantizedRows&, const float*, int64_t, float*, int64_t);
 
 void quantize_row_scalar(const float* x, int64_t cols, int8_t* qs, float* d, float* s);
 void silu_mul_scalar(float* gate, const float* up, int64_t n);
 void silu_mul_avx2(float* gate, const float* up, int64_t n);
 void quantize_row_avx2(const float* x, int64_t cols, int8_t* qs, float* d, float* s);
+void quantize_row_neon(const float* x, int64_t cols, int8_t* qs, float* d, float* s);
 
 // Attention over one KV block of `count` rows of `dim` values, the block first converted to float32 once for
 // every query that reads it. Per ISA and KV type.
@@ -81,6 +83,9 @@ struct Attention {
 };
 Attention attention_scalar(KvType kv);
 Attention attention_avx2(KvType kv);
+Attention attention_neon(KvType kv);
+// The current ISA's attention kernels for heads of `dim` values (scalar where the ISA's vectors do not divide it).
+Attention attention_for(KvType kv, int64_t dim);
 }  // namespace kernels
 
 }  // namespace pocketllm

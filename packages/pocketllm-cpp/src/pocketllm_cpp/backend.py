@@ -37,12 +37,12 @@ class CppBackend:
     api_version = API_VERSION
 
     def probe(self) -> int:
-        # Above torch's 10 on CPUs with the SIMD kernels (faster than torch there: see bench/results); below it on
-        # others, where the scalar path runs but torch's vectorised kernels are faster. Raises (the reason
-        # `pocketllm backends` shows) when the native module cannot load here.
+        # Above torch's 10 on CPUs with the x86 SIMD kernels (faster than torch there: see bench/results); below
+        # it elsewhere: the scalar path, and NEON, which is tested under emulation but not yet measured against
+        # torch on ARM hardware. Raises (the reason `pocketllm backends` shows) when the native module cannot load.
         from pocketllm_cpp import _native
 
-        return 15 if _native.best_isa() != "scalar" else 9
+        return 15 if _native.best_isa() in ("avx2", "avx512") else 9
 
     def capabilities(self) -> Capabilities:
         from pocketllm_cpp.model import ARCHITECTURES, STORAGE_TYPES
