@@ -10,7 +10,8 @@ from tests.torch.torch_testkit import greedy, hf_greedy, make_engine, prompt, ru
 pytest.importorskip("transformers")
 
 from pocketllm_torch.attention import KVCache, build_metadata
-from pocketllm_torch.models.llama import LlamaModel
+from pocketllm_torch.context import StepContext
+from pocketllm_torch.models import model_class
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
@@ -21,7 +22,7 @@ def our_logits(checkpoint, prompts: list[list[int]], block_size: int = 4, dtype:
     """Logits of every prompt position, all prompts prefilled in one batch over a paged cache."""
     config = checkpoint.config
     weights = checkpoint.weights(grouped=groups)
-    model = LlamaModel.from_weights(config, weights, torch.device("cpu"), dtype, 256)
+    model = model_class(config.architecture).from_weights(config, weights, torch.device("cpu"), dtype, 256)
     cache = KVCache(config.num_hidden_layers, 200, block_size, config.num_key_value_heads, config.head_dim,
                     model.dtype, torch.device("cpu"))
     # Interleaved, out-of-order blocks: the cache layout must not assume contiguity.
@@ -31,7 +32,8 @@ def our_logits(checkpoint, prompts: list[list[int]], block_size: int = 4, dtype:
     positions, meta = build_metadata([0] * len(prompts), [len(p) for p in prompts], tables, block_size,
                                      torch.device("cpu"), model.dtype)
     with torch.inference_mode():
-        hidden = model(torch.tensor([t for p in prompts for t in p]), positions, cache.layers, meta)
+        ctx = StepContext(positions, meta, cache.layers, [len(p) for p in prompts], None)
+        hidden = model(torch.tensor([t for p in prompts for t in p]), ctx)
         logits = model.compute_logits(hidden)
     return list(logits.split([len(p) for p in prompts]))
 

@@ -10,11 +10,11 @@ from pocketllm.errors import UnsupportedOptionError
 from pocketllm.model_config import ModelConfig
 
 
-def rope_frequencies(config: ModelConfig, backend: str) -> tuple[np.ndarray, float]:
-    """The frequency of each pair of head dimensions and the factor cos and sin are scaled by, with linear,
-    Llama 3.1 or YaRN scaling where the config asks; UnsupportedOptionError (option ``rope_scaling``, naming
-    ``backend``) for any other scaling."""
-    dim = config.head_dim
+def rope_frequencies(config: ModelConfig, backend: str, dim: int | None = None) -> tuple[np.ndarray, float]:
+    """The frequency of each pair of the ``dim`` rotated head dimensions (all of them by default; fewer with
+    partial RoPE) and the factor cos and sin are scaled by, with linear, Llama 3.1 or YaRN scaling where the
+    config asks; UnsupportedOptionError (option ``rope_scaling``, naming ``backend``) for any other scaling."""
+    dim = dim or config.head_dim
     exponents = np.arange(0, dim, 2, dtype=np.float32) / dim
     inv_freq = np.float32(1.0) / np.float32(config.rope_theta) ** exponents
     scaling = config.rope_scaling or {}
@@ -26,7 +26,7 @@ def rope_frequencies(config: ModelConfig, backend: str) -> tuple[np.ndarray, flo
     if kind == "llama3":
         return _llama3(inv_freq, scaling), 1.0
     if kind == "yarn":
-        return _yarn(config, scaling)
+        return _yarn(config, scaling, dim)
     raise UnsupportedOptionError("rope_scaling", backend, f"rope type {kind!r} is not implemented")
 
 
@@ -42,11 +42,11 @@ def _llama3(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def _yarn(config: ModelConfig, scaling: dict) -> tuple[np.ndarray, float]:
+def _yarn(config: ModelConfig, scaling: dict, dim: int) -> tuple[np.ndarray, float]:
     """YaRN (arXiv 2309.00071) as transformers computes it: frequencies below the correction range are
     interpolated by ``factor``, those above kept, a linear ramp between; cos and sin scale by the attention
     factor (0.1 ln(factor) + 1 unless the config gives it or mscale/mscale_all_dim)."""
-    dim, base = config.head_dim, config.rope_theta
+    base = config.rope_theta
     old_len = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
     factor = scaling.get("factor") or config.max_position_embeddings / old_len
 

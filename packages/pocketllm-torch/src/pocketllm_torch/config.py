@@ -66,18 +66,20 @@ class TorchConfig:
             decode_graphs=_bool_option(options, "decode_graphs", default=device.type == "cpu"),
         )
 
-    def kv_bytes_per_block(self) -> int:
+    def kv_bytes_per_block(self, num_attention_layers: int) -> int:
         m = self.model
-        per_token = 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * self.kv_cache_dtype.itemsize
+        per_token = 2 * num_attention_layers * m.num_key_value_heads * m.head_dim * self.kv_cache_dtype.itemsize
         return per_token * self.block_size
 
-    def resolve_num_kv_blocks(self) -> int:
-        """Blocks for every sequence at full length, unless that exceeds the memory budget."""
+    def resolve_num_kv_blocks(self, num_attention_layers: int, state_bytes: int = 0) -> int:
+        """Blocks for every sequence at full length, unless that exceeds the memory budget (less ``state_bytes``,
+        the state layers' slots of max_num_seqs requests)."""
         blocks_per_seq = -(-self.max_model_len // self.block_size)
-        num_blocks = self.num_kv_blocks or min(self.max_num_seqs * blocks_per_seq,
-                                               _kv_memory_budget(self.device) // self.kv_bytes_per_block())
-        if self.num_kv_blocks and self.num_kv_blocks * self.kv_bytes_per_block() > _physical_memory(self.device):
-            raise ConfigError("backend_options", f"{self.num_kv_blocks} KV blocks of {self.kv_bytes_per_block()} bytes "
+        per_block = self.kv_bytes_per_block(num_attention_layers)
+        budget = _kv_memory_budget(self.device) - state_bytes
+        num_blocks = self.num_kv_blocks or min(self.max_num_seqs * blocks_per_seq, max(0, budget) // per_block)
+        if self.num_kv_blocks and self.num_kv_blocks * per_block + state_bytes > _physical_memory(self.device):
+            raise ConfigError("backend_options", f"{self.num_kv_blocks} KV blocks of {per_block} bytes "
                                                  "need more memory than this device has")
         if num_blocks < blocks_per_seq:
             # A sequence alone must always fit, or preemption could never make progress.

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pocketllm_torch.attention import AttentionMetadata
+from pocketllm_torch.context import StepContext
 from pocketllm_torch.linear import kernel_key
 
 log = logging.getLogger(__name__)
@@ -30,19 +31,19 @@ if TYPE_CHECKING:
 
     from torch import Tensor
 
-    from pocketllm_torch.attention import KVCache
     from pocketllm_torch.models.llama import LlamaModel
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache) -> None:
+    def __init__(self, model: LlamaModel, caches: list[Tensor]) -> None:
         self.model = model
-        self.kv_cache = kv_cache
+        self.caches = caches
         self.traces: dict[tuple[bool, ...], Callable[..., Tensor] | None] = {}  # None: cannot be traced
 
-    def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        """The model's hidden states for a decode step (``meta.query_index`` is None); fills the KV cache."""
-        args = (input_ids, positions, meta.slot_mapping, meta.context_blocks, meta.context_lens, meta.mask)
+    def __call__(self, input_ids: Tensor, ctx: StepContext) -> Tensor:
+        """The model's hidden states for a decode step (``ctx.is_decode``); fills the KV cache."""
+        meta = ctx.attention
+        args = (input_ids, ctx.positions, meta.slot_mapping, meta.context_blocks, meta.context_lens, meta.mask)
         key = kernel_key(input_ids.shape[0])
         if key not in self.traces:
             self.traces[key] = self._record(args)
@@ -63,4 +64,4 @@ class DecodeGraphs:
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, context_blocks: Tensor,
                  context_lens: Tensor, mask: Tensor) -> Tensor:
         meta = AttentionMetadata(slot_mapping, context_blocks, context_lens, mask, None, None)
-        return self.model(input_ids, positions, self.kv_cache.layers, meta)
+        return self.model(input_ids, StepContext(positions, meta, self.caches, [], None))

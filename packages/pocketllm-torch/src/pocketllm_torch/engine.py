@@ -8,12 +8,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from pocketllm.backend import BackendStats, RequestDelta
+from pocketllm.errors import UnsupportedOptionError
+from pocketllm_torch.backend import HYBRID_ARCHITECTURES, NAME
 from pocketllm_torch.block_manager import BlockManager
 from pocketllm_torch.config import TorchConfig
 from pocketllm_torch.model_runner import ModelRunner
 from pocketllm_torch.sampler import SamplingFailure
 from pocketllm_torch.scheduler import Scheduler
 from pocketllm_torch.sequence import Sequence
+from pocketllm_torch.state_cache import StateSlots
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -27,11 +30,21 @@ if TYPE_CHECKING:
 class TorchEngine:
     def __init__(self, args: EngineArgs, checkpoint: Checkpoint) -> None:
         self.config = TorchConfig.from_args(args, checkpoint.config)
+        if checkpoint.config.architecture in HYBRID_ARCHITECTURES and checkpoint.format == "gguf":
+            # llama.cpp's converter changed these tensors' values (norms stored as 1 + w, -exp(A_log), value
+            # heads reordered); undoing that is not written yet, so refuse rather than fail on a missing name.
+            raise UnsupportedOptionError("model", NAME, f"GGUF files of {checkpoint.config.architecture} are not "
+                                                        "supported yet; use the safetensors checkpoint")
+        if self.config.enable_prefix_caching and checkpoint.config.architecture in HYBRID_ARCHITECTURES:
+            # A cached prefix would need its Gated DeltaNet states too: not yet (no silent cold start instead).
+            raise UnsupportedOptionError("enable_prefix_caching", NAME,
+                                         f"not yet for {checkpoint.config.architecture}'s state layers")
         self.runner = ModelRunner(self.config, checkpoint)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
+        self.state_slots = StateSlots(self.config.max_num_seqs) if self.runner.state_cache is not None else None
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   self.config.prefill_chunk_size)
+                                   self.config.prefill_chunk_size, self.state_slots)
         self.seqs: dict[str, Sequence] = {}
         # Seeds for requests without one: reproducible for a given engine seed and order of requests.
         self._seeds = random.Random(args.seed)

@@ -1,4 +1,4 @@
-"""Owns the model and its KV cache; turns a scheduled batch into one forward pass and sampled tokens."""
+"""Owns the model and its caches; turns a scheduled batch into one forward pass and sampled tokens."""
 
 from __future__ import annotations
 
@@ -8,16 +8,19 @@ import torch
 
 from pocketllm_torch import groups
 from pocketllm_torch.attention import KVCache, build_metadata
+from pocketllm_torch.cache_spec import AttentionSpec, StateSpec
+from pocketllm_torch.context import StepContext
 from pocketllm_torch.decode_graphs import DecodeGraphs
 from pocketllm_torch.linear import uses_int4, uses_int8
-from pocketllm_torch.models.llama import LlamaModel
+from pocketllm_torch.models import model_class
 from pocketllm_torch.sampler import Outcome, sample_each
+from pocketllm_torch.state_cache import StateCache
 
 if TYPE_CHECKING:
     from pocketllm.checkpoint import Checkpoint
     from pocketllm_torch.config import TorchConfig
     from pocketllm_torch.scheduler import ScheduledBatch
-
+    from pocketllm_torch.state_cache import LayerState
 
 
 class ModelRunner:
@@ -26,14 +29,26 @@ class ModelRunner:
         self.block_size = config.block_size
         int4, int8 = uses_int4(config.device, config.dtype), uses_int8(config.device)
         weights = ((t.name, groups.load(t, int4=int4, int8=int8)) for t in checkpoint.tensors())
-        self.model = LlamaModel.from_weights(config.model, weights, config.device, config.dtype, config.max_model_len)
+        model_cls = model_class(config.model.architecture)
+        self.model = model_cls.from_weights(config.model, weights, config.device, config.dtype, config.max_model_len)
+        specs = self.model.cache_specs
+        attention = [s for s in specs if isinstance(s, AttentionSpec)]
+        states = [s for s in specs if isinstance(s, StateSpec)]
         # Sized after the weights are loaded, so a GPU's budget is what they left free.
-        self.num_kv_blocks = config.resolve_num_kv_blocks()
-        m = config.model
+        self.state_cache = (StateCache(len(states), config.max_num_seqs, states[0], self.model.dtype, self.device)
+                            if states else None)
+        state_bytes = StateCache.bytes_per_slot(len(states), states[0], self.model.dtype) if states else 0
+        self.num_kv_blocks = config.resolve_num_kv_blocks(len(attention), config.max_num_seqs * state_bytes)
         # One spare block up front is the null block that padding reads.
-        self.kv_cache = KVCache(m.num_hidden_layers, self.num_kv_blocks + 1, self.block_size, m.num_key_value_heads,
-                                m.head_dim, config.kv_cache_dtype, self.device)
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache) if config.decode_graphs else None
+        spec = attention[0]
+        self.kv_cache = KVCache(len(attention), self.num_kv_blocks + 1, self.block_size, spec.num_kv_heads,
+                                spec.head_dim, config.kv_cache_dtype, self.device)
+        # Each layer's cache, in layer order: its KV view or its state slots.
+        kv_layers, state_layers = iter(self.kv_cache.layers), iter(self.state_cache.layers if states else [])
+        self.caches: list[torch.Tensor | LayerState] = [
+            next(kv_layers) if isinstance(s, AttentionSpec) else next(state_layers) for s in specs]
+        self.decode_graphs = (DecodeGraphs(self.model, self.caches) if config.decode_graphs and model_cls.TRACEABLE
+                              else None)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[Outcome | None]:
@@ -56,10 +71,17 @@ class ModelRunner:
         positions, meta = build_metadata(starts, batch.num_new_tokens, block_tables, self.block_size, self.device,
                                          self.model.dtype)
         input_ids = torch.tensor(token_ids, device=self.device)
-        if self.decode_graphs is not None and meta.query_index is None:
-            hidden = self.decode_graphs(input_ids, positions, meta)
+        slots = None
+        if self.state_cache is not None:
+            slots = torch.tensor([seq.state_slot for seq in batch.seqs], device=self.device)
+            fresh = [seq.state_slot for seq, start in zip(batch.seqs, starts, strict=True) if start == 0]
+            if fresh:  # new, or recomputing after preemption: their states start from zero
+                self.state_cache.reset(torch.tensor(fresh, device=self.device))
+        ctx = StepContext(positions, meta, self.caches, batch.num_new_tokens, slots)
+        if self.decode_graphs is not None and ctx.is_decode:
+            hidden = self.decode_graphs(input_ids, ctx)
         else:
-            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+            hidden = self.model(input_ids, ctx)
         results: list[Outcome | None] = [None] * len(batch.seqs)
         if not samplers:
             return results

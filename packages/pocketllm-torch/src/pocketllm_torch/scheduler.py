@@ -2,8 +2,9 @@
 
 Every step is either a prefill step (prompt chunks of several sequences, up to the token budget) or a decode
 step (one token for every running sequence whose prompt is done). Sequences join and leave the running set at
-every step. When the KV cache is full, the newest sequence is preempted: its blocks are freed and it goes back
-to the front of the queue, to recompute its prompt and generated tokens later.
+every step. When the KV cache is full, the newest sequence is preempted: its blocks (and state slot) are freed
+and it goes back to the front of the queue, to recompute its prompt and generated tokens later. A model with
+state layers (Gated DeltaNet) takes a state slot for each running sequence: at most max_num_seqs, one each.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pocketllm_torch.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from pocketllm_torch.block_manager import BlockManager
+    from pocketllm_torch.state_cache import StateSlots
 
 
 @dataclass(slots=True)
@@ -26,8 +28,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_size: int) -> None:
+                 prefill_chunk_size: int, state_slots: StateSlots | None = None) -> None:
         self.block_manager = block_manager
+        self.state_slots = state_slots  # a model with state layers: a slot per running sequence
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_size = prefill_chunk_size
@@ -59,7 +62,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.block_manager.free(seq)
+        self._release(seq)
 
     def _schedule_prefill(self) -> ScheduledBatch:
         # Prompts already under way come first: they hold blocks that only their progress pays off.
@@ -74,6 +77,8 @@ class Scheduler:
                 break
             self.block_manager.admit(seq, prefix, num_cached + n)
             self.waiting.popleft()
+            if self.state_slots is not None:
+                seq.state_slot = self.state_slots.allocate()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -106,9 +111,16 @@ class Scheduler:
         self.block_manager.allocate(seq, num_tokens)
         return True
 
+    def _release(self, seq: Sequence) -> None:
+        """Free the blocks and the state slot of a sequence leaving the running set."""
+        self.block_manager.free(seq)
+        if seq.state_slot is not None and self.state_slots is not None:
+            self.state_slots.free(seq.state_slot)
+            seq.state_slot = None
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

@@ -32,6 +32,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # prefix hash of each computed full block
+    state_slot: int | None = None  # its slot in the state layers' caches while running (hybrid models)
 
     @property
     def num_tokens(self) -> int:

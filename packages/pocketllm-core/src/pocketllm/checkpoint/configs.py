@@ -78,6 +78,21 @@ _GGUF_EXTRA_NAMES = {
 }
 
 
+# Multimodal wrappers whose text model is served: model_type -> the text config's model_type. Their fields sit
+# under ``text_config`` and their text weights under ``model.language_model.*`` (see TEXT_MODEL_PREFIX).
+TEXT_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def text_config_of(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text model's config of a multimodal wrapper (``raw`` itself for any other model)."""
+    model_type = raw.get("model_type")
+    text = raw.get("text_config")
+    if model_type not in TEXT_WRAPPERS or not isinstance(text, dict):
+        return raw
+    inherited = {k: raw[k] for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id") if k in raw}
+    return inherited | text | {"model_type": text.get("model_type") or TEXT_WRAPPERS[model_type]}
+
+
 def config_from_hf(
     raw: Mapping[str, Any], *, source: str, has_lm_head: bool, generation_eos: object = None
 ) -> ModelConfig:
@@ -87,6 +102,7 @@ def config_from_hf(
     ``generation_eos`` (generation_config.json's ``eos_token_id``) adds the
     end-of-turn ids that chat models often list only there.
     """
+    raw = text_config_of(raw)
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise CheckpointError(f"{source}: missing 'model_type'")
@@ -102,7 +118,9 @@ def config_from_hf(
         rope_scaling=rope_scaling,
         tie_word_embeddings=raw.get("tie_word_embeddings", not has_lm_head),
         eos_token_ids=token_ids(raw.get("eos_token_id"), generation_eos),
-        extra={k: v for k, v in raw.items() if k not in _HF_CONSUMED},
+        extra={k: v for k, v in raw.items() if k not in _HF_CONSUMED}
+        # Partial RoPE (Qwen3.5: a quarter of each head rotates), from rope_parameters in transformers 5.
+        | ({"partial_rotary_factor": rope["partial_rotary_factor"]} if "partial_rotary_factor" in rope else {}),
     )
     return _build(fields, source)
 

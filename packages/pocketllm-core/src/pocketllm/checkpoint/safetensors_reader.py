@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -11,13 +13,23 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from pocketllm.checkpoint.base import Checkpoint
-from pocketllm.checkpoint.configs import GENERATION_CONFIG_KEYS, config_from_hf, hf_key_of, sampling_fields
+from pocketllm.checkpoint.configs import (
+    GENERATION_CONFIG_KEYS,
+    TEXT_WRAPPERS,
+    config_from_hf,
+    hf_key_of,
+    sampling_fields,
+)
 from pocketllm.checkpoint.jsonfile import read_json_object
 from pocketllm.checkpoint.shapes import check_shapes
 from pocketllm.checkpoint.tensor import CheckpointTensor
 from pocketllm.errors import CheckpointError
 
+log = logging.getLogger(__name__)
+
 INDEX_FILE = "model.safetensors.index.json"
+# A multimodal wrapper's text weights, renamed to the text model's own names; its other towers are not loaded.
+TEXT_MODEL_PREFIX = "model.language_model."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 # Storage types of model weights: CheckpointTensor.dequantize widens BF16 and narrows F64 to float32.
 _ITEM_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
@@ -34,6 +46,8 @@ class SafetensorsCheckpoint(Checkpoint):
         tensors: list[CheckpointTensor] = []
         for shard, expected in _shard_names(directory).items():
             tensors += _shard_tensors(shard, expected)
+        if raw.get("model_type") in TEXT_WRAPPERS:
+            tensors = _text_model_tensors(tensors, directory)
         names = {t.name for t in tensors}
         if len(names) < len(tensors):
             raise CheckpointError(f"{directory}: a tensor name appears in more than one shard")
@@ -54,6 +68,24 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def tokenizer_files(self) -> dict[str, Path]:
         return {name: self.path / name for name in TOKENIZER_FILES if (self.path / name).is_file()}
+
+
+def _text_model_tensors(tensors: list[CheckpointTensor], directory: Path) -> list[CheckpointTensor]:
+    """The language model's tensors of a multimodal wrapper under the text model's names (``model.*``,
+    ``lm_head``); the vision tower and the multi-token-prediction head are skipped, as transformers'
+    text-only class skips them."""
+    kept, skipped = [], []
+    for t in tensors:
+        if t.name.startswith(TEXT_MODEL_PREFIX):
+            kept.append(dataclasses.replace(t, name="model." + t.name.removeprefix(TEXT_MODEL_PREFIX)))
+        elif t.name == "lm_head.weight":
+            kept.append(t)
+        else:
+            skipped.append(t.name)
+    if skipped:
+        towers = sorted({name.split(".")[1] if name.startswith("model.") else name.split(".")[0] for name in skipped})
+        log.info("%s: serving the text model; skipping %d tensors of %s", directory, len(skipped), ", ".join(towers))
+    return kept
 
 
 def _shard_names(directory: Path) -> dict[Path, set[str] | None]:

@@ -14,8 +14,9 @@ from pocketllm.checkpoint.tensor import CheckpointTensor
 from pocketllm.errors import CheckpointError
 from pocketllm.model_config import ModelConfig
 
-# A dimension is a product of config fields.
-Dim = tuple[str, ...]
+# A dimension is a product of config fields (ModelConfig's, derived ones below, or the config's extras) and
+# constants.
+Dim = tuple[str | int, ...]
 
 # Tensors every decoder-only architecture has, whatever else it has.
 _COMMON: dict[str, tuple[Dim, ...]] = {
@@ -41,10 +42,49 @@ _LLAMA_LAYER: dict[str, tuple[Dim, ...]] = {
     "mlp.up_proj.weight": (("intermediate_size",), ("hidden_size",)),
     "mlp.down_proj.weight": (("hidden_size",), ("intermediate_size",)),
 }
+_HV, _VALUE = ("linear_num_value_heads",), ("linear_num_value_heads", "linear_value_head_dim")
+# Qwen3.5: gated attention (q_proj doubled: queries and their output gates) and Gated DeltaNet layers.
+_QWEN3_5_LAYER: dict[str, tuple[Dim, ...]] = {
+    **_LLAMA_LAYER,
+    "self_attn.q_proj.weight": ((*_Q, 2), ("hidden_size",)),
+    "linear_attn.in_proj_qkv.weight": (("linear_conv_dim",), ("hidden_size",)),
+    "linear_attn.in_proj_z.weight": (_VALUE, ("hidden_size",)),
+    "linear_attn.in_proj_b.weight": (_HV, ("hidden_size",)),
+    "linear_attn.in_proj_a.weight": (_HV, ("hidden_size",)),
+    "linear_attn.conv1d.weight": (("linear_conv_dim",), (1,), ("linear_conv_kernel_dim",)),
+    "linear_attn.dt_bias": (_HV,),
+    "linear_attn.A_log": (_HV,),
+    "linear_attn.norm.weight": (("linear_value_head_dim",),),
+    "linear_attn.out_proj.weight": (("hidden_size",), _VALUE),
+}
+_EXPERT, _SHARED = ("moe_intermediate_size",), ("shared_expert_intermediate_size",)
+_MOE_LAYER: dict[str, tuple[Dim, ...]] = {
+    "mlp.gate.weight": (("num_experts",), ("hidden_size",)),
+    "mlp.experts.*.gate_proj.weight": (_EXPERT, ("hidden_size",)),
+    "mlp.experts.*.up_proj.weight": (_EXPERT, ("hidden_size",)),
+    "mlp.experts.*.down_proj.weight": (("hidden_size",), _EXPERT),
+    "mlp.experts.gate_proj.weight": (("num_experts",), _EXPERT, ("hidden_size",)),  # stacked (GGUF)
+    "mlp.experts.up_proj.weight": (("num_experts",), _EXPERT, ("hidden_size",)),
+    "mlp.experts.down_proj.weight": (("num_experts",), ("hidden_size",), _EXPERT),
+    "mlp.experts.gate_up_proj": (("num_experts",), (2, *_EXPERT), ("hidden_size",)),  # transformers' fused form
+    "mlp.experts.down_proj": (("num_experts",), ("hidden_size",), _EXPERT),
+    "mlp.shared_expert.gate_proj.weight": (_SHARED, ("hidden_size",)),
+    "mlp.shared_expert.up_proj.weight": (_SHARED, ("hidden_size",)),
+    "mlp.shared_expert.down_proj.weight": (("hidden_size",), _SHARED),
+    "mlp.shared_expert_gate.weight": ((1,), ("hidden_size",)),
+}
 LAYER_RULES: dict[str, dict[str, tuple[Dim, ...]]] = {
-    arch: _LLAMA_LAYER for arch in ("llama", "mistral", "qwen2", "qwen3")
+    **{arch: _LLAMA_LAYER for arch in ("llama", "mistral", "qwen2", "qwen3")},
+    "qwen3_5_text": _QWEN3_5_LAYER,
+    "qwen3_5_moe_text": _QWEN3_5_LAYER | _MOE_LAYER,
+}
+# Sizes the config implies without naming them.
+_DERIVED: dict[str, Callable[[ModelConfig], int]] = {
+    "linear_conv_dim": lambda c: (2 * _field(c, "linear_num_key_heads") * _field(c, "linear_key_head_dim")
+                                  + _field(c, "linear_num_value_heads") * _field(c, "linear_value_head_dim")),
 }
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 
 
 def check_shapes(tensors: Iterable[CheckpointTensor], config: ModelConfig, key_of: Callable[[str], str]) -> None:
@@ -61,13 +101,13 @@ def check_shapes(tensors: Iterable[CheckpointTensor], config: ModelConfig, key_o
             if int(match[1]) >= config.num_hidden_layers:
                 raise CheckpointError(f"{tensor.path}: tensor {tensor.file_name!r} belongs to layer {match[1]}, but "
                                       f"{key_of('num_hidden_layers')} says {config.num_hidden_layers} layers")
-            rule = layer_rules.get(match[2])
+            rule = layer_rules.get(_EXPERT_INDEX.sub(".experts.*.", match[2]))
         if rule is None:
             continue
         expected = tuple(_product(config, dim) for dim in rule)
         if tuple(tensor.shape) != expected:
-            fields = sorted({f for dim in rule for f in dim})
-            implied = ", ".join(" * ".join(dim) for dim in rule)
+            fields = sorted({f for dim in rule for f in dim if isinstance(f, str)})
+            implied = ", ".join(" * ".join(map(str, dim)) for dim in rule)
             raise CheckpointError(
                 f"{tensor.path}: tensor {tensor.file_name!r} has shape {list(tensor.shape)}, but the config implies "
                 f"{list(expected)} ({implied}; from {', '.join(key_of(f) for f in fields)})")
@@ -76,5 +116,12 @@ def check_shapes(tensors: Iterable[CheckpointTensor], config: ModelConfig, key_o
 def _product(config: ModelConfig, dim: Dim) -> int:
     value = 1
     for name in dim:
-        value *= getattr(config, name)
+        value *= name if isinstance(name, int) else _DERIVED[name](config) if name in _DERIVED else _field(config, name)
+    return value
+
+
+def _field(config: ModelConfig, name: str) -> int:
+    value = getattr(config, name, None) if name in ModelConfig.__struct_fields__ else config.extra.get(name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise CheckpointError(f"the model config's {name!r} must be an integer, got {value!r}")
     return value

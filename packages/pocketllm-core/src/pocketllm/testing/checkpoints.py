@@ -14,6 +14,7 @@ noise (the reference script checks both).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,12 @@ QWEN3_HEAD_DIM = 32
 GGUF_TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q4_1",
               "ffn_up": "Q4_1", "ffn_down": "Q4_0", "output": "Q8_0", "token_embd": "F16"}
 KIT_CHECKPOINTS = ("llama", "qwen3", "llama-gguf")
+# Checkpoints for ProtocolConformance only (references.json does not cover them): a hybrid Qwen3.5, three Gated
+# DeltaNet layers to one gated attention layer, with twice as many value heads as key heads.
+PROTOCOL_CHECKPOINTS = ("qwen3_5",)
+QWEN3_5_LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                  "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
+QWEN3_5_LAYER_TYPES = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
 
 def write_checkpoint(kind: str, path: Path) -> Path:
@@ -42,7 +49,9 @@ def write_checkpoint(kind: str, path: Path) -> Path:
         return make_tiny_qwen3(path)
     if kind == "llama-gguf":
         return make_tiny_gguf(path / "tiny-llama.gguf")
-    raise ValueError(f"unknown kit checkpoint {kind!r}; choose from {KIT_CHECKPOINTS}")
+    if kind == "qwen3_5":
+        return _write_safetensors(path, "qwen3_5", seed=2)
+    raise ValueError(f"unknown kit checkpoint {kind!r}; choose from {KIT_CHECKPOINTS + PROTOCOL_CHECKPOINTS}")
 
 
 def make_tiny_llama(path: Path, *, seed: int = 0, max_positions: int = MAX_POSITIONS) -> Path:
@@ -70,6 +79,9 @@ def tiny_weights(arch: str, seed: int) -> dict[str, np.ndarray]:
         return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
 
     tensors = {"model.embed_tokens.weight": w(vocab, HIDDEN, std=1.0)}
+    if arch == "qwen3_5":
+        return tensors | _qwen3_5_layers(w) | {"model.norm.weight": w(HIDDEN, std=0.1),
+                                              "lm_head.weight": w(vocab, HIDDEN, std=0.5)}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         tensors |= {
@@ -90,6 +102,48 @@ def tiny_weights(arch: str, seed: int) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _qwen3_5_layers(w: Callable[..., np.ndarray]) -> dict[str, np.ndarray]:
+    """Qwen3.5's layers: zero-centred norms (applied as 1 + w, so small w), gated attention, Gated DeltaNet."""
+    lin = QWEN3_5_LINEAR
+    key, value = lin["linear_num_key_heads"] * lin["linear_key_head_dim"], lin["linear_num_value_heads"] * lin[
+        "linear_value_head_dim"]
+    heads = lin["linear_num_value_heads"]
+    tensors: dict[str, np.ndarray] = {}
+    for i, kind in enumerate(QWEN3_5_LAYER_TYPES):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": w(HIDDEN, std=0.1),
+            p + "post_attention_layernorm.weight": w(HIDDEN, std=0.1),
+            p + "mlp.gate_proj.weight": w(INTERMEDIATE, HIDDEN, std=0.3),
+            p + "mlp.up_proj.weight": w(INTERMEDIATE, HIDDEN, std=0.3),
+            p + "mlp.down_proj.weight": w(HIDDEN, INTERMEDIATE, std=0.3),
+        }
+        if kind == "full_attention":
+            a = p + "self_attn."
+            tensors |= {
+                a + "q_proj.weight": w(2 * HEADS * QWEN3_HEAD_DIM, HIDDEN, std=0.5),
+                a + "k_proj.weight": w(KV_HEADS * QWEN3_HEAD_DIM, HIDDEN, std=0.5),
+                a + "v_proj.weight": w(KV_HEADS * QWEN3_HEAD_DIM, HIDDEN, std=0.5),
+                a + "o_proj.weight": w(HIDDEN, HEADS * QWEN3_HEAD_DIM, std=0.5),
+                a + "q_norm.weight": w(QWEN3_HEAD_DIM, std=0.1),
+                a + "k_norm.weight": w(QWEN3_HEAD_DIM, std=0.1),
+            }
+            continue
+        a = p + "linear_attn."
+        tensors |= {
+            a + "in_proj_qkv.weight": w(2 * key + value, HIDDEN, std=0.3),
+            a + "in_proj_z.weight": w(value, HIDDEN, std=0.3),
+            a + "in_proj_b.weight": w(heads, HIDDEN, std=0.3),
+            a + "in_proj_a.weight": w(heads, HIDDEN, std=0.3),
+            a + "conv1d.weight": w(2 * key + value, 1, lin["linear_conv_kernel_dim"], std=0.5),
+            a + "dt_bias": np.ones(heads, np.float32),
+            a + "A_log": np.log(np.linspace(1, 8, heads, dtype=np.float32)),
+            a + "norm.weight": (1 + w(lin["linear_value_head_dim"], std=0.1)).astype(np.float32),
+            a + "out_proj.weight": w(HIDDEN, value, std=0.3),
+        }
+    return tensors
+
+
 def hf_config(arch: str, max_positions: int = MAX_POSITIONS) -> dict:
     config = {
         "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"], "model_type": arch,
@@ -99,8 +153,15 @@ def hf_config(arch: str, max_positions: int = MAX_POSITIONS) -> dict:
         "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": EOS_TOKEN_ID, "torch_dtype": "float32",
         "hidden_act": "silu", "attention_bias": False,
     }
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_5"):
         config["head_dim"] = QWEN3_HEAD_DIM
+    if arch == "qwen3_5":
+        config |= {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+                   "num_hidden_layers": len(QWEN3_5_LAYER_TYPES), "layer_types": QWEN3_5_LAYER_TYPES,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                       "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+                   **QWEN3_5_LINEAR}
+        del config["rope_theta"]  # in rope_parameters, as transformers 5 writes it
     return config
 
 

@@ -1,4 +1,5 @@
-"""The Llama decoder (SmolLM2, Llama 2/3, and any Llama-config checkpoint), plus Qwen3's per-head q/k norms.
+"""The Llama decoder (SmolLM2, Llama 2/3, and any Llama-config checkpoint), with the per-head q/k norms that
+Qwen3 (``qwen3.py``) turns on.
 
 Plain callables over tensors rather than nn.Modules: inference needs no autograd or module hooks, and a decode
 step of a small model is bound by per-op overhead as much as by arithmetic. So q/k/v and gate/up are fused into
@@ -11,19 +12,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pocketllm.errors import CheckpointError
 from pocketllm.rope import rope_frequencies
 from pocketllm_torch import native
 from pocketllm_torch.attention import AttentionMetadata, paged_attention
 from pocketllm_torch.backend import NAME
-from pocketllm_torch.groups import Int4Groups, Int8Groups
-from pocketllm_torch.linear import Int4Weight, Int8Weight, Linear, compute_dtype, concat_rows, make_linear, map_rows
+from pocketllm_torch.cache_spec import AttentionSpec, LayerCacheSpec
+from pocketllm_torch.linear import Int4Weight, Int8Weight, Linear, compute_dtype, make_linear, map_rows
+from pocketllm_torch.models.weights import Weights, dense
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -31,11 +32,12 @@ if TYPE_CHECKING:
     import numpy as np
 
     from pocketllm.model_config import ModelConfig
+    from pocketllm_torch.context import StepContext
+    from pocketllm_torch.groups import Int4Groups, Int8Groups
 
 # Old checkpoints store RoPE frequencies as buffers; they are recomputed from the config here.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 T = TypeVar("T", Tensor, Int4Weight, Int8Weight)
-GROUPED = {Int4Groups: Int4Weight.from_groups, Int8Groups: Int8Weight.from_groups}
 
 
 @dataclass(slots=True)
@@ -137,14 +139,17 @@ class LlamaModel:
     lm_head: Linear
     rope: Tensor  # [max_model_len, head_dim / 2] complex: the rotation of each position
     dtype: torch.dtype  # of activations
+    cache_specs: list[LayerCacheSpec]  # what each layer keeps per request: paged KV blocks
+    QK_NORM: ClassVar[bool] = False  # Qwen3 normalises each head of q and k before RoPE
+    # Decode steps may be replayed from traces (decode_graphs.py): the forward is a straight line of tensor ops.
+    TRACEABLE: ClassVar[bool] = True
 
-    def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
-                 meta: AttentionMetadata) -> Tensor:
+    def __call__(self, input_ids: Tensor, ctx: StepContext) -> Tensor:
         """Hidden states [T, hidden] of the step's tokens, before the final norm; fills the KV cache."""
         x = F.embedding(input_ids, self.embed_tokens).to(self.dtype)
-        rotation = self.rope[positions].unsqueeze(1)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rotation, kv_cache, meta)
+        rotation = self.rope[ctx.positions].unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, ctx.caches, strict=True):
+            x = layer(x, rotation, kv_cache, ctx.attention)
         return x
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
@@ -158,29 +163,7 @@ class LlamaModel:
         4- and 8-bit matrices (:class:`Int4Groups`, :class:`Int8Groups`) stay so where a kernel reads them, else
         they are dequantized.
         """
-        tensors = {name: GROUPED[type(w)](w) if type(w) in GROUPED else torch.tensor(w, dtype=dtype)
-                   for name, w in weights if not _IGNORED.match(name)}
         act_dtype = compute_dtype(device, dtype)
-
-        def take(name: str) -> Tensor | Int4Weight | Int8Weight:
-            if name not in tensors:
-                raise CheckpointError(f"checkpoint has no weight {name!r}")
-            return tensors.pop(name)
-
-        def dense(weight: Tensor | Int4Weight | Int8Weight) -> Tensor:
-            return weight if isinstance(weight, Tensor) else weight.dequantize().to(dtype)
-
-        def take_dense(name: str) -> Tensor:
-            return dense(take(name))
-
-        def linear(prefix: str, parts: tuple[str, ...], has_bias: bool) -> Linear:
-            weight = concat_rows([rope_layout(part, take(f"{prefix}.{part}.weight")) for part in parts])
-            bias = (torch.cat([rope_layout(part, take_dense(f"{prefix}.{part}.bias")) for part in parts])
-                    if has_bias else None)
-            return make_linear(weight, bias, device, dtype)
-
-        def norm(name: str) -> RMSNorm:
-            return RMSNorm(rope_layout(name, take_dense(name)).to(device, act_dtype), config.rms_norm_eps)
 
         def rope_layout(name: str, weight: T) -> T:
             if not any(part in name for part in ("q_proj", "k_proj", "q_norm", "k_norm")):
@@ -189,7 +172,15 @@ class LlamaModel:
                 return map_rows(weight, lambda rows: _interleave_halves(rows, config.head_dim))
             return _interleave_halves(weight, config.head_dim)
 
-        qk_norm = config.architecture == "qwen3"
+        w = Weights(weights, device, dtype, ignored=_IGNORED, layout=rope_layout)
+
+        def linear(prefix: str, parts: tuple[str, ...], has_bias: bool) -> Linear:
+            return w.linear([f"{prefix}.{part}.weight" for part in parts],
+                            [f"{prefix}.{part}.bias" for part in parts] if has_bias else ())
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(w.dense(name).to(device, act_dtype), config.rms_norm_eps)
+
         layers = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}"
@@ -199,26 +190,26 @@ class LlamaModel:
                 num_heads=config.num_attention_heads,
                 num_kv_heads=config.num_key_value_heads,
                 head_dim=config.head_dim,
-                q_norm=norm(f"{p}.self_attn.q_norm.weight") if qk_norm else None,
-                k_norm=norm(f"{p}.self_attn.k_norm.weight") if qk_norm else None,
+                q_norm=norm(f"{p}.self_attn.q_norm.weight") if cls.QK_NORM else None,
+                k_norm=norm(f"{p}.self_attn.k_norm.weight") if cls.QK_NORM else None,
             )
             mlp = MLP(gate_up_proj=linear(f"{p}.mlp", ("gate_proj", "up_proj"), config.mlp_bias),
                       down_proj=linear(f"{p}.mlp", ("down_proj",), config.mlp_bias))
             layers.append(DecoderLayer(norm(f"{p}.input_layernorm.weight"), attn,
                                        norm(f"{p}.post_attention_layernorm.weight"), mlp))
 
-        embed = take("model.embed_tokens.weight")
-        head = tensors.pop("lm_head.weight", None) if config.tie_word_embeddings else take("lm_head.weight")
+        embed = w.take("model.embed_tokens.weight")
+        head = w.pop("lm_head.weight") if config.tie_word_embeddings else w.take("lm_head.weight")
         final_norm = norm("model.norm.weight")
-        if tensors:
-            raise CheckpointError(f"checkpoint has weights this model does not use: {sorted(tensors)[:5]}")
+        w.finish()
         inv_freq, attention_factor = rope_frequencies(config, NAME)
         angles = torch.outer(torch.arange(max_model_len, dtype=torch.float32), torch.from_numpy(inv_freq))
         return cls(
-            embed_tokens=dense(embed).to(device),
+            embed_tokens=dense(embed, dtype).to(device),
             layers=layers,
             norm=final_norm,
             lm_head=make_linear(embed if head is None else head, None, device, dtype),
             rope=torch.polar(torch.full_like(angles, attention_factor), angles).to(device),  # YaRN scales cos, sin
             dtype=act_dtype,
+            cache_specs=[AttentionSpec(config.num_key_value_heads, config.head_dim)] * config.num_hidden_layers,
         )

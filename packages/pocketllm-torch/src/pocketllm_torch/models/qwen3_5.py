@@ -1,0 +1,359 @@
+"""Qwen3.5, dense and MoE: a hybrid of Gated DeltaNet layers (linear attention with a fixed-size state per
+request) and gated full-attention layers over the paged KV cache, three to one by default.
+
+Plain torch, after transformers' ``qwen3_5`` and ``qwen3_5_moe``. Per layer type:
+
+- Gated DeltaNet: one projection into (q, k, v) for a depthwise causal convolution, the output gate z and the
+  delta rule's beta and decay logits; SiLU after the convolution; q and k L2-normalised (q also scaled by
+  dk^-0.5) and repeated over the value heads when Hv > Hk; the gated delta rule with its state in float32,
+  chunked for prefill and recurrent for decode; a gated RMSNorm ``norm(o) * w * silu(z)``.
+- Gated attention: ``q_proj`` yields, per head, the query and an output gate ``sigmoid(gate)``; q/k RMSNorm per
+  head; RoPE on the first ``partial_rotary_factor`` of each head, rotate-half style. For text alone the t, h
+  and w positions of MRoPE are equal, which makes it this plain partial RoPE.
+- Norms are zero-centred, ``norm(x) * (1 + w)``: the 1 is added to the weights at load.
+- MoE layers route each token to its top-k experts (softmax, renormalised over the k), computed expert by
+  expert over the tokens routed to it, plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pocketllm.errors import CheckpointError
+from pocketllm.rope import rope_frequencies
+from pocketllm_torch.attention import paged_attention
+from pocketllm_torch.backend import NAME
+from pocketllm_torch.cache_spec import AttentionSpec, LayerCacheSpec, StateSpec
+from pocketllm_torch.linear import Linear, compute_dtype, make_linear
+from pocketllm_torch.models.llama import MLP, RMSNorm
+from pocketllm_torch.models.weights import Weights, dense
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import numpy as np
+
+    from pocketllm.model_config import ModelConfig
+    from pocketllm_torch.context import StepContext
+    from pocketllm_torch.groups import Int4Groups, Int8Groups
+    from pocketllm_torch.state_cache import LayerState
+
+# The multi-token-prediction head (speculative decoding, not served yet) and RoPE buffers of old checkpoints.
+_IGNORED = re.compile(r"^mtp\.|.*rotary_emb\.inv_freq$")
+CHUNK = 64  # tokens per chunk of the chunked delta rule, as transformers and flash-linear-attention use
+
+
+def layer_types(config: ModelConfig) -> list[str]:
+    """'linear_attention' or 'full_attention' per layer: the config's list, else every ``full_attention_interval``-th
+    layer (4 by default) is full attention."""
+    types = config.extra.get("layer_types")
+    if types is None:
+        interval = config.extra.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(config.num_hidden_layers)]
+    if len(types) != config.num_hidden_layers or set(types) - {"linear_attention", "full_attention"}:
+        raise CheckpointError(f"layer_types must name linear_attention or full_attention for each of the "
+                              f"{config.num_hidden_layers} layers, got {types!r}")
+    return list(types)
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                           state: Tensor) -> tuple[Tensor, Tensor]:
+    """The gated delta rule over one sequence's n tokens, a chunk of CHUNK tokens at a time, from ``state``.
+
+    q, k [n, H, dk] (normalised and scaled), v [n, H, dv], g (log decay) and beta [n, H], state [H, dk, dv]; all
+    float32. Returns the outputs [n, H, dv] and the state after the last token. Within a chunk the sequential
+    updates are one triangular solve (the UT transform of DeltaNet); chunks run in turn, each from the state the
+    one before left.
+    """
+    n = q.shape[0]
+    pad = -n % CHUNK
+    q, k, v = (F.pad(t.transpose(0, 1), (0, 0, 0, pad)).unflatten(1, (-1, CHUNK)) for t in (q, k, v))
+    g, beta = (F.pad(t.transpose(0, 1), (0, pad)).unflatten(1, (-1, CHUNK)) for t in (g, beta))  # [H, C, CHUNK]
+    decay = g.cumsum(-1)  # log of the decay from the chunk's start to each position
+    later = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    pairwise = (decay[..., :, None] - decay[..., None, :]).masked_fill(later, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * pairwise  # unit lower triangular once solved: the diagonal is 1
+    new_values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    k_decayed = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False,
+                                              unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * pairwise
+    q = q * decay.exp()[..., None]
+    k = k * (decay[..., -1:] - decay).exp()[..., None]
+    chunk_decay = decay[..., -1].exp()[..., None, None]
+    out = torch.empty_like(new_values)
+    for c in range(q.shape[1]):
+        correction = new_values[:, c] - k_decayed[:, c] @ state
+        out[:, c] = q[:, c] @ state + intra[:, c] @ correction
+        state = state * chunk_decay[:, c] + k[:, c].transpose(-1, -2) @ correction
+    return out.flatten(1, 2)[:, :n].transpose(0, 1), state
+
+
+def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                               state: Tensor) -> tuple[Tensor, Tensor]:
+    """One token of each of B sequences: q, k [B, H, dk], v [B, H, dv], g and beta [B, H], state [B, H, dk, dv]."""
+    state = state * g.exp()[..., None, None]
+    remembered = torch.einsum("bhk,bhkv->bhv", k, state)
+    state = state + k[..., None] * ((v - remembered) * beta[..., None])[..., None, :]
+    return torch.einsum("bhk,bhkv->bhv", q, state), state
+
+
+@dataclass(slots=True)
+class GatedRMSNorm:
+    weight: Tensor
+    eps: float
+
+    def __call__(self, x: Tensor, gate: Tensor) -> Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+
+
+@dataclass(slots=True)
+class GatedDeltaNet:
+    in_proj: Linear  # rows: q, k, v (the convolution's channels), then z, beta logits, decay logits
+    conv_weight: Tensor  # [channels, kernel]
+    decay_rate: Tensor  # -exp(A_log) [Hv], float32
+    dt_bias: Tensor  # [Hv], float32
+    norm: GatedRMSNorm
+    out_proj: Linear
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int
+    v_dim: int
+
+    def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], state: LayerState, ctx: StepContext) -> Tensor:
+        hv, dv = self.num_v_heads, self.v_dim
+        channels = self.conv_weight.shape[0]
+        mixed, z, b, a = self.in_proj(x).split([channels, hv * dv, hv, hv], dim=-1)
+        beta = b.float().sigmoid()
+        g = self.decay_rate * F.softplus(a.float() + self.dt_bias)
+        assert ctx.state_slots is not None
+        if ctx.is_decode:
+            mixed = self._conv_step(mixed, state.conv, ctx.state_slots)
+            q, k, v = self._heads(mixed)
+            out, state.recurrent[ctx.state_slots] = recurrent_gated_delta_rule(
+                q, k, v, g, beta, state.recurrent[ctx.state_slots])
+        else:
+            outs, start = [], 0
+            for n, slot in zip(ctx.query_lens, ctx.state_slots.tolist(), strict=True):
+                q, k, v = self._heads(self._conv_prefill(mixed[start:start + n], state.conv, slot))
+                out, state.recurrent[slot] = chunk_gated_delta_rule(
+                    q, k, v, g[start:start + n], beta[start:start + n], state.recurrent[slot])
+                outs.append(out)
+                start += n
+            out = torch.cat(outs)
+        out = self.norm(out.to(x.dtype).reshape(-1, dv), z.reshape(-1, dv))
+        return self.out_proj(out.view(x.shape[0], hv * dv))
+
+    def _conv_step(self, mixed: Tensor, conv: Tensor, slots: Tensor) -> Tensor:
+        """One new input per sequence: the window of its last kernel-size inputs, and the window moves on."""
+        window = torch.cat([conv[slots], mixed.unsqueeze(-1).to(conv.dtype)], dim=-1)  # [B, channels, kernel]
+        conv[slots] = window[..., 1:]
+        return F.silu((window * self.conv_weight).sum(-1))
+
+    def _conv_prefill(self, mixed: Tensor, conv: Tensor, slot: int) -> Tensor:
+        """A chunk of one sequence's inputs [n, channels], after the inputs its state keeps (zeros at the start)."""
+        window = torch.cat([conv[slot], mixed.t().to(conv.dtype)], dim=-1)  # [channels, kernel - 1 + n]
+        conv[slot] = window[:, window.shape[1] - conv.shape[-1]:]
+        out = F.conv1d(window.unsqueeze(0), self.conv_weight.unsqueeze(1), groups=window.shape[0])[0]
+        return F.silu(out.t())
+
+    def _heads(self, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k [T, Hv, dk] (normalised, q scaled, each key head repeated over its value heads), v [T, Hv, dv]."""
+        hk, hv, dk = self.num_k_heads, self.num_v_heads, self.k_dim
+        q, k, v = mixed.float().split([hk * dk, hk * dk, hv * self.v_dim], dim=-1)
+        q, k = (l2norm(t.unflatten(-1, (hk, dk))).repeat_interleave(hv // hk, dim=-2) for t in (q, k))
+        return q * dk ** -0.5, k, v.unflatten(-1, (hv, self.v_dim))
+
+
+def rotate_partial(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dimensions of each head, rotate-half style; the rest pass through."""
+    width = cos.shape[-1]
+    rotated, rest = x[..., :width], x[..., width:]
+    first, second = rotated.chunk(2, dim=-1)
+    return torch.cat([rotated * cos + torch.cat([-second, first], dim=-1) * sin, rest], dim=-1)
+
+
+@dataclass(slots=True)
+class GatedAttention:
+    qkv_proj: Linear  # rows: per head its query and output gate, then k, then v
+    o_proj: Linear
+    q_norm: RMSNorm
+    k_norm: RMSNorm
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], kv_cache: Tensor, ctx: StepContext) -> Tensor:
+        t, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        query_gate, k, v = self.qkv_proj(x).to(x.dtype).split([2 * heads * dim, kv_heads * dim, kv_heads * dim], -1)
+        q, gate = query_gate.view(t, heads, 2 * dim).chunk(2, dim=-1)
+        cos, sin = rope
+        q = rotate_partial(self.q_norm(q.contiguous()), cos, sin)
+        k = rotate_partial(self.k_norm(k.view(t, kv_heads, dim)), cos, sin)
+        kv = torch.stack([k, v.view(t, kv_heads, dim)]).transpose(1, 2)  # [2, kv heads, T, D]
+        out = paged_attention(q, kv, kv_cache, ctx.attention, dim ** -0.5)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(t, heads * dim)))
+
+
+@dataclass(slots=True)
+class SparseMoE:
+    router: Tensor  # [experts, hidden]
+    gate_up: Tensor  # [experts, 2 * intermediate, hidden]
+    down: Tensor  # [experts, hidden, intermediate]
+    top_k: int
+    renormalize: bool  # the top-k probabilities rescaled to sum to 1
+    shared_expert: MLP
+    shared_gate: Tensor  # [1, hidden]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        # Token-expert pairs grouped by expert: each expert multiplies the rows routed to it in one matmul.
+        order = experts.flatten().argsort(stable=True)
+        tokens, pair_weights = order // self.top_k, weights.flatten()[order].to(x.dtype)
+        counts = torch.bincount(experts.flatten(), minlength=self.router.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start:start + count]
+            gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
+            routed = F.linear(F.silu(gate) * up, self.down[expert]) * pair_weights[start:start + count, None]
+            out.index_add_(0, rows, routed)
+            start += count
+        return out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared_expert(x)
+
+
+@dataclass(slots=True)
+class HybridLayer:
+    input_norm: RMSNorm
+    mixer: GatedDeltaNet | GatedAttention
+    post_attention_norm: RMSNorm
+    mlp: MLP | SparseMoE
+
+
+@dataclass(slots=True)
+class Qwen3_5Model:
+    embed_tokens: Tensor
+    layers: list[HybridLayer]
+    norm: RMSNorm
+    lm_head: Linear
+    cos: Tensor  # [max_model_len, rotary dims]: rotate-half tables of each position
+    sin: Tensor
+    dtype: torch.dtype  # of activations
+    cache_specs: list[LayerCacheSpec]
+    TRACEABLE: ClassVar[bool] = False  # prefill loops over sequences and decode indexes state slots: eager
+
+    def __call__(self, input_ids: Tensor, ctx: StepContext) -> Tensor:
+        """Hidden states [T, hidden] of the step's tokens, before the final norm; updates KV and states."""
+        x = F.embedding(input_ids, self.embed_tokens).to(self.dtype)
+        rope = self.cos[ctx.positions].unsqueeze(1), self.sin[ctx.positions].unsqueeze(1)
+        for layer, cache in zip(self.layers, ctx.caches, strict=True):
+            x, h = layer.post_attention_norm.add(x, layer.mixer(layer.input_norm(x), rope, cache, ctx))
+            x = x + layer.mlp(h)
+        return x
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden)).float()
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray | Int4Groups | Int8Groups]],
+                     device: torch.device, dtype: torch.dtype, max_model_len: int) -> Qwen3_5Model:
+        act_dtype = compute_dtype(device, dtype)
+        w = Weights(weights, device, dtype, ignored=_IGNORED)
+        extra = config.extra
+        eps = config.rms_norm_eps
+
+        def norm(name: str, centred: bool = True) -> RMSNorm:
+            weight = w.dense(name).float()
+            return RMSNorm((1 + weight if centred else weight).to(device, act_dtype), eps)
+
+        def mlp(prefix: str) -> MLP:
+            return MLP(w.linear([f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]),
+                       w.linear([f"{prefix}.down_proj.weight"]))
+
+        def stacked(prefix: str, part: str) -> Tensor:
+            if w.has(f"{prefix}.{part}.weight"):  # GGUF: stacked [experts, out, in]
+                return w.dense(f"{prefix}.{part}.weight")
+            return torch.stack([w.dense(f"{prefix}.{e}.{part}.weight") for e in range(extra["num_experts"])])
+
+        def moe(prefix: str) -> SparseMoE:
+            experts = f"{prefix}.experts"
+            if w.has(f"{experts}.gate_up_proj"):  # transformers' fused layout
+                gate_up, down = w.dense(f"{experts}.gate_up_proj"), w.dense(f"{experts}.down_proj")
+            else:
+                gate_up = torch.cat([stacked(experts, "gate_proj"), stacked(experts, "up_proj")], dim=1)
+                down = stacked(experts, "down_proj")
+            return SparseMoE(
+                router=w.dense(f"{prefix}.gate.weight").to(device, act_dtype),
+                gate_up=gate_up.to(device, act_dtype), down=down.to(device, act_dtype),
+                top_k=extra["num_experts_per_tok"], renormalize=extra.get("norm_topk_prob", True),
+                shared_expert=mlp(f"{prefix}.shared_expert"),
+                shared_gate=w.dense(f"{prefix}.shared_expert_gate.weight").to(device, act_dtype))
+
+        hk, hv = extra["linear_num_key_heads"], extra["linear_num_value_heads"]
+        dk, dv, kernel = extra["linear_key_head_dim"], extra["linear_value_head_dim"], extra["linear_conv_kernel_dim"]
+        if hv % hk:
+            raise CheckpointError(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads {hk}")
+        heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        is_moe = "num_experts" in extra
+        layers, specs = [], []
+        for i, kind in enumerate(layer_types(config)):
+            p = f"model.layers.{i}"
+            mixer: GatedDeltaNet | GatedAttention
+            if kind == "linear_attention":
+                a = f"{p}.linear_attn"
+                mixer = GatedDeltaNet(
+                    in_proj=w.linear([f"{a}.{part}.weight" for part in ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                                         "in_proj_a")]),
+                    conv_weight=w.dense(f"{a}.conv1d.weight").squeeze(1).to(device, act_dtype),
+                    decay_rate=-w.dense(f"{a}.A_log").float().exp().to(device),
+                    dt_bias=w.dense(f"{a}.dt_bias").float().to(device),
+                    norm=GatedRMSNorm(w.dense(f"{a}.norm.weight").to(device, act_dtype), eps),
+                    out_proj=w.linear([f"{a}.out_proj.weight"]),
+                    num_k_heads=hk, num_v_heads=hv, k_dim=dk, v_dim=dv)
+                specs.append(StateSpec((2 * hk * dk + hv * dv, kernel - 1), (hv, dk, dv)))
+            else:
+                a = f"{p}.self_attn"
+                mixer = GatedAttention(
+                    qkv_proj=w.linear([f"{a}.{part}.weight" for part in ("q_proj", "k_proj", "v_proj")]),
+                    o_proj=w.linear([f"{a}.o_proj.weight"]),
+                    q_norm=norm(f"{a}.q_norm.weight"), k_norm=norm(f"{a}.k_norm.weight"),
+                    num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
+                specs.append(AttentionSpec(kv_heads, dim))
+            layers.append(HybridLayer(norm(f"{p}.input_layernorm.weight"), mixer,
+                                      norm(f"{p}.post_attention_layernorm.weight"),
+                                      moe(f"{p}.mlp") if is_moe else mlp(f"{p}.mlp")))
+        embed = w.take("model.embed_tokens.weight")
+        head = w.pop("lm_head.weight") if config.tie_word_embeddings else w.take("lm_head.weight")
+        final_norm = norm("model.norm.weight")
+        w.finish()
+        rotary = int(dim * extra.get("partial_rotary_factor", 1.0))
+        inv_freq, attention_factor = rope_frequencies(config, NAME, rotary)
+        angles = torch.outer(torch.arange(max_model_len, dtype=torch.float32), torch.from_numpy(inv_freq))
+        angles = torch.cat([angles, angles], dim=-1)
+        return cls(
+            embed_tokens=dense(embed, dtype).to(device),
+            layers=layers,
+            norm=final_norm,
+            lm_head=make_linear(embed if head is None else head, None, device, dtype),
+            cos=(angles.cos() * attention_factor).to(device, act_dtype),
+            sin=(angles.sin() * attention_factor).to(device, act_dtype),
+            dtype=act_dtype,
+            cache_specs=specs,
+        )

@@ -1,0 +1,137 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated attention, dense and MoE) against transformers on tiny random fp32
+checkpoints: logits of a batched prefill, then greedy ids through the engine under batching, chunked prefill,
+token budgets, preemption and aborts, with every block and state slot returned."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from pocketllm.checkpoint import load_checkpoint
+from pocketllm.errors import UnsupportedOptionError
+from pocketllm_torch.attention import KVCache, build_metadata
+from pocketllm_torch.cache_spec import AttentionSpec, StateSpec
+from pocketllm_torch.context import StepContext
+from pocketllm_torch.models import model_class
+from pocketllm_torch.state_cache import StateCache
+from tests.torch.qwen3_5_kit import tiny_qwen3_5
+from tests.torch.torch_testkit import add, greedy, hf_greedy, make_engine, prompt, run_to_completion
+
+CPU = torch.device("cpu")
+KINDS = {"dense": {}, "moe": {"moe": True}, "wrapped": {"wrapped": True}, "moe-wrapped": {"moe": True, "wrapped": True}}
+LENGTHS = (3, 17, 70, 130)  # across the delta rule's 64-token chunks
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def qwen(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(transformers model, checkpoint, its greedy 32 ids for prompts of several lengths)."""
+    hf, path = tiny_qwen3_5(tmp_path_factory.mktemp(request.param), **KINDS[request.param])
+    reference = {n: hf_greedy(hf, prompt(n, offset=n), 32) for n in LENGTHS}
+    return hf, load_checkpoint(str(path)), reference
+
+
+def test_checkpoint_forms_load_as_the_text_model(qwen) -> None:
+    _, checkpoint, _ = qwen
+    assert checkpoint.config.architecture in ("qwen3_5_text", "qwen3_5_moe_text")
+    names = {t.name for t in checkpoint.tensors()}
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in names and "lm_head.weight" in names
+    assert not any(n.startswith(("model.visual", "model.language_model", "mtp.")) for n in names)
+
+
+def test_logits_match_transformers(qwen) -> None:
+    hf, checkpoint, _ = qwen
+    config = checkpoint.config
+    model = model_class(config.architecture).from_weights(
+        config, ((t.name, t.dequantize()) for t in checkpoint.tensors()), CPU, torch.float32, 256)
+    prompts = [prompt(37), prompt(5, offset=1), prompt(90, offset=2)]
+    specs = model.cache_specs
+    attention = [s for s in specs if isinstance(s, AttentionSpec)]
+    states = [s for s in specs if isinstance(s, StateSpec)]
+    assert len(attention) == 1 and len(states) == 3  # three Gated DeltaNet layers to one attention layer
+    kv = KVCache(len(attention), 200, 4, config.num_key_value_heads, config.head_dim, torch.float32, CPU)
+    state = StateCache(len(states), 5, states[0], torch.float32, CPU)
+    state.conv.fill_(float("nan"))  # what torch.empty may hand back: reset must clear it
+    state.recurrent.fill_(float("nan"))
+    slots = torch.tensor([4, 0, 2])
+    state.reset(slots)
+    layers_kv, layers_state = iter(kv.layers), iter(state.layers)
+    caches = [next(layers_kv) if isinstance(s, AttentionSpec) else next(layers_state) for s in specs]
+    tables = [list(range(1 + i, 200, 3))[::-1] for i in range(3)]
+    kv.zero_new_blocks(tables)
+    positions, meta = build_metadata([0] * 3, [len(p) for p in prompts], tables, 4, CPU, torch.float32)
+    with torch.inference_mode():
+        ctx = StepContext(positions, meta, caches, [len(p) for p in prompts], slots)
+        logits = model.compute_logits(model(torch.tensor([t for p in prompts for t in p]), ctx))
+    for ids, ours in zip(prompts, logits.split([len(p) for p in prompts]), strict=True):
+        with torch.no_grad():
+            reference = hf(torch.tensor([ids])).logits[0]
+        assert (ours - reference).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("engine_args", [
+    {},
+    {"prefill_chunk_size": 7},
+    {"prefill_chunk_size": 16},
+    {"prefill_chunk_size": 50},
+    {"max_num_batched_tokens": 20, "prefill_chunk_size": 16},
+    {"max_num_seqs": 2},
+    {"backend_options": {"block_size": 4, "num_kv_blocks": 70}},  # too few blocks for all four: preemption
+], ids=["batched", "chunk-7", "chunk-16", "chunk-50", "token-budget", "queued", "preempted"])
+def test_greedy_ids_match_transformers(qwen, engine_args: dict) -> None:
+    _, checkpoint, reference = qwen
+    engine = make_engine(checkpoint, max_model_len=256, **engine_args)
+    outputs = run_to_completion(engine, {str(n): (prompt(n, offset=n), greedy(32)) for n in reference})
+    assert outputs == {str(n): ids for n, ids in reference.items()}
+    stats = engine.stats()
+    assert (stats.num_kv_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0)
+    assert engine.state_slots is not None and engine.state_slots.num_used == 0
+    if "num_kv_blocks" in engine_args.get("backend_options", {}):
+        assert stats.num_preemptions > 0
+
+
+def test_alone_equals_batched(qwen) -> None:
+    _, checkpoint, reference = qwen
+    for n, ids in reference.items():
+        engine = make_engine(checkpoint, max_model_len=256)
+        assert run_to_completion(engine, {"alone": (prompt(n, offset=n), greedy(32))}) == {"alone": ids}
+
+
+def test_abort_frees_blocks_and_state_slots(qwen) -> None:
+    _, checkpoint, reference = qwen
+    engine = make_engine(checkpoint, max_model_len=256, max_num_seqs=2)
+    for n in reference:
+        add(engine, str(n), prompt(n, offset=n), greedy(32))
+    outputs: dict[str, list[int]] = {str(n): [] for n in reference}
+
+    def step() -> None:
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.new_token_ids
+
+    for _ in range(3):
+        step()
+    assert engine.state_slots is not None and engine.state_slots.num_used == 2
+    engine.abort(["3", "130"])  # one running, one still waiting
+    while engine.has_unfinished():
+        step()
+    assert (outputs["17"], outputs["70"], outputs["130"]) == (reference[17], reference[70], [])
+    assert engine.state_slots.num_used == 0 and engine.stats().num_kv_blocks_used == 0
+
+
+def test_prefix_caching_is_refused_not_ignored(qwen) -> None:
+    _, checkpoint, _ = qwen
+    with pytest.raises(UnsupportedOptionError, match="enable_prefix_caching"):
+        make_engine(checkpoint, enable_prefix_caching=True)
+
+
+def test_a_config_that_disagrees_with_the_gated_deltanet_tensors_is_refused_at_load(tmp_path) -> None:
+    import json
+
+    from pocketllm.errors import CheckpointError
+
+    _, path = tiny_qwen3_5(tmp_path, layers=4)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"linear_num_value_heads": 8}))
+    with pytest.raises(CheckpointError, match="linear_attn.in_proj_qkv.weight"):
+        load_checkpoint(str(path))
