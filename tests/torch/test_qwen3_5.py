@@ -10,7 +10,6 @@ import torch
 pytest.importorskip("transformers")
 
 from pocketllm.checkpoint import load_checkpoint
-from pocketllm.errors import UnsupportedOptionError
 from pocketllm_torch.attention import KVCache, build_metadata
 from pocketllm_torch.cache_spec import AttentionSpec, StateSpec
 from pocketllm_torch.context import StepContext
@@ -119,10 +118,47 @@ def test_abort_frees_blocks_and_state_slots(qwen) -> None:
     assert engine.state_slots.num_used == 0 and engine.stats().num_kv_blocks_used == 0
 
 
-def test_prefix_caching_is_refused_not_ignored(qwen) -> None:
+@pytest.mark.parametrize(("engine_args", "resumed_at"), [
+    ({}, 64),  # a snapshot inside the first request's one prompt chunk, after 64 tokens of the delta rule
+    ({"prefill_chunk_size": 24}, 48),  # at the end of its chunks (24, 48, then 72: past the shared 70)
+    ({"max_num_seqs": 1}, 64),
+], ids=["one-chunk", "chunked", "one-at-a-time"])
+def test_prefix_cached_equals_cold_and_hits(qwen, engine_args: dict, resumed_at: int) -> None:
+    """Requests sharing a 70-token prefix (8 full blocks of 8): the later ones resume from the attention blocks
+    and the state snapshot at the deepest block boundary that has both, and generate what transformers does from
+    scratch."""
+    hf, checkpoint, _ = qwen
+    shared = prompt(70, offset=9)
+    prompts = {f"q{i}": shared + prompt(5 + 3 * i, offset=20 + i) for i in range(3)}
+    expected = {rid: hf_greedy(hf, ids, 16) for rid, ids in prompts.items()}
+    engine = make_engine(checkpoint, max_model_len=256, enable_prefix_caching=True,
+                         backend_options={"block_size": 8}, **engine_args)
+    assert run_to_completion(engine, {"q0": (prompts["q0"], greedy(16))}) == {"q0": expected["q0"]}
+    rest = {rid: (ids, greedy(16)) for rid, ids in prompts.items() if rid != "q0"}
+    assert run_to_completion(engine, rest) == {rid: expected[rid] for rid in rest}
+    stats = engine.stats()
+    assert stats.num_state_snapshot_hits == 2 and stats.num_state_snapshots > 0
+    assert stats.num_prefix_cache_hits == 2 * resumed_at
+    assert engine.state_slots is not None and engine.state_slots.num_used == 0
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    # Cached blocks are free to evict: none is held by a request.
+    assert stats.num_kv_blocks_used == 0
+
+
+def test_snapshots_are_evicted_least_recently_used_under_their_budget(qwen) -> None:
     _, checkpoint, _ = qwen
-    with pytest.raises(UnsupportedOptionError, match="enable_prefix_caching"):
-        make_engine(checkpoint, enable_prefix_caching=True)
+    engine = make_engine(checkpoint, max_model_len=256, enable_prefix_caching=True, prefill_chunk_size=8,
+                         backend_options={"block_size": 8, "state_snapshot_mb": 1})
+    capacity = engine.runner.snapshots.capacity  # 1 MiB of this model's ~17 KB snapshots
+    prompts = {f"r{i}": prompt(200, offset=40 + i) for i in range(3)}
+    run_to_completion(engine, {rid: (ids, greedy(2)) for rid, ids in prompts.items()})
+    stats = engine.stats()
+    taken = 3 * (200 // 8)  # one at each block boundary of each prompt, its end included: chunks end there
+    assert capacity < taken and stats.num_state_snapshots == capacity
+    assert stats.num_state_snapshot_evictions == taken - capacity
+    # The latest prompt's snapshots are the most recently used: a request repeating it resumes from its last.
+    run_to_completion(engine, {"again": (prompts["r2"] + [5], greedy(2))})
+    assert engine.stats().num_state_snapshot_hits == 1 and engine.stats().num_prefix_cache_hits == 200
 
 
 def test_a_config_that_disagrees_with_the_gated_deltanet_tensors_is_refused_at_load(tmp_path) -> None:

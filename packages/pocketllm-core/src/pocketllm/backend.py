@@ -148,6 +148,11 @@ class BackendStats(msgspec.Struct, kw_only=True):
     num_preemptions: int = 0
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    # Hybrid models (state layers beside attention): prefix-cache snapshots of their states held now, requests
+    # resumed from one, and snapshots evicted.
+    num_state_snapshots: int = 0
+    num_state_snapshot_hits: int = 0
+    num_state_snapshot_evictions: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -48,6 +48,12 @@ class _EngineCollector(Collector):
              "Prefix-cache queries, in tokens.", stats.num_prefix_cache_queries),
             (CounterMetricFamily, "pocketllm:prefix_cache_hits", "Prefix-cache hits, in tokens.",
              stats.num_prefix_cache_hits),
+            (GaugeMetricFamily, "pocketllm:state_snapshots", "Prefix-cache snapshots of state layers held.",
+             stats.num_state_snapshots),
+            (CounterMetricFamily, "pocketllm:state_snapshot_hits",
+             "Requests resumed from a prefix-cache snapshot of state layers.", stats.num_state_snapshot_hits),
+            (CounterMetricFamily, "pocketllm:state_snapshot_evictions",
+             "Prefix-cache snapshots of state layers evicted.", stats.num_state_snapshot_evictions),
         ]
         for family, name, doc, value in values:
             metric = family(name, doc, labels=_LABELS)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_STATE_SNAPSHOT_MB = 512  # prefix-cache snapshots of hybrid models' states (Qwen3.5-9B: ~50 MB each)
 CPU_KV_MEMORY_FRACTION = 0.25  # of physical RAM: the weights and the rest of the process need the remainder
 GPU_KV_MEMORY_FRACTION = 0.9  # of the memory still free once the weights are loaded
 
@@ -37,6 +38,7 @@ class TorchConfig:
     num_kv_blocks: int | None  # None: size the cache from memory once the weights are loaded
     enable_prefix_caching: bool
     decode_graphs: bool  # replay decode steps from TorchScript traces (see decode_graphs.py)
+    state_snapshot_bytes: int  # budget of the state layers' prefix-cache snapshots (see state_snapshots.py)
 
     @classmethod
     def from_args(cls, args: EngineArgs, model: ModelConfig) -> TorchConfig:
@@ -64,6 +66,8 @@ class TorchConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             # On by default where it was measured: CPUs, where a small model's decode is bound by Python overhead.
             decode_graphs=_bool_option(options, "decode_graphs", default=device.type == "cpu"),
+            state_snapshot_bytes=(_positive_option(options, "state_snapshot_mb", at_most=1 << 30)
+                                  if "state_snapshot_mb" in options else DEFAULT_STATE_SNAPSHOT_MB) << 20,
         )
 
     def kv_bytes_per_block(self, num_attention_layers: int) -> int:

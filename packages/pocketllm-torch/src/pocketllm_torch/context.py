@@ -3,7 +3,7 @@ through every layer."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -22,6 +22,10 @@ class StepContext:
     # one token of each) and its slot in the state layers' pools (None for a model without state layers).
     query_lens: list[int]
     state_slots: Tensor | None
+    # Prefix-cache snapshots inside prompt chunks: per sequence, after how many of its tokens this step the state
+    # layers keep their states (None: nowhere), and what they kept there, (conv, recurrent) in layer order.
+    capture_points: list[list[int]] | None = None
+    captured: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = field(default_factory=dict)
 
     @property
     def is_decode(self) -> bool:

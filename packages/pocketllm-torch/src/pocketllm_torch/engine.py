@@ -35,16 +35,12 @@ class TorchEngine:
             # heads reordered); undoing that is not written yet, so refuse rather than fail on a missing name.
             raise UnsupportedOptionError("model", NAME, f"GGUF files of {checkpoint.config.architecture} are not "
                                                         "supported yet; use the safetensors checkpoint")
-        if self.config.enable_prefix_caching and checkpoint.config.architecture in HYBRID_ARCHITECTURES:
-            # A cached prefix would need its Gated DeltaNet states too: not yet (no silent cold start instead).
-            raise UnsupportedOptionError("enable_prefix_caching", NAME,
-                                         f"not yet for {checkpoint.config.architecture}'s state layers")
         self.runner = ModelRunner(self.config, checkpoint)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.state_slots = StateSlots(self.config.max_num_seqs) if self.runner.state_cache is not None else None
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   self.config.prefill_chunk_size, self.state_slots)
+                                   self.config.prefill_chunk_size, self.state_slots, self.runner.snapshots)
         self.seqs: dict[str, Sequence] = {}
         # Seeds for requests without one: reproducible for a given engine seed and order of requests.
         self._seeds = random.Random(args.seed)
@@ -75,6 +71,7 @@ class TorchEngine:
             return []
         sampled = self.runner.run(batch)
         self.scheduler.mark_computed(batch)
+        self.runner.save_snapshots(batch)
         return [self._fail(seq, new.message) if isinstance(new, SamplingFailure) else self._append(seq, *new)
                 for seq, new in zip(batch.seqs, sampled, strict=True) if new is not None]
 
@@ -96,6 +93,9 @@ class TorchEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_queries=self.block_manager.num_queried_tokens,
             num_prefix_cache_hits=self.block_manager.num_hit_tokens,
+            num_state_snapshots=len(snapshots.entries) if (snapshots := self.runner.snapshots) else 0,
+            num_state_snapshot_hits=snapshots.num_hits if snapshots else 0,
+            num_state_snapshot_evictions=snapshots.num_evictions if snapshots else 0,
         )
 
     def shutdown(self) -> None:

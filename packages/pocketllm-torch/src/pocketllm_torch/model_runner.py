@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pocketllm.errors import ConfigError
 from pocketllm_torch import groups
 from pocketllm_torch.attention import KVCache, build_metadata
 from pocketllm_torch.cache_spec import AttentionSpec, StateSpec
@@ -15,11 +16,13 @@ from pocketllm_torch.linear import uses_int4, uses_int8
 from pocketllm_torch.models import model_class
 from pocketllm_torch.sampler import Outcome, sample_each
 from pocketllm_torch.state_cache import StateCache
+from pocketllm_torch.state_snapshots import StateSnapshots
 
 if TYPE_CHECKING:
     from pocketllm.checkpoint import Checkpoint
     from pocketllm_torch.config import TorchConfig
     from pocketllm_torch.scheduler import ScheduledBatch
+    from pocketllm_torch.sequence import Sequence
     from pocketllm_torch.state_cache import LayerState
 
 
@@ -47,8 +50,43 @@ class ModelRunner:
         kv_layers, state_layers = iter(self.kv_cache.layers), iter(self.state_cache.layers if states else [])
         self.caches: list[torch.Tensor | LayerState] = [
             next(kv_layers) if isinstance(s, AttentionSpec) else next(state_layers) for s in specs]
+        self.snapshots: StateSnapshots | None = None
+        self._captured: list[tuple[Sequence, int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        if states and config.enable_prefix_caching:
+            capacity = config.state_snapshot_bytes // state_bytes
+            if capacity == 0:
+                raise ConfigError("backend_options", f"state_snapshot_mb {config.state_snapshot_bytes >> 20} holds no "
+                                                     f"snapshot of this model's states ({state_bytes} bytes each)")
+            self.snapshots = StateSnapshots(capacity)
         self.decode_graphs = (DecodeGraphs(self.model, self.caches) if config.decode_graphs and model_cls.TRACEABLE
                               else None)
+
+    def _capture_points(self, batch: ScheduledBatch) -> list[list[int]] | None:
+        """Where inside each prompt chunk the state layers keep states for snapshots: block boundaries that fall
+        on the model's capture interval, before the chunk's end (whose states the slots hold anyway)."""
+        if self.snapshots is None:
+            return None
+        every = self.model.STATE_CAPTURE_INTERVAL
+        return [[p for p in range(every, n, every)
+                 if (seq.num_computed_tokens + p) % self.block_size == 0
+                 and seq.num_computed_tokens + p <= seq.num_prompt_tokens]
+                for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
+
+    @torch.inference_mode()
+    def save_snapshots(self, batch: ScheduledBatch) -> None:
+        """After a step and its blocks' hashes: the states at the block boundaries its prompt chunks reached."""
+        if self.snapshots is None or self.state_cache is None:
+            return
+        for seq, end, states in self._captured:
+            conv, recurrent = (torch.stack(parts) for parts in zip(*states, strict=True))
+            self.snapshots.save(seq.block_hashes[end // self.block_size - 1], conv, recurrent)
+        self._captured = []
+        for seq in batch.seqs:  # each chunk's end
+            blocks, partial = divmod(seq.num_computed_tokens, self.block_size)
+            if blocks and not partial and seq.num_computed_tokens <= seq.num_prompt_tokens:
+                slot = seq.state_slot
+                self.snapshots.save(seq.block_hashes[blocks - 1], self.state_cache.conv[:, slot],
+                                    self.state_cache.recurrent[:, slot])
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[Outcome | None]:
@@ -77,11 +115,18 @@ class ModelRunner:
             fresh = [seq.state_slot for seq, start in zip(batch.seqs, starts, strict=True) if start == 0]
             if fresh:  # new, or recomputing after preemption: their states start from zero
                 self.state_cache.reset(torch.tensor(fresh, device=self.device))
-        ctx = StepContext(positions, meta, self.caches, batch.num_new_tokens, slots)
+            for seq in batch.seqs:  # admitted after a cached prefix: its states where that prefix ends
+                if seq.resume_from is not None and self.snapshots is not None:
+                    self.snapshots.restore(seq.resume_from, self.state_cache, seq.state_slot)
+                    seq.resume_from = None
+        ctx = StepContext(positions, meta, self.caches, batch.num_new_tokens, slots, self._capture_points(batch))
         if self.decode_graphs is not None and ctx.is_decode:
             hidden = self.decode_graphs(input_ids, ctx)
         else:
             hidden = self.model(input_ids, ctx)
+        # Filed by save_snapshots once the blocks they end have their hashes.
+        self._captured = [(batch.seqs[i], batch.seqs[i].num_computed_tokens + p, states)
+                          for (i, p), states in ctx.captured.items()]
         results: list[Outcome | None] = [None] * len(batch.seqs)
         if not samplers:
             return results

@@ -18,6 +18,7 @@ from pocketllm_torch.sequence import Sequence, SequenceStatus
 if TYPE_CHECKING:
     from pocketllm_torch.block_manager import BlockManager
     from pocketllm_torch.state_cache import StateSlots
+    from pocketllm_torch.state_snapshots import StateSnapshots
 
 
 @dataclass(slots=True)
@@ -28,9 +29,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_size: int, state_slots: StateSlots | None = None) -> None:
+                 prefill_chunk_size: int, state_slots: StateSlots | None = None,
+                 snapshots: StateSnapshots | None = None) -> None:
         self.block_manager = block_manager
         self.state_slots = state_slots  # a model with state layers: a slot per running sequence
+        self.snapshots = snapshots  # and with prefix caching, its states at cached block boundaries
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_size = prefill_chunk_size
@@ -71,14 +74,18 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.block_manager.cached_prefix(seq)
+            if self.snapshots is not None:  # state layers resume only where their state was kept
+                while prefix and prefix[-1] not in self.snapshots:
+                    prefix.pop()
             num_cached = len(prefix) * self.block_manager.block_size
-            n = min(seq.num_tokens - num_cached, self.prefill_chunk_size, budget)
+            n = self._chunk(seq, num_cached, min(seq.num_tokens - num_cached, self.prefill_chunk_size, budget))
             if not self.block_manager.can_admit(seq, prefix, num_cached + n):
                 break
             self.block_manager.admit(seq, prefix, num_cached + n)
             self.waiting.popleft()
             if self.state_slots is not None:
                 seq.state_slot = self.state_slots.allocate()
+                seq.resume_from = prefix[-1] if prefix else None
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -93,12 +100,24 @@ class Scheduler:
         for seq in [s for s in self.running if (s.num_pending_tokens > 1) == prefill]:
             if budget == 0:
                 break
-            n = min(seq.num_pending_tokens, self.prefill_chunk_size, budget)
+            n = self._chunk(seq, seq.num_computed_tokens, min(seq.num_pending_tokens, self.prefill_chunk_size, budget))
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, n, batch.seqs):
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n
         return batch
+
+    def _chunk(self, seq: Sequence, start: int, n: int) -> int:
+        """With state snapshots, a prompt chunk that is not the last ends at a block boundary, and never past the
+        prompt's last full-block boundary: snapshots are taken where a chunk ends (see state_snapshots.py)."""
+        if self.snapshots is None:
+            return n
+        block_size = self.block_manager.block_size
+        last_boundary = (seq.num_tokens - 1) // block_size * block_size
+        if start < last_boundary < start + n:
+            return last_boundary - start
+        end = (start + n) // block_size * block_size
+        return end - start if start + n < seq.num_tokens and end > start else n
 
     def _reserve(self, seq: Sequence, num_new_tokens: int, scheduled: list[Sequence]) -> bool:
         """Allocate blocks for seq's next tokens, preempting the newest unscheduled sequences to make room."""

@@ -33,6 +33,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # prefix hash of each computed full block
     state_slot: int | None = None  # its slot in the state layers' caches while running (hybrid models)
+    resume_from: int | None = None  # prefix hash of the state snapshot to load into that slot before it runs
 
     @property
     def num_tokens(self) -> int:

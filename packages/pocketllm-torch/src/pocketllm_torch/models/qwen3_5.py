@@ -35,7 +35,7 @@ from pocketllm_torch.models.llama import MLP, RMSNorm
 from pocketllm_torch.models.weights import Weights, dense
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Sequence
 
     import numpy as np
 
@@ -67,12 +67,13 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                           state: Tensor) -> tuple[Tensor, Tensor]:
+def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                           keep: Sequence[int] = ()) -> tuple[Tensor, Tensor, list[Tensor]]:
     """The gated delta rule over one sequence's n tokens, a chunk of CHUNK tokens at a time, from ``state``.
 
     q, k [n, H, dk] (normalised and scaled), v [n, H, dv], g (log decay) and beta [n, H], state [H, dk, dv]; all
-    float32. Returns the outputs [n, H, dv] and the state after the last token. Within a chunk the sequential
+    float32. Returns the outputs [n, H, dv], the state after the last token, and the states after each chunk
+    index in ``keep`` (for prefix-cache snapshots inside a prompt chunk). Within a chunk the sequential
     updates are one triangular solve (the UT transform of DeltaNet); chunks run in turn, each from the state the
     one before left.
     """
@@ -93,11 +94,14 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     k = k * (decay[..., -1:] - decay).exp()[..., None]
     chunk_decay = decay[..., -1].exp()[..., None, None]
     out = torch.empty_like(new_values)
+    kept = []
     for c in range(q.shape[1]):
         correction = new_values[:, c] - k_decayed[:, c] @ state
         out[:, c] = q[:, c] @ state + intra[:, c] @ correction
         state = state * chunk_decay[:, c] + k[:, c].transpose(-1, -2) @ correction
-    return out.flatten(1, 2)[:, :n].transpose(0, 1), state
+        if c in keep:
+            kept.append(state)
+    return out.flatten(1, 2)[:, :n].transpose(0, 1), state, kept
 
 
 def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -146,10 +150,15 @@ class GatedDeltaNet:
                 q, k, v, g, beta, state.recurrent[ctx.state_slots])
         else:
             outs, start = [], 0
-            for n, slot in zip(ctx.query_lens, ctx.state_slots.tolist(), strict=True):
-                q, k, v = self._heads(self._conv_prefill(mixed[start:start + n], state.conv, slot))
-                out, state.recurrent[slot] = chunk_gated_delta_rule(
-                    q, k, v, g[start:start + n], beta[start:start + n], state.recurrent[slot])
+            for i, (n, slot) in enumerate(zip(ctx.query_lens, ctx.state_slots.tolist(), strict=True)):
+                window = self._conv_window(mixed[start:start + n], state.conv, slot)
+                q, k, v = self._heads(self._conv(window))
+                points = ctx.capture_points[i] if ctx.capture_points else []
+                out, state.recurrent[slot], kept = chunk_gated_delta_rule(
+                    q, k, v, g[start:start + n], beta[start:start + n], state.recurrent[slot],
+                    keep=[p // CHUNK - 1 for p in points])
+                for p, recurrent in zip(points, kept, strict=True):  # the conv state after p of the n inputs
+                    ctx.captured.setdefault((i, p), []).append((window[:, p:p + state.conv.shape[-1]], recurrent))
                 outs.append(out)
                 start += n
             out = torch.cat(outs)
@@ -162,10 +171,15 @@ class GatedDeltaNet:
         conv[slots] = window[..., 1:]
         return F.silu((window * self.conv_weight).sum(-1))
 
-    def _conv_prefill(self, mixed: Tensor, conv: Tensor, slot: int) -> Tensor:
-        """A chunk of one sequence's inputs [n, channels], after the inputs its state keeps (zeros at the start)."""
-        window = torch.cat([conv[slot], mixed.t().to(conv.dtype)], dim=-1)  # [channels, kernel - 1 + n]
+    @staticmethod
+    def _conv_window(mixed: Tensor, conv: Tensor, slot: int) -> Tensor:
+        """A chunk of one sequence's inputs [n, channels] after the inputs its state keeps (zeros at the start),
+        as [channels, kernel - 1 + n]; the state moves on to the window's end."""
+        window = torch.cat([conv[slot], mixed.t().to(conv.dtype)], dim=-1)
         conv[slot] = window[:, window.shape[1] - conv.shape[-1]:]
+        return window
+
+    def _conv(self, window: Tensor) -> Tensor:
         out = F.conv1d(window.unsqueeze(0), self.conv_weight.unsqueeze(1), groups=window.shape[0])[0]
         return F.silu(out.t())
 
@@ -258,6 +272,8 @@ class Qwen3_5Model:
     dtype: torch.dtype  # of activations
     cache_specs: list[LayerCacheSpec]
     TRACEABLE: ClassVar[bool] = False  # prefill loops over sequences and decode indexes state slots: eager
+    # Inside a prompt chunk, states exist after every CHUNK tokens: where prefix-cache snapshots can be taken.
+    STATE_CAPTURE_INTERVAL: ClassVar[int] = CHUNK
 
     def __call__(self, input_ids: Tensor, ctx: StepContext) -> Tensor:
         """Hidden states [T, hidden] of the step's tokens, before the final norm; updates KV and states."""
