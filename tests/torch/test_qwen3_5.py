@@ -171,3 +171,19 @@ def test_a_config_that_disagrees_with_the_gated_deltanet_tensors_is_refused_at_l
     (path / "config.json").write_text(json.dumps(config | {"linear_num_value_heads": 8}))
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.linear_attn\..*linear_num_value_heads"):
         load_checkpoint(str(path))
+
+
+def test_traced_decode_steps_match_eager_ones(tmp_path) -> None:
+    """bf16, where torch's kernels trace: decode steps replayed from traces (state slots an input) generate what
+    eager steps do, and a recording leaves the states as it found them."""
+    _, path = tiny_qwen3_5(tmp_path)
+    checkpoint = load_checkpoint(str(path))
+    requests = {f"r{i}": (prompt(3 + 9 * i, offset=i), greedy(6 + 5 * i)) for i in range(4)}
+    results, engines = {}, {}
+    for on in (False, True):
+        engines[on] = make_engine(checkpoint, dtype="bfloat16", max_model_len=256,
+                                  backend_options={"decode_graphs": on, "block_size": 4})
+        results[on] = run_to_completion(engines[on], requests)
+    assert results[True] == results[False]
+    assert engines[False].runner.decode_graphs is None
+    assert any(trace is not None for trace in engines[True].runner.decode_graphs.traces.values())

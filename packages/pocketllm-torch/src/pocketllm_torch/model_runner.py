@@ -58,8 +58,8 @@ class ModelRunner:
                 raise ConfigError("backend_options", f"state_snapshot_mb {config.state_snapshot_bytes >> 20} holds no "
                                                      f"snapshot of this model's states ({state_bytes} bytes each)")
             self.snapshots = StateSnapshots(capacity)
-        self.decode_graphs = (DecodeGraphs(self.model, self.caches) if config.decode_graphs and model_cls.TRACEABLE
-                              else None)
+        self.decode_graphs = (DecodeGraphs(self.model, self.caches, self.state_cache)
+                              if config.decode_graphs and self.model.traceable else None)
 
     def _capture_points(self, batch: ScheduledBatch) -> list[list[int]] | None:
         """Where inside each prompt chunk the state layers keep states for snapshots: block boundaries that fall

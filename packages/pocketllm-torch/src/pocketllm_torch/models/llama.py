@@ -142,7 +142,7 @@ class LlamaModel:
     cache_specs: list[LayerCacheSpec]  # what each layer keeps per request: paged KV blocks
     QK_NORM: ClassVar[bool] = False  # Qwen3 normalises each head of q and k before RoPE
     # Decode steps may be replayed from traces (decode_graphs.py): the forward is a straight line of tensor ops.
-    TRACEABLE: ClassVar[bool] = True
+    traceable: ClassVar[bool] = True
 
     def __call__(self, input_ids: Tensor, ctx: StepContext) -> Tensor:
         """Hidden states [T, hidden] of the step's tokens, before the final norm; fills the KV cache."""

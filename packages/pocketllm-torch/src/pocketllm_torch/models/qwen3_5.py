@@ -144,10 +144,11 @@ class GatedDeltaNet:
         g = self.decay_rate * F.softplus(a.float() + self.dt_bias)
         assert ctx.state_slots is not None
         if ctx.is_decode:
-            mixed = self._conv_step(mixed, state.conv, ctx.state_slots)
-            q, k, v = self._heads(mixed)
-            out, state.recurrent[ctx.state_slots] = recurrent_gated_delta_rule(
-                q, k, v, g, beta, state.recurrent[ctx.state_slots])
+            # index_select / index_copy_ rather than indexing: decode traces record these in-place writes.
+            slots = ctx.state_slots
+            q, k, v = self._heads(self._conv_step(mixed, state.conv, slots))
+            out, recurrent = recurrent_gated_delta_rule(q, k, v, g, beta, state.recurrent.index_select(0, slots))
+            state.recurrent.index_copy_(0, slots, recurrent)
         else:
             outs, start = [], 0
             for i, (n, slot) in enumerate(zip(ctx.query_lens, ctx.state_slots.tolist(), strict=True)):
@@ -167,8 +168,8 @@ class GatedDeltaNet:
 
     def _conv_step(self, mixed: Tensor, conv: Tensor, slots: Tensor) -> Tensor:
         """One new input per sequence: the window of its last kernel-size inputs, and the window moves on."""
-        window = torch.cat([conv[slots], mixed.unsqueeze(-1).to(conv.dtype)], dim=-1)  # [B, channels, kernel]
-        conv[slots] = window[..., 1:]
+        window = torch.cat([conv.index_select(0, slots), mixed.unsqueeze(-1).to(conv.dtype)], dim=-1)
+        conv.index_copy_(0, slots, window[..., 1:])  # [B, channels, kernel]: the window moves on
         return F.silu((window * self.conv_weight).sum(-1))
 
     @staticmethod
@@ -271,7 +272,9 @@ class Qwen3_5Model:
     sin: Tensor
     dtype: torch.dtype  # of activations
     cache_specs: list[LayerCacheSpec]
-    TRACEABLE: ClassVar[bool] = False  # prefill loops over sequences and decode indexes state slots: eager
+    # Decode steps may be replayed from traces (decode_graphs.py) unless experts are routed: their token counts
+    # steer Python, which a trace would freeze.
+    traceable: bool
     # Inside a prompt chunk, states exist after every CHUNK tokens: where prefix-cache snapshots can be taken.
     STATE_CAPTURE_INTERVAL: ClassVar[int] = CHUNK
 
@@ -372,4 +375,5 @@ class Qwen3_5Model:
             sin=(angles.sin() * attention_factor).to(device, act_dtype),
             dtype=act_dtype,
             cache_specs=specs,
+            traceable=not is_moe,
         )
