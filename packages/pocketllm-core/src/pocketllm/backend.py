@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from pocketllm.checkpoint import Checkpoint
     from pocketllm.sampling_params import SamplingParams
 
-API_VERSION = (2, 0)
+API_VERSION = (2, 1)  # 2.1: BackendStats counts state-layer snapshots (hybrid models)
 """``(major, minor)`` of this contract. A backend built for the same major and an older or equal minor loads;
 the minor grows with additions a backend may ignore, the major with changes it may not."""
 
