@@ -187,3 +187,16 @@ def test_traced_decode_steps_match_eager_ones(tmp_path) -> None:
     assert results[True] == results[False]
     assert engines[False].runner.decode_graphs is None
     assert any(trace is not None for trace in engines[True].runner.decode_graphs.traces.values())
+
+
+@pytest.mark.parametrize("value", [0, -1, 2**64, "4", True, None])
+def test_absurd_linear_attention_sizes_are_checkpoint_errors(tmp_path, value) -> None:
+    import json
+
+    from pocketllm.errors import CheckpointError
+
+    _, path = tiny_qwen3_5(tmp_path, layers=4)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"linear_num_key_heads": value}))
+    with pytest.raises(CheckpointError, match="linear_num_key_heads"):
+        make_engine(load_checkpoint(str(path)))

@@ -78,11 +78,13 @@ LAYER_RULES: dict[str, dict[str, tuple[Dim, ...]]] = {
     "qwen3_5_text": _QWEN3_5_LAYER,
     "qwen3_5_moe_text": _QWEN3_5_LAYER | _MOE_LAYER,
 }
-# Sizes the config implies without naming them.
+# Sizes the config implies without naming them, and the fields each comes from (which errors name).
 _DERIVED: dict[str, Callable[[ModelConfig], int]] = {
     "linear_conv_dim": lambda c: (2 * _field(c, "linear_num_key_heads") * _field(c, "linear_key_head_dim")
                                   + _field(c, "linear_num_value_heads") * _field(c, "linear_value_head_dim")),
 }
+_DERIVED_FROM = {"linear_conv_dim": ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
+                                     "linear_value_head_dim")}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 
@@ -106,7 +108,7 @@ def check_shapes(tensors: Iterable[CheckpointTensor], config: ModelConfig, key_o
             continue
         expected = tuple(_product(config, dim) for dim in rule)
         if tuple(tensor.shape) != expected:
-            fields = sorted({f for dim in rule for f in dim if isinstance(f, str)})
+            fields = sorted({g for dim in rule for f in dim if isinstance(f, str) for g in _DERIVED_FROM.get(f, (f,))})
             implied = ", ".join(" * ".join(map(str, dim)) for dim in rule)
             raise CheckpointError(
                 f"{tensor.path}: tensor {tensor.file_name!r} has shape {list(tensor.shape)}, but the config implies "

@@ -325,8 +325,12 @@ class Qwen3_5Model:
                 shared_expert=mlp(f"{prefix}.shared_expert"),
                 shared_gate=w.dense(f"{prefix}.shared_expert_gate.weight").to(device, act_dtype))
 
-        hk, hv = extra["linear_num_key_heads"], extra["linear_num_value_heads"]
-        dk, dv, kernel = extra["linear_key_head_dim"], extra["linear_value_head_dim"], extra["linear_conv_kernel_dim"]
+        sizes = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel_dim")
+        for key in sizes:
+            if not isinstance(extra.get(key), int) or isinstance(extra[key], bool) or extra[key] <= 0:
+                raise CheckpointError(f"config {key!r} must be a positive integer, got {extra.get(key)!r}")
+        hk, hv, dk, dv, kernel = (extra[key] for key in sizes)
         if hv % hk:
             raise CheckpointError(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads {hk}")
         heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
