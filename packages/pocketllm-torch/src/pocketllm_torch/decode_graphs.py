@@ -54,17 +54,15 @@ class DecodeGraphs:
             args += (ctx.state_slots, self.state_cache.conv, self.state_cache.recurrent)
         key = kernel_key(input_ids.shape[0])
         if key not in self.traces:
-            self.traces[key] = self._record(args)
+            self.traces[key] = self._record(args, ctx.state_slots)
         trace = self.traces[key]
         return self._forward(*args) if trace is None else trace(*args)
 
-    def _record(self, args: tuple[Tensor, ...]) -> Callable[..., Tensor] | None:
+    def _record(self, args: tuple[Tensor, ...], slots: Tensor | None) -> Callable[..., Tensor] | None:
         """A recording runs the step once, and the step then runs again: writing the same keys and values twice
-        is harmless, but a state layer would advance twice, so the step's states are put back."""
-        saved = None
-        if self.state_cache is not None:
-            slots = args[6]
-            saved = self.state_cache.conv[:, slots].clone(), self.state_cache.recurrent[:, slots].clone()
+        is harmless, but a state layer would advance twice, so the step's states (``slots``) are put back."""
+        state = self.state_cache if slots is not None else None
+        saved = (state.conv[:, slots].clone(), state.recurrent[:, slots].clone()) if state is not None else None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # TracerWarnings for exactly the branches the key names
@@ -74,9 +72,8 @@ class DecodeGraphs:
                      args[0].shape[0], e)
             return None
         finally:
-            if saved is not None and self.state_cache is not None:
-                self.state_cache.conv[:, args[6]] = saved[0]
-                self.state_cache.recurrent[:, args[6]] = saved[1]
+            if state is not None and saved is not None:
+                state.conv[:, slots], state.recurrent[:, slots] = saved
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, context_blocks: Tensor,
                  context_lens: Tensor, mask: Tensor, *state: Tensor) -> Tensor:
