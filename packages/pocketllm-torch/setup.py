@@ -11,7 +11,8 @@ import torch
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-SOURCES = [f"csrc/{name}.cpp" for name in ("module", "grouped_linear", "paged_attention", "elementwise")]
+SOURCES = [f"csrc/{name}.cpp" for name in ("module", "grouped_linear", "paged_attention", "elementwise",
+                                                   "gated_delta")]
 
 
 # The torch the kernels are compiled against: native.py loads them only under that same torch. Written before

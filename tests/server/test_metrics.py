@@ -66,3 +66,35 @@ def test_engine_gauges_and_counters_are_read_at_scrape_time(client: httpx.Client
     assert value(samples, "pocketllm:num_preemptions_total") == 7
     assert value(samples, "pocketllm:prefix_cache_queries_total") == 100
     assert value(samples, "pocketllm:prefix_cache_hits_total") == 40
+
+
+def test_state_snapshot_counters_follow_a_hybrid_model_s_prefix_hits(tmp_path, serve_app) -> None:
+    """A Qwen3.5 on the torch backend: a request repeating a prompt's prefix resumes from a Gated DeltaNet state
+    snapshot, which /metrics counts beside the prefix-cache hits."""
+    pytest.importorskip("pocketllm_torch")
+    from pocketllm import EngineArgs
+    from pocketllm.testing.checkpoints import write_checkpoint
+    from pocketllm_server import create_app
+
+    args = EngineArgs(model=str(write_checkpoint("qwen3_5", tmp_path)), backend="torch", device="cpu",
+                      dtype="float32", enable_prefix_caching=True, backend_options={"block_size": 8})
+    llm = AsyncLLM(engine_args=args)
+    try:
+        with serve_app(create_app(args, served_model_name="tiny", llm=llm)) as server, \
+                httpx.Client(base_url=server.url, timeout=60) as client:
+            before = scrape(client)
+            shared = "a long shared system prompt, " * 6
+            for question in ("first?", "second?"):
+                body = {"prompt": shared + question, "temperature": 0, "max_tokens": 2}
+                assert client.post("/v1/completions", json=body).status_code == 200
+            after = scrape(client)
+    finally:
+        llm.shutdown()
+
+    def delta(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    assert delta("pocketllm:state_snapshot_hits_total") == 1
+    assert value(after, "pocketllm:state_snapshots") > 0
+    assert delta("pocketllm:prefix_cache_hits_total") >= 8
+    assert delta("pocketllm:state_snapshot_evictions_total") == 0

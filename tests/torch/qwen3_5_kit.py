@@ -74,3 +74,136 @@ def _wrap(path: Path, model_type: str) -> None:
     renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3)
     renamed["mtp.fc.weight"] = torch.zeros(HIDDEN, 2 * HIDDEN)
     save_file(renamed, path / "model.safetensors")
+
+
+def to_gguf(hf: Any, path: Path, *, matrices: str = "F32", mtp_layers: int = 0) -> Path:
+    """The model as llama.cpp's converter (convert_hf_to_gguf.py: Qwen3_5TextModel, Qwen3_5MoeTextModel and the
+    Qwen3Next and V-reorder bases they build on) writes it: ``qwen35``/``qwen35moe`` metadata; every RMSNorm
+    weight but the gated one stored as 1 + w; ``ssm_a = -exp(A_log)``; the convolution squeezed to [C, K]; with
+    Hv > Hk the value heads reordered from grouped (head k * r + j) to tiled (head j * Hk + k) in in_proj_qkv's
+    v rows, in_proj_z, in_proj_b/a, A_log, dt_bias, the convolution's v channels and out_proj's columns; the
+    fused experts split into stacked gate/up/down. ``matrices`` is the GGML type of the 2-D weights; with
+    ``mtp_layers`` the file also counts (random) multi-token-prediction layers, as newer converters do.
+    """
+    import gguf
+    import numpy as np
+
+    c = hf.config
+    moe = hasattr(c, "num_experts")
+    hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    arch = "qwen35moe" if moe else "qwen35"
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(c.num_hidden_layers + mtp_layers)
+    if mtp_layers:
+        writer.add_uint32(f"{arch}.nextn_predict_layers", mtp_layers)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = c.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(int(c.head_dim * rope["partial_rotary_factor"]))
+    writer.add_rope_dimension_sections([*rope["mrope_section"], 0])
+    writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(dk)
+    writer.add_ssm_group_count(hk)
+    writer.add_ssm_time_step_rank(hv)
+    writer.add_ssm_inner_size(dv * hv)
+    writer.add_full_attention_interval(4)
+    if moe:
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    writer.add_eos_token_id(c.eos_token_id)
+    # The kit's byte-level tokenizer, its vocabulary padded with unused control tokens to the model's.
+    from pocketllm.testing import checkpoints
+
+    vocab = list(checkpoints._vocab())
+    tokens = vocab + [f"<|unused_{i}|>" for i in range(c.vocab_size - len(vocab))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in checkpoints.SPECIAL_TOKENS or t not in vocab
+                            else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([f"{a} {b}" for a, b in checkpoints._merges()])
+
+    def tiled(t: np.ndarray, head_dim: int, axis: int = 0) -> np.ndarray:
+        if hk == hv:
+            return t
+        t = np.moveaxis(t, axis, 0)
+        t = t.reshape(hk, hv // hk, head_dim, *t.shape[1:]).swapaxes(0, 1).reshape(t.shape)
+        return np.ascontiguousarray(np.moveaxis(t, 0, axis))
+
+    tensors: dict[str, np.ndarray] = {}
+    state = {k: v.float().numpy() for k, v in hf.state_dict().items()}
+    qk = 2 * hk * dk
+    for name, t in state.items():
+        if name == "model.embed_tokens.weight":
+            tensors["token_embd.weight"] = t
+        elif name == "lm_head.weight":
+            tensors["output.weight"] = t
+        elif name == "model.norm.weight":
+            tensors["output_norm.weight"] = t + 1
+        else:
+            _, _, i, part = name.split(".", 3)
+            blk = f"blk.{i}"
+            plain = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+                     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+                     "linear_attn.norm.weight": "ssm_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+                     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+                     "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.down_proj": "ffn_down_exps.weight",
+                     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+                     "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+                     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+                     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight"}
+            norms = {"input_layernorm.weight": "attn_norm.weight",
+                     "post_attention_layernorm.weight": "post_attention_norm.weight",
+                     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+            if part in plain:
+                tensors[f"{blk}.{plain[part]}"] = t
+            elif part in norms:
+                tensors[f"{blk}.{norms[part]}"] = t + 1
+            elif part == "linear_attn.in_proj_qkv.weight":
+                tensors[f"{blk}.attn_qkv.weight"] = np.concatenate([t[:qk], tiled(t[qk:], dv)])
+            elif part == "linear_attn.in_proj_z.weight":
+                tensors[f"{blk}.attn_gate.weight"] = tiled(t, dv)
+            elif part == "linear_attn.in_proj_b.weight":
+                tensors[f"{blk}.ssm_beta.weight"] = tiled(t, 1)
+            elif part == "linear_attn.in_proj_a.weight":
+                tensors[f"{blk}.ssm_alpha.weight"] = tiled(t, 1)
+            elif part == "linear_attn.conv1d.weight":
+                t = t.squeeze(1)
+                tensors[f"{blk}.ssm_conv1d.weight"] = np.concatenate([t[:qk], tiled(t[qk:], dv)])
+            elif part == "linear_attn.A_log":
+                tensors[f"{blk}.ssm_a"] = tiled(-np.exp(t), 1)
+            elif part == "linear_attn.dt_bias":
+                tensors[f"{blk}.ssm_dt.bias"] = tiled(t, 1)
+            elif part == "linear_attn.out_proj.weight":
+                tensors[f"{blk}.ssm_out.weight"] = tiled(t, dv, axis=1)
+            elif part == "mlp.experts.gate_up_proj":
+                ff = t.shape[1] // 2
+                tensors[f"{blk}.ffn_gate_exps.weight"] = np.ascontiguousarray(t[:, :ff])
+                tensors[f"{blk}.ffn_up_exps.weight"] = np.ascontiguousarray(t[:, ff:])
+            else:
+                raise AssertionError(f"the converter has no rule for {name}")
+    rng = np.random.default_rng(0)
+    for j in range(mtp_layers):  # what the newer converter appends: blk.<n>.nextn.* and the layer's own tensors
+        blk = f"blk.{c.num_hidden_layers + j}"
+        tensors[f"{blk}.nextn.eh_proj.weight"] = rng.standard_normal((c.hidden_size, 2 * c.hidden_size), np.float32)
+        tensors[f"{blk}.attn_norm.weight"] = np.ones(c.hidden_size, np.float32)
+    for name, t in tensors.items():
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        qtype = gguf.GGMLQuantizationType[matrices if t.ndim >= 2 and "norm" not in name
+                                          and "ssm_conv1d" not in name and "gate_inp" not in name else "F32"]
+        data = t if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(t, qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

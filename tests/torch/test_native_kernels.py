@@ -202,3 +202,74 @@ def test_fused_row_kernels_refuse_bad_input() -> None:
         with pytest.raises(RuntimeError, match=message):
             call()
     assert not native.takes_rows(x.t()) and not native.takes_rows(x.double()) and native.takes_rows(x)
+
+
+def _gated_delta_layer(hk: int, hv: int, dk: int, dv: int, kernel: int, g: torch.Generator, tiled: bool = False):
+    from pocketllm_torch.models.qwen3_5 import GatedDeltaNet, GatedRMSNorm
+
+    channels = 2 * hk * dk + hv * dv
+    return GatedDeltaNet(in_proj=None, conv_weight=torch.randn(channels, kernel, generator=g),
+                         decay_rate=-torch.rand(hv, generator=g).exp(), dt_bias=torch.randn(hv, generator=g),
+                         norm=GatedRMSNorm(torch.rand(dv, generator=g) + 0.5, 1e-6), out_proj=None,
+                         num_k_heads=hk, num_v_heads=hv, k_dim=dk, v_dim=dv, tiled_heads=tiled)
+
+
+def _gated_delta_reference(layer, proj: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor,
+                           slots: torch.Tensor) -> torch.Tensor:
+    """The torch path of the model's decode step (qwen3_5.py), on these pools."""
+    from pocketllm_torch.models.qwen3_5 import recurrent_gated_delta_rule
+
+    hv, dv = layer.num_v_heads, layer.v_dim
+    mixed, z, b, a = proj.split([layer.conv_weight.shape[0], hv * dv, hv, hv], dim=-1)
+    g = layer.decay_rate * torch.nn.functional.softplus(a + layer.dt_bias)
+    q, k, v = layer._heads(layer._conv_step(mixed, conv, slots))
+    out, state = recurrent_gated_delta_rule(q, k, v, g, b.sigmoid(), recurrent.index_select(0, slots))
+    recurrent.index_copy_(0, slots, state)
+    return layer.norm(out.reshape(-1, dv), z.reshape(-1, dv)).view(proj.shape[0], hv * dv)
+
+
+@pytest.mark.parametrize(("hk", "hv", "batch", "tiled"), [(2, 4, 3, False), (2, 4, 3, True), (2, 2, 1, False),
+                                                         (1, 3, 2, False), (2, 6, 2, True)])
+def test_gated_delta_decode_matches_the_torch_step(hk: int, hv: int, batch: int, tiled: bool) -> None:
+    g = torch.Generator().manual_seed(hk * 10 + hv)
+    dk, dv, kernel, num_slots = 16, 8, 4, 5
+    layer = _gated_delta_layer(hk, hv, dk, dv, kernel, g, tiled)
+    channels = layer.conv_weight.shape[0]
+    conv = torch.randn(num_slots, channels, kernel - 1, generator=g)
+    recurrent = torch.randn(num_slots, hv, dk, dv, generator=g)
+    ref_conv, ref_recurrent = conv.clone(), recurrent.clone()
+    slots = torch.tensor([4, 0, 2][:batch])
+    for step in range(3):  # the states each step leaves are the next one's
+        proj = torch.randn(batch, channels + hv * dv + 2 * hv, generator=g) * (1 + step)
+        out = native.gated_delta_decode(proj, conv, recurrent, slots, layer.conv_weight, layer.decay_rate,
+                                        layer.dt_bias, layer.norm.weight, hk, tiled, 1e-6)
+        expected = _gated_delta_reference(layer, proj, ref_conv, ref_recurrent, slots)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(conv, ref_conv, rtol=0, atol=0)
+        torch.testing.assert_close(recurrent, ref_recurrent, rtol=1e-4, atol=1e-5)
+
+
+def test_gated_delta_decode_refuses_bad_input() -> None:
+    g = torch.Generator().manual_seed(0)
+    layer = _gated_delta_layer(2, 4, 16, 8, 4, g)
+    channels = layer.conv_weight.shape[0]
+    conv, recurrent = torch.zeros(3, channels, 3), torch.zeros(3, 4, 16, 8)
+    proj, two_slots = torch.randn(2, channels + 4 * 8 + 8), torch.tensor([0, 1])
+
+    def run(proj=proj, conv=conv, recurrent=recurrent, slots=two_slots, heads=2):
+        return native.gated_delta_decode(proj, conv, recurrent, slots, layer.conv_weight, layer.decay_rate,
+                                         layer.dt_bias, layer.norm.weight, heads, False, 1e-6)
+
+    for kwargs, message in [({"slots": torch.tensor([0, 3])}, "out of range"),
+                            ({"slots": torch.tensor([-1, 0])}, "out of range"),
+                            ({"slots": torch.tensor([1, 1])}, "given twice"),
+                            ({"slots": torch.tensor([0])}, "slots"),
+                            ({"proj": proj[:, 1:].contiguous()}, "columns"),
+                            ({"proj": proj.double()}, "float32"),
+                            ({"heads": 3}, "multiple"),
+                            ({"heads": 0}, "multiple"),
+                            ({"recurrent": torch.zeros(2, 4, 16, 8)}, "slot counts"),
+                            ({"conv": torch.zeros(3, channels + 1, 3)}, "channels")]:
+        with pytest.raises(RuntimeError, match=message):
+            run(**kwargs)
+    assert torch.equal(conv, torch.zeros_like(conv)) and torch.equal(recurrent, torch.zeros_like(recurrent))

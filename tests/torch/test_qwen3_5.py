@@ -15,7 +15,7 @@ from pocketllm_torch.cache_spec import AttentionSpec, StateSpec
 from pocketllm_torch.context import StepContext
 from pocketllm_torch.models import model_class
 from pocketllm_torch.state_cache import StateCache
-from tests.torch.qwen3_5_kit import tiny_qwen3_5
+from tests.torch.qwen3_5_kit import tiny_qwen3_5, to_gguf
 from tests.torch.torch_testkit import add, greedy, hf_greedy, make_engine, prompt, run_to_completion
 
 CPU = torch.device("cpu")
@@ -200,3 +200,105 @@ def test_absurd_linear_attention_sizes_are_checkpoint_errors(tmp_path, value) ->
     (path / "config.json").write_text(json.dumps(config | {"linear_num_key_heads": value}))
     with pytest.raises(CheckpointError, match="linear_num_key_heads"):
         make_engine(load_checkpoint(str(path)))
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gguf_files_of_llama_cpp_s_converter_match_transformers(tmp_path, moe: bool) -> None:
+    """A GGUF written as llama.cpp's converter writes Qwen3.5 (norms as 1 + w, -exp(A_log), value heads tiled,
+    experts split; multi-token-prediction layers after the model's) generates transformers' greedy ids."""
+    hf, _ = tiny_qwen3_5(tmp_path / "hf", moe=moe)
+    checkpoint = load_checkpoint(str(to_gguf(hf, tmp_path / "model.gguf", mtp_layers=1)))
+    config = checkpoint.config
+    assert (config.architecture, config.num_hidden_layers) == ("qwen3_5_moe_text" if moe else "qwen3_5_text", 4)
+    assert (config.extra["linear_value_head_dim"], config.extra["partial_rotary_factor"]) == (16, 0.25)
+    assert not any(t.file_name.startswith("blk.4.") for t in checkpoint.tensors())
+    requests = {str(n): (prompt(n, offset=n), greedy(32)) for n in (3, 70)}
+    expected = {rid: hf_greedy(hf, ids, 32) for rid, (ids, _) in requests.items()}
+    assert run_to_completion(make_engine(checkpoint, max_model_len=256, prefill_chunk_size=16), requests) == expected
+
+
+def test_quantized_gguf_files_load_and_stay_close(tmp_path) -> None:
+    """Q8_0 matrices: kept 8-bit (where the native kernels are built), a prefill's logits equal those of the same
+    file dequantized to fp32, and stay near transformers' (the file's own rounding apart); the engine serves it."""
+    from pocketllm_torch import groups
+    from pocketllm_torch.linear import uses_int8
+
+    hf, _ = tiny_qwen3_5(tmp_path / "hf")
+    checkpoint = load_checkpoint(str(to_gguf(hf, tmp_path / "q8.gguf", matrices="Q8_0")))
+    assert checkpoint.quantization == "Q8_0"
+    config = checkpoint.config
+    ids = prompt(40, offset=3)
+
+    def prefill_logits(int8: bool) -> torch.Tensor:
+        weights = ((t.name, groups.load(t, int4=False, int8=int8)) for t in checkpoint.tensors())
+        model = model_class(config.architecture).from_weights(config, weights, CPU, torch.float32, 256)
+        kv = KVCache(1, 20, 4, config.num_key_value_heads, config.head_dim, torch.float32, CPU)
+        state = StateCache(3, 1, model.cache_specs[0], torch.float32, CPU)
+        state.reset(torch.tensor([0]))
+        layers_kv, layers_state = iter(kv.layers), iter(state.layers)
+        caches = [next(layers_kv) if isinstance(s, AttentionSpec) else next(layers_state) for s in model.cache_specs]
+        table = list(range(1, 11))
+        kv.zero_new_blocks([table])
+        positions, meta = build_metadata([0], [len(ids)], [table], 4, CPU, torch.float32)
+        with torch.inference_mode():
+            ctx = StepContext(positions, meta, caches, [len(ids)], torch.tensor([0]))
+            return model.compute_logits(model(torch.tensor(ids), ctx))
+
+    kept = prefill_logits(uses_int8(CPU))
+    assert (kept - prefill_logits(False)).abs().max() <= 1e-3
+    with torch.no_grad():
+        reference = hf(torch.tensor([ids])).logits[0]
+    # A misread tensor is off by the logits' whole range; 8-bit rounding through 4 random layers, by ~9% of it.
+    assert (kept - reference).abs().max() <= 0.15 * (reference.max() - reference.min())
+    got = run_to_completion(make_engine(checkpoint, max_model_len=256), {"r": (ids, greedy(8))})["r"]
+    assert len(got) == 8
+
+
+def test_a_gguf_whose_tensors_disagree_with_its_metadata_is_refused_at_load(tmp_path) -> None:
+    import gguf
+
+    from pocketllm.errors import CheckpointError
+
+    hf, _ = tiny_qwen3_5(tmp_path / "hf")
+    path = to_gguf(hf, tmp_path / "model.gguf")
+    reader = gguf.GGUFReader(path, "r+")
+    field = reader.fields["qwen35.ssm.inner_size"]
+    field.parts[field.data[0]][0] = 32  # 2 value heads of 16, not 4
+    reader.data.flush()
+    with pytest.raises(CheckpointError, match=r"blk\.0\.ssm_conv1d.*qwen35\.ssm\.inner_size"):
+        load_checkpoint(str(path))
+
+
+def test_the_snapshot_budget_comes_out_of_the_kv_cache_s(qwen, monkeypatch) -> None:
+    from pocketllm_torch import config as torch_config
+    from pocketllm_torch.state_cache import StateCache
+
+    _, checkpoint, _ = qwen
+    probe = make_engine(checkpoint, max_model_len=256, max_num_seqs=2, backend_options={"block_size": 8})
+    states = [s for s in probe.runner.model.cache_specs if isinstance(s, StateSpec)]
+    slots = 2 * StateCache.bytes_per_slot(len(states), states[0], torch.float32)
+    per_block = probe.config.kv_bytes_per_block(1)
+    # Room for the two state slots, 16 MiB of snapshots and 40 blocks: fewer than two full-length sequences' 64.
+    monkeypatch.setattr(torch_config, "_kv_memory_budget", lambda device: slots + (16 << 20) + 40 * per_block)
+    blocks = {on: make_engine(checkpoint, max_model_len=256, max_num_seqs=2, enable_prefix_caching=on,
+                              backend_options={"block_size": 8, "state_snapshot_mb": 16}).runner.num_kv_blocks
+              for on in (False, True)}
+    assert blocks == {False: 64, True: 40}
+
+
+def test_auto_serves_a_qwen3_5_gguf_on_torch_and_cpp_refuses_it_by_name(tmp_path) -> None:
+    from pocketllm import LLM
+    from pocketllm.errors import UnsupportedOptionError
+
+    hf, _ = tiny_qwen3_5(tmp_path / "hf")
+    path = str(to_gguf(hf, tmp_path / "model.gguf"))
+    ids = prompt(20, offset=1)
+    llm = LLM(path, backend="auto", dtype="float32")
+    try:
+        assert llm.backend_name == "torch"
+        assert llm.generate([ids], greedy(8))[0].outputs[0].token_ids == hf_greedy(hf, ids, 8)
+    finally:
+        llm.shutdown()
+    pytest.importorskip("pocketllm_cpp")
+    with pytest.raises(UnsupportedOptionError, match="qwen3_5_text"):
+        LLM(path, backend="cpp")

@@ -17,8 +17,6 @@ if TYPE_CHECKING:
 
 NAME = "torch"
 ARCHITECTURES = tuple(MODELS)
-# Architectures with state layers (a fixed-size state per request beside the KV cache).
-HYBRID_ARCHITECTURES = ("qwen3_5_text", "qwen3_5_moe_text")
 BACKEND_OPTIONS = ("block_size", "decode_graphs", "num_kv_blocks", "num_threads", "state_snapshot_mb")
 # Every GGUF block type the gguf package dequantizes (4- and 8-bit groups stay so where a kernel reads them).
 BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M",

@@ -77,7 +77,7 @@ class TorchConfig:
 
     def resolve_num_kv_blocks(self, num_attention_layers: int, state_bytes: int = 0) -> int:
         """Blocks for every sequence at full length, unless that exceeds the memory budget (less ``state_bytes``,
-        the state layers' slots of max_num_seqs requests)."""
+        the state layers' slots of max_num_seqs requests and their prefix-cache snapshots' budget)."""
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         per_block = self.kv_bytes_per_block(num_attention_layers)
         budget = _kv_memory_budget(self.device) - state_bytes

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from pocketllm.backend import BackendStats, RequestDelta
-from pocketllm.errors import UnsupportedOptionError
-from pocketllm_torch.backend import HYBRID_ARCHITECTURES, NAME
 from pocketllm_torch.block_manager import BlockManager
 from pocketllm_torch.config import TorchConfig
 from pocketllm_torch.model_runner import ModelRunner
@@ -30,11 +28,6 @@ if TYPE_CHECKING:
 class TorchEngine:
     def __init__(self, args: EngineArgs, checkpoint: Checkpoint) -> None:
         self.config = TorchConfig.from_args(args, checkpoint.config)
-        if checkpoint.config.architecture in HYBRID_ARCHITECTURES and checkpoint.format == "gguf":
-            # llama.cpp's converter changed these tensors' values (norms stored as 1 + w, -exp(A_log), value
-            # heads reordered); undoing that is not written yet, so refuse rather than fail on a missing name.
-            raise UnsupportedOptionError("model", NAME, f"GGUF files of {checkpoint.config.architecture} are not "
-                                                        "supported yet; use the safetensors checkpoint")
         self.runner = ModelRunner(self.config, checkpoint)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)

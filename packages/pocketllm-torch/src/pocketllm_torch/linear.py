@@ -32,6 +32,10 @@ BF16_GEMV_MAX_ROWS = 1
 TORCH_INT4_MAX_ROWS = 8
 # Rows up to which the native int4 kernel beats the fp32 oneDNN GEMM (measured on AVX2: 1.04-1.4x faster at 16).
 NATIVE_INT4_MAX_ROWS = 16
+# fp32 weights of up to this many elements stay plain F.linear: oneDNN's fixed cost per call (30-50 us measured on
+# Zen 3 and Zen 5) exceeds a whole GEMM this small at 1 to 8 rows (512 x 256: 26 vs 52 us at one row, equal at
+# eight; 128 x 128: 8 vs 46 us), so tiny-width models (tests', the bench's hybrid) would be bound by it.
+SMALL_WEIGHT_ELEMENTS = 1 << 17
 
 
 class Linear(Protocol):
@@ -225,7 +229,8 @@ def make_linear(weight: Tensor | Int4Weight | Int8Weight, bias: Tensor | None, d
         packed_bias = None if bias is None else bias.to(torch.bfloat16).float()
         packed = PackedLinear(_pack(weight.float()), packed_bias)
         return SplitBF16Linear(weight, None if bias is None else bias.to(torch.bfloat16), packed)
-    if device.type == "cpu" and dtype == torch.float32 and _onednn_available():
+    small = weight.numel() <= SMALL_WEIGHT_ELEMENTS
+    if device.type == "cpu" and dtype == torch.float32 and not small and _onednn_available():
         return PackedLinear(_pack(weight.float()), None if bias is None else bias.float())
     weight = weight.to(device, dtype)
     return DenseLinear(weight, None if bias is None else bias.to(device, dtype))

@@ -41,7 +41,10 @@ class ModelRunner:
         self.state_cache = (StateCache(len(states), config.max_num_seqs, states[0], self.model.dtype, self.device)
                             if states else None)
         state_bytes = StateCache.bytes_per_slot(len(states), states[0], self.model.dtype) if states else 0
-        self.num_kv_blocks = config.resolve_num_kv_blocks(len(attention), config.max_num_seqs * state_bytes)
+        # The snapshots' budget is memory they may come to hold: it is not the KV cache's to take.
+        snapshot_bytes = config.state_snapshot_bytes if states and config.enable_prefix_caching else 0
+        self.num_kv_blocks = config.resolve_num_kv_blocks(len(attention),
+                                                          config.max_num_seqs * state_bytes + snapshot_bytes)
         # One spare block up front is the null block that padding reads.
         spec = attention[0]
         self.kv_cache = KVCache(len(attention), self.num_kv_blocks + 1, self.block_size, spec.num_kv_heads,

@@ -128,3 +128,14 @@ def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[
 def silu_mul(gate_up: Tensor) -> Tensor:
     """``silu(gate) * up`` for gate_up [M, 2I] = [gate | up] (float32) -> [M, I]."""
     return torch.ops.pocketllm.silu_mul(gate_up)
+
+
+def gated_delta_decode(proj: Tensor, conv_pool: Tensor, recurrent_pool: Tensor, slots: Tensor, conv_weight: Tensor,
+                       decay_rate: Tensor, dt_bias: Tensor, norm_weight: Tensor, num_k_heads: int,
+                       tiled_heads: bool, eps: float) -> Tensor:
+    """One decode step of a Gated DeltaNet layer (float32): its input projection's rows [B, q k v | z | b | a]
+    -> the gated-normed outputs [B, Hv * dv] for its output projection; the step's slots of the convolution and
+    recurrent state pools move on in place (see csrc/gated_delta.cpp). Value head h reads key head
+    h // (Hv / Hk), or h % Hk where ``tiled_heads``."""
+    return torch.ops.pocketllm.gated_delta_decode(proj, conv_pool, recurrent_pool, slots, conv_weight, decay_rate,
+                                                  dt_bias, norm_weight, num_k_heads, tiled_heads, eps)

@@ -151,7 +151,35 @@ def config_from_gguf(meta: Mapping[str, Any], *, source: str, tensor_names: set[
             and not k.startswith(prefix + "rope.scaling.")
         },
     )
+    if mapped:
+        fields["extra"] |= _derived_extras(fields, fields["extra"])
+        # Newer converters count Qwen3.5's multi-token-prediction layers in block_count and store them after
+        # the model's own (blk.<n>.* from n = the model's layer count); the reader skips them.
+        nextn = fields["extra"].get("nextn_predict_layers")
+        if _positive(nextn) and _positive(fields.get("num_hidden_layers")) and nextn < fields["num_hidden_layers"]:
+            fields["num_hidden_layers"] -= nextn
     return _build(fields, source)
+
+
+def _derived_extras(fields: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """Hugging Face config fields that llama.cpp stores only as products: the value head size of linear
+    attention (``ssm.inner_size`` = heads * head size) and partial RoPE's share of each head
+    (``rope.dimension_count`` rotated dimensions). Left out where the stored values do not divide."""
+    derived: dict[str, Any] = {}
+    inner, heads = extra.get("ssm.inner_size"), extra.get("linear_num_value_heads")
+    if _positive(inner) and _positive(heads) and inner % heads == 0:
+        derived["linear_value_head_dim"] = inner // heads
+    rotated = extra.get("rope.dimension_count")
+    head_dim = fields.get("head_dim")
+    if head_dim is None and _positive(fields.get("hidden_size")) and _positive(fields.get("num_attention_heads")):
+        head_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    if _positive(rotated) and _positive(head_dim) and rotated < head_dim:
+        derived["partial_rotary_factor"] = rotated / head_dim
+    return derived
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _extra_name(key: str, mapped: bool) -> str:
@@ -166,13 +194,15 @@ def hf_key_of(field: str) -> str:
 def gguf_key_of(field: str, meta: Mapping[str, Any]) -> str:
     """The GGUF metadata key(s) a ModelConfig field came from, for error messages."""
     prefix = f"{meta.get('general.architecture')}."
-    keys = {f: prefix + k for k, f in _GGUF_FIELDS.items()}
+    keys = {f: prefix + k for k, f in (_GGUF_FIELDS | _GGUF_EXTRA_NAMES).items()}
+    keys["linear_value_head_dim"] = f"{prefix}ssm.inner_size / {prefix}ssm.time_step_rank"
     if prefix + "vocab_size" not in meta:
         keys["vocab_size"] = "the length of tokenizer.ggml.tokens"
     if prefix + "attention.key_length" not in meta:
         keys["head_dim"] = f"{keys['hidden_size']} / {keys['num_attention_heads']}"
     if prefix + "attention.head_count_kv" not in meta:
         keys["num_key_value_heads"] = keys["num_attention_heads"]
+    keys["partial_rotary_factor"] = f"{prefix}rope.dimension_count / {keys['head_dim']}"
     return keys.get(field, field)
 
 

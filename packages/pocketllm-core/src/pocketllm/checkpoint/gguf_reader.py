@@ -6,6 +6,7 @@ names; any other architecture comes through with GGUF's own names, for a backend
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -77,6 +78,8 @@ _PERMUTES_QK = frozenset({"llama"})
 # llama.cpp precomputes Llama 3 rope frequencies as a tensor; Hugging Face models compute them instead.
 _SKIPPED = frozenset({"rope_freqs.weight"})
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_ANY = re.compile(r"blk\.(\d+)\..+")
+log = logging.getLogger(__name__)
 _UNQUANTIZED = frozenset({"ALL_F32", "F32", "F16", "BF16"})
 
 
@@ -93,7 +96,11 @@ class GGUFCheckpoint(Checkpoint):
         meta = file.metadata
         self._metadata = meta
         config = config_from_gguf(meta, source=str(path), tensor_names={t.name for t in file.tensors})
-        tensors = [_describe(t, file, path, config) for t in file.tensors if t.name not in _SKIPPED]
+        mtp = [t for t in file.tensors if _is_mtp(t.name, config)]
+        if mtp:
+            log.info("%s: skipping the %d tensors of the multi-token-prediction layers (not served)", path, len(mtp))
+        tensors = [_describe(t, file, path, config) for t in file.tensors
+                   if t.name not in _SKIPPED and not _is_mtp(t.name, config)]
         check_shapes(tensors, config, lambda field: gguf_key_of(field, meta))
         super().__init__(path, config, tensors, _quantization(meta.get("general.file_type"), file.tensors))
 
@@ -103,6 +110,12 @@ class GGUFCheckpoint(Checkpoint):
 
     def sampling_defaults(self) -> dict[str, Any]:
         return sampling_fields(self._metadata, GGUF_SAMPLING_KEYS, source=str(self.path))
+
+
+def _is_mtp(name: str, config: ModelConfig) -> bool:
+    match = _LAYER_ANY.fullmatch(name)
+    return ("nextn_predict_layers" in config.extra and match is not None
+            and int(match[1]) >= config.num_hidden_layers)
 
 
 def hf_name(name: str, architecture: str) -> str:

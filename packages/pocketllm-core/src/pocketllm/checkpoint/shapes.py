@@ -73,11 +73,28 @@ _MOE_LAYER: dict[str, tuple[Dim, ...]] = {
     "mlp.shared_expert.down_proj.weight": (("hidden_size",), _SHARED),
     "mlp.shared_expert_gate.weight": ((1,), ("hidden_size",)),
 }
+# The tensors of Qwen3.5 GGUF files that keep llama.cpp's names (it changed their values), after "blk.N.".
+_QWEN3_5_GGUF_LAYER: dict[str, tuple[Dim, ...]] = {
+    "attn_norm.weight": (("hidden_size",),),
+    "post_attention_norm.weight": (("hidden_size",),),
+    "attn_q_norm.weight": (("head_dim",),),
+    "attn_k_norm.weight": (("head_dim",),),
+    "attn_qkv.weight": (("linear_conv_dim",), ("hidden_size",)),
+    "attn_gate.weight": (_VALUE, ("hidden_size",)),
+    "ssm_beta.weight": (_HV, ("hidden_size",)),
+    "ssm_alpha.weight": (_HV, ("hidden_size",)),
+    "ssm_conv1d.weight": (("linear_conv_dim",), ("linear_conv_kernel_dim",)),
+    "ssm_a": (_HV,),
+    "ssm_dt.bias": (_HV,),
+    "ssm_out.weight": (("hidden_size",), _VALUE),
+}
+_GGUF_TOP_LEVEL: dict[str, tuple[Dim, ...]] = {"output_norm.weight": (("hidden_size",),)}
 LAYER_RULES: dict[str, dict[str, tuple[Dim, ...]]] = {
     **{arch: _LLAMA_LAYER for arch in ("llama", "mistral", "qwen2", "qwen3")},
     "qwen3_5_text": _QWEN3_5_LAYER,
     "qwen3_5_moe_text": _QWEN3_5_LAYER | _MOE_LAYER,
 }
+GGUF_LAYER_RULES = {"qwen3_5_text": _QWEN3_5_GGUF_LAYER, "qwen3_5_moe_text": _QWEN3_5_GGUF_LAYER}
 # Sizes the config implies without naming them, and the fields each comes from (which errors name).
 _DERIVED: dict[str, Callable[[ModelConfig], int]] = {
     "linear_conv_dim": lambda c: (2 * _field(c, "linear_num_key_heads") * _field(c, "linear_key_head_dim")
@@ -85,7 +102,7 @@ _DERIVED: dict[str, Callable[[ModelConfig], int]] = {
 }
 _DERIVED_FROM = {"linear_conv_dim": ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
                                      "linear_value_head_dim")}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)|blk\.(\d+)\.(.+)")
 _EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 
 
@@ -96,14 +113,16 @@ def check_shapes(tensors: Iterable[CheckpointTensor], config: ModelConfig, key_o
     ``config.json: hidden_size``), so the message points at whichever of the two is wrong.
     """
     layer_rules = LAYER_RULES.get(config.architecture, {})
+    gguf_rules = GGUF_LAYER_RULES.get(config.architecture)
     for tensor in tensors:
-        rule = _COMMON.get(tensor.name)
+        rule = _COMMON.get(tensor.name) or (_GGUF_TOP_LEVEL.get(tensor.name) if gguf_rules else None)
         match = _LAYER.fullmatch(tensor.name)
-        if match is not None:
-            if int(match[1]) >= config.num_hidden_layers:
-                raise CheckpointError(f"{tensor.path}: tensor {tensor.file_name!r} belongs to layer {match[1]}, but "
+        if match is not None and (match[1] is not None or gguf_rules is not None):
+            layer, rest, rules = (match[1], match[2], layer_rules) if match[1] else (match[3], match[4], gguf_rules)
+            if int(layer) >= config.num_hidden_layers:
+                raise CheckpointError(f"{tensor.path}: tensor {tensor.file_name!r} belongs to layer {layer}, but "
                                       f"{key_of('num_hidden_layers')} says {config.num_hidden_layers} layers")
-            rule = layer_rules.get(_EXPERT_INDEX.sub(".experts.*.", match[2]))
+            rule = rules.get(_EXPERT_INDEX.sub(".experts.*.", rest))
         if rule is None:
             continue
         expected = tuple(_product(config, dim) for dim in rule)

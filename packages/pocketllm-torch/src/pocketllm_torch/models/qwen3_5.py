@@ -27,6 +27,7 @@ from torch import Tensor
 
 from pocketllm.errors import CheckpointError
 from pocketllm.rope import rope_frequencies
+from pocketllm_torch import native
 from pocketllm_torch.attention import paged_attention
 from pocketllm_torch.backend import NAME
 from pocketllm_torch.cache_spec import AttentionSpec, LayerCacheSpec, StateSpec
@@ -46,6 +47,26 @@ if TYPE_CHECKING:
 
 # The multi-token-prediction head (speculative decoding, not served yet) and RoPE buffers of old checkpoints.
 _IGNORED = re.compile(r"^mtp\.|.*rotary_emb\.inv_freq$")
+# A GGUF file keeps llama.cpp's names for the tensors its converter changed (the core reader renames only those
+# it left alone): the norms are stored as 1 + w, ssm_a = -exp(A_log), the convolution squeezed to [channels,
+# kernel], and, where Hv > Hk, the value heads tiled (see GatedDeltaNet.tiled_heads). Per part of layer {i}:
+_HF_NAMES = {
+    "input_norm": "model.layers.{i}.input_layernorm.weight",
+    "post_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight", "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+    "final_norm": "model.norm.weight",
+    "qkv": "model.layers.{i}.linear_attn.in_proj_qkv.weight", "z": "model.layers.{i}.linear_attn.in_proj_z.weight",
+    "b": "model.layers.{i}.linear_attn.in_proj_b.weight", "a": "model.layers.{i}.linear_attn.in_proj_a.weight",
+    "conv": "model.layers.{i}.linear_attn.conv1d.weight", "decay": "model.layers.{i}.linear_attn.A_log",
+    "dt_bias": "model.layers.{i}.linear_attn.dt_bias", "out": "model.layers.{i}.linear_attn.out_proj.weight",
+}
+_GGUF_NAMES = {
+    "input_norm": "blk.{i}.attn_norm.weight", "post_norm": "blk.{i}.post_attention_norm.weight",
+    "q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight", "final_norm": "output_norm.weight",
+    "qkv": "blk.{i}.attn_qkv.weight", "z": "blk.{i}.attn_gate.weight", "b": "blk.{i}.ssm_beta.weight",
+    "a": "blk.{i}.ssm_alpha.weight", "conv": "blk.{i}.ssm_conv1d.weight", "decay": "blk.{i}.ssm_a",
+    "dt_bias": "blk.{i}.ssm_dt.bias", "out": "blk.{i}.ssm_out.weight",
+}
 CHUNK = 64  # tokens per chunk of the chunked delta rule, as transformers and flash-linear-attention use
 
 
@@ -135,14 +156,23 @@ class GatedDeltaNet:
     num_v_heads: int
     k_dim: int
     v_dim: int
+    # Value head h reads key head h // (Hv / Hk) (Hugging Face's grouped order), or h % Hk (llama.cpp's GGUF
+    # files, whose converter reorders the value heads so that its kernels can broadcast keys by tiling).
+    tiled_heads: bool = False
 
     def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], state: LayerState, ctx: StepContext) -> Tensor:
         hv, dv = self.num_v_heads, self.v_dim
         channels = self.conv_weight.shape[0]
-        mixed, z, b, a = self.in_proj(x).split([channels, hv * dv, hv, hv], dim=-1)
+        proj = self.in_proj(x)
+        assert ctx.state_slots is not None
+        if ctx.is_decode and native.takes_rows(proj):
+            out = native.gated_delta_decode(proj, state.conv, state.recurrent, ctx.state_slots, self.conv_weight,
+                                            self.decay_rate, self.dt_bias, self.norm.weight, self.num_k_heads,
+                                            self.tiled_heads, self.norm.eps)
+            return self.out_proj(out)
+        mixed, z, b, a = proj.split([channels, hv * dv, hv, hv], dim=-1)
         beta = b.float().sigmoid()
         g = self.decay_rate * F.softplus(a.float() + self.dt_bias)
-        assert ctx.state_slots is not None
         if ctx.is_decode:
             # index_select / index_copy_ rather than indexing: decode traces record these in-place writes.
             slots = ctx.state_slots
@@ -188,7 +218,11 @@ class GatedDeltaNet:
         """q, k [T, Hv, dk] (normalised, q scaled, each key head repeated over its value heads), v [T, Hv, dv]."""
         hk, hv, dk = self.num_k_heads, self.num_v_heads, self.k_dim
         q, k, v = mixed.float().split([hk * dk, hk * dk, hv * self.v_dim], dim=-1)
-        q, k = (l2norm(t.unflatten(-1, (hk, dk))).repeat_interleave(hv // hk, dim=-2) for t in (q, k))
+        q, k = (l2norm(t.unflatten(-1, (hk, dk))) for t in (q, k))
+        if self.tiled_heads:
+            q, k = q.repeat(1, hv // hk, 1), k.repeat(1, hv // hk, 1)
+        else:
+            q, k = q.repeat_interleave(hv // hk, dim=-2), k.repeat_interleave(hv // hk, dim=-2)
         return q * dk ** -0.5, k, v.unflatten(-1, (hv, self.v_dim))
 
 
@@ -297,10 +331,15 @@ class Qwen3_5Model:
         w = Weights(weights, device, dtype, ignored=_IGNORED)
         extra = config.extra
         eps = config.rms_norm_eps
+        gguf = w.has(_GGUF_NAMES["final_norm"])
+        names = _GGUF_NAMES if gguf else _HF_NAMES
 
-        def norm(name: str, centred: bool = True) -> RMSNorm:
-            weight = w.dense(name).float()
-            return RMSNorm((1 + weight if centred else weight).to(device, act_dtype), eps)
+        def name(part: str, layer: int = 0) -> str:
+            return names[part].format(i=layer)
+
+        def norm(part: str, layer: int = 0) -> RMSNorm:
+            weight = w.dense(name(part, layer)).float()
+            return RMSNorm((weight if gguf else 1 + weight).to(device, act_dtype), eps)
 
         def mlp(prefix: str) -> MLP:
             return MLP(w.linear([f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]),
@@ -340,31 +379,29 @@ class Qwen3_5Model:
             p = f"model.layers.{i}"
             mixer: GatedDeltaNet | GatedAttention
             if kind == "linear_attention":
-                a = f"{p}.linear_attn"
+                decay = w.dense(name("decay", i)).float()
                 mixer = GatedDeltaNet(
-                    in_proj=w.linear([f"{a}.{part}.weight" for part in ("in_proj_qkv", "in_proj_z", "in_proj_b",
-                                                                         "in_proj_a")]),
-                    conv_weight=w.dense(f"{a}.conv1d.weight").squeeze(1).to(device, act_dtype),
-                    decay_rate=-w.dense(f"{a}.A_log").float().exp().to(device),
-                    dt_bias=w.dense(f"{a}.dt_bias").float().to(device),
-                    norm=GatedRMSNorm(w.dense(f"{a}.norm.weight").to(device, act_dtype), eps),
-                    out_proj=w.linear([f"{a}.out_proj.weight"]),
-                    num_k_heads=hk, num_v_heads=hv, k_dim=dk, v_dim=dv)
+                    in_proj=w.linear([name(part, i) for part in ("qkv", "z", "b", "a")]),
+                    conv_weight=w.dense(name("conv", i)).reshape(2 * hk * dk + hv * dv, kernel).to(device, act_dtype),
+                    decay_rate=(decay if gguf else -decay.exp()).to(device),
+                    dt_bias=w.dense(name("dt_bias", i)).float().to(device),
+                    norm=GatedRMSNorm(w.dense(f"{p}.linear_attn.norm.weight").to(device, act_dtype), eps),
+                    out_proj=w.linear([name("out", i)]),
+                    num_k_heads=hk, num_v_heads=hv, k_dim=dk, v_dim=dv, tiled_heads=gguf and hv > hk)
                 specs.append(StateSpec((2 * hk * dk + hv * dv, kernel - 1), (hv, dk, dv)))
             else:
                 a = f"{p}.self_attn"
                 mixer = GatedAttention(
                     qkv_proj=w.linear([f"{a}.{part}.weight" for part in ("q_proj", "k_proj", "v_proj")]),
                     o_proj=w.linear([f"{a}.o_proj.weight"]),
-                    q_norm=norm(f"{a}.q_norm.weight"), k_norm=norm(f"{a}.k_norm.weight"),
+                    q_norm=norm("q_norm", i), k_norm=norm("k_norm", i),
                     num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
                 specs.append(AttentionSpec(kv_heads, dim))
-            layers.append(HybridLayer(norm(f"{p}.input_layernorm.weight"), mixer,
-                                      norm(f"{p}.post_attention_layernorm.weight"),
+            layers.append(HybridLayer(norm("input_norm", i), mixer, norm("post_norm", i),
                                       moe(f"{p}.mlp") if is_moe else mlp(f"{p}.mlp")))
         embed = w.take("model.embed_tokens.weight")
         head = w.pop("lm_head.weight") if config.tie_word_embeddings else w.take("lm_head.weight")
-        final_norm = norm("model.norm.weight")
+        final_norm = norm("final_norm")
         w.finish()
         rotary = int(dim * extra.get("partial_rotary_factor", 1.0))
         inv_freq, attention_factor = rope_frequencies(config, NAME, rotary)
