@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import pytest
 
-from pocketllm.testing import BackendConformance, ProtocolConformance
+from pocketllm.testing import BackendConformance, ProtocolConformance, TensorParallelConformance
 
 pytest.importorskip("pocketllm_torch")
 
@@ -23,4 +23,11 @@ class TestTorchQwen3_5Protocol(ProtocolConformance):
 
     backend = "torch"
     checkpoint = "qwen3_5"
+    engine_kwargs: ClassVar[dict[str, object]] = {"dtype": "float32"}
+
+
+class TestTorchTensorParallel(TensorParallelConformance):
+    """TP=2 over gloo, the ranks started by the library."""
+
+    backend = "torch"
     engine_kwargs: ClassVar[dict[str, object]] = {"dtype": "float32"}

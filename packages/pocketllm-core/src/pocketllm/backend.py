@@ -59,13 +59,13 @@ import msgspec
 from pocketllm.limits import MAX_LOGPROBS, MAX_N
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from pocketllm.args import EngineArgs
     from pocketllm.checkpoint import Checkpoint
     from pocketllm.sampling_params import SamplingParams
 
-API_VERSION = (2, 1)  # 2.1: BackendStats counts state-layer snapshots (hybrid models)
+API_VERSION = (2, 2)  # 2.1: BackendStats counts state-layer snapshots; 2.2: TensorParallelBackend
 """``(major, minor)`` of this contract. A backend built for the same major and an older or equal minor loads;
 the minor grows with additions a backend may ignore, the major with changes it may not."""
 
@@ -220,4 +220,22 @@ class BackendPlugin(Protocol):
 
     def create_engine(self, args: EngineArgs, checkpoint: Checkpoint) -> Engine:
         """Build an engine for ``checkpoint`` on the engine thread, reading its tensors (see
-        :class:`~pocketllm.checkpoint.CheckpointTensor`) in whatever form suits the backend."""
+        :class:`~pocketllm.checkpoint.CheckpointTensor`) in whatever form suits the backend.
+
+        With ``args.tensor_parallel_size`` > 1 this runs on rank 0 (see :mod:`pocketllm.tensor_parallel`): the
+        engine joins the other ranks (their place is in torchrun's environment variables) and schedules."""
+
+
+@runtime_checkable
+class TensorParallelBackend(BackendPlugin, Protocol):
+    """A backend that declares ``Capabilities.tensor_parallel`` also implements this (contract 2.2)."""
+
+    def run_tp_worker(self, args: EngineArgs, checkpoint: Checkpoint, ready: Callable[[], None]) -> None:
+        """Serve as a rank other than 0 of a ``args.tensor_parallel_size``-rank engine, until rank 0 shuts down.
+
+        Called in that rank's own process, on its main thread, with the same ``args`` and checkpoint as rank 0
+        (the rank and the rendezvous are in torchrun's environment variables: ``RANK``, ``WORLD_SIZE``,
+        ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). Join rank 0's group, load this rank's share of the
+        weights, call ``ready()`` once, then run whatever rank 0's engine asks of this rank each step (its worker
+        protocol is the backend's own) and return when rank 0's engine shuts down. Raise if rank 0 goes away or
+        the rank cannot load: the process then exits non-zero, which a supervisor reports with the rank."""

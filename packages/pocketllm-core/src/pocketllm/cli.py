@@ -1,4 +1,4 @@
-"""The ``pocketllm`` command: list backends, generate once, chat, or benchmark."""
+"""The ``pocketllm`` command: list backends, generate once, chat, serve, or benchmark."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pocketllm.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["serve"]:  # `vllm serve` habits: the server's own command line
+        return _serve(argv[1:])
     parser = argparse.ArgumentParser(prog="pocketllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("backends", help="list installed backends, their availability and capabilities")
@@ -24,6 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("prompt")
     chat = sub.add_parser("chat", help="chat interactively (empty line or Ctrl-D quits)")
     chat.add_argument("--system", default=None, help="system prompt")
+    sub.add_parser("serve", add_help=False, help="run the OpenAI-compatible server (pocketllm-server's options; "
+                                                  "needs pocketllm-server installed)")
     sub.add_parser("bench", add_help=False, help="benchmark against llama.cpp and transformers, from a checkout "
                                                   "(`pocketllm bench --help`)")
     for p in (gen, chat):
@@ -56,6 +60,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PocketLLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _serve(argv: list[str]) -> int:
+    try:
+        from pocketllm_server.cli import main as server_main
+    except ImportError:
+        print("error: `pocketllm serve` needs the server: pip install pocketllm-server", file=sys.stderr)
+        return 2
+    return server_main(argv, prog="pocketllm serve")
 
 
 # SmolLM2's model card recommends these; sampled at 0.7 or 1.0 the 135M default model rambles.

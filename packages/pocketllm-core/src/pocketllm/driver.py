@@ -30,6 +30,7 @@ from pocketllm.plugins import BackendRegistry
 from pocketllm.progress import LoadProgress
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.support import check_engine_args, check_request
+from pocketllm.tensor_parallel import LocalRanks, rank_info
 from pocketllm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -97,12 +98,20 @@ class EngineDriver:
         self._stats = BackendStats()
         self._error: BaseException | None = None
         self._closing = False
+        # A library engine split across ranks starts its other ranks itself (a launcher has set RANK otherwise).
+        self._ranks = (LocalRanks(self.args) if self.args.tensor_parallel_size > 1 and rank_info() is None
+                       else None)
         built: Future[None] = Future()
         self._thread = threading.Thread(target=self._run, args=(plugin, checkpoint, built), name="pocketllm-engine",
                                         daemon=True)
         with progress.stage(f"loading the weights on backend {plugin.name}"):
             self._thread.start()
-            built.result()  # re-raises whatever create_engine raised
+            try:
+                built.result()  # re-raises whatever create_engine raised
+            except BaseException:
+                if self._ranks is not None:
+                    self._ranks.close(timeout=0)
+                raise
         self.registry.pm.hook.pocketllm_engine_started(args=self.args, backend_name=plugin.name)
         progress.done(f"{checkpoint.config.architecture} model on backend {plugin.name} "
                       f"(max_model_len {self.max_model_len})")
@@ -176,6 +185,9 @@ class EngineDriver:
             self._cond.notify()
         if self._thread is not threading.current_thread():
             self._thread.join()
+            if self._ranks is not None:  # the engine's shutdown ended their loops
+                self._ranks.close()
+                self._ranks = None
 
     # -- engine thread ---------------------------------------------------------
 

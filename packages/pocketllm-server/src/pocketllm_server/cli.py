@@ -17,6 +17,8 @@ from starlette.applications import Starlette
 from pocketllm.args import DEFAULT_MODEL
 from pocketllm.cli_args import add_engine_args, engine_args_from
 from pocketllm.errors import PocketLLMError
+from pocketllm.supervisor import supervise
+from pocketllm.tensor_parallel import check_world, mark_ready, rank_info, run_worker
 from pocketllm_server.app import DEFAULT_MAX_REQUEST_BYTES, GENERATION_CONFIG_CHOICES, create_app
 from pocketllm_server.state import ServerState
 
@@ -31,9 +33,9 @@ def _positive_int(value: str) -> int:
     return number
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "pocketllm-server") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pocketllm-server", description="Serve one model over an OpenAI-compatible HTTP API.",
+        prog=prog, description="Serve one model over an OpenAI-compatible HTTP API.",
         epilog=f"--model defaults to {DEFAULT_MODEL}; --backend auto picks the best installed backend.")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -53,18 +55,47 @@ def build_parser() -> argparse.ArgumentParser:
                              "(generation_config.json, or GGUF general.sampling.*), as vLLM does; none: the "
                              "OpenAI API's defaults (default: %(default)s)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    tp = parser.add_argument_group("tensor parallelism", "with --tensor-parallel-size N > 1, this command starts "
+                                   "N local ranks and supervises them; rank 0 serves HTTP")
+    tp.add_argument("--no-tensor-parallel-supervisor", action="store_true",
+                    help="run as the one rank that torchrun (or another launcher) set in RANK, WORLD_SIZE, "
+                         "MASTER_ADDR and MASTER_PORT, on this machine or another")
+    tp.add_argument("--tensor-parallel-ready-timeout", type=float, default=600.0, metavar="SECONDS",
+                    help="how long every rank may take to load before the group is stopped (default: %(default)s)")
     add_engine_args(parser)  # --model, --backend and every other EngineArgs field
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "pocketllm-server") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine_args = engine_args_from(ns)
+        rank = rank_info()
+        if rank is not None and engine_args.tensor_parallel_size > 1:
+            check_world(engine_args, rank)
     except PocketLLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if engine_args.tensor_parallel_size > 1 and rank is None:
+        if ns.no_tensor_parallel_supervisor:
+            print("error: --no-tensor-parallel-supervisor needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
+                  "(as torchrun sets them)", file=sys.stderr)
+            return 2
+        if ns.tensor_parallel_ready_timeout <= 0:
+            print("error: --tensor-parallel-ready-timeout must be positive", file=sys.stderr)
+            return 2
+        # Each rank runs this same command line; the environment tells it which rank it is.
+        return supervise([sys.executable, "-m", "pocketllm_server", *argv], engine_args.tensor_parallel_size,
+                         ns.tensor_parallel_ready_timeout)
+    if rank is not None and rank.rank > 0 and engine_args.tensor_parallel_size > 1:
+        try:
+            run_worker(engine_args)
+        except PocketLLMError as e:
+            print(f"error: tensor-parallel rank {rank.rank}: {e}", file=sys.stderr)
+            return 1
+        return 0
     served_model_name = ns.served_model_name or os.path.basename(engine_args.model.rstrip("/\\"))
     app = create_app(engine_args, served_model_name=served_model_name, api_key=ns.api_key or None,
                      max_queue_len=ns.max_queue_len, max_request_bytes=ns.max_request_bytes,
@@ -100,6 +131,7 @@ async def _serve(app: Starlette, config: Config) -> int:
         if state.load_error is not None:
             stop.set()
             return
+        mark_ready(0)
         # A dead engine serves nothing: exit non-zero so that a supervisor restarts the server.
         while state.llm is not None and state.llm.is_alive:
             await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)

@@ -11,6 +11,8 @@ from pocketllm.backend import API_VERSION, FLOAT_STORAGE_TYPES, SAMPLING_OPTIONS
 from pocketllm_torch.models import MODELS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pocketllm.args import EngineArgs
     from pocketllm.checkpoint import Checkpoint
     from pocketllm_torch.engine import TorchEngine
@@ -39,6 +41,7 @@ class TorchBackend:
             quantization_formats=(*FLOAT_STORAGE_TYPES, "F64", *BLOCK_TYPES),
             sampling_options=SAMPLING_OPTIONS,
             prefix_caching=True,
+            tensor_parallel=True,
             devices=("cpu", "cuda"),
             dtypes=("float32", "bfloat16", "float16"),
             kv_cache_dtypes=("auto", "float32", "bfloat16", "float16"),
@@ -49,3 +52,8 @@ class TorchBackend:
         from pocketllm_torch.engine import TorchEngine
 
         return TorchEngine(args, checkpoint)
+
+    def run_tp_worker(self, args: EngineArgs, checkpoint: Checkpoint, ready: Callable[[], None]) -> None:
+        from pocketllm_torch.engine import serve_as_worker
+
+        serve_as_worker(args, checkpoint, ready)

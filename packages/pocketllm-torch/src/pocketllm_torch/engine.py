@@ -15,9 +15,10 @@ from pocketllm_torch.sampler import SamplingFailure
 from pocketllm_torch.scheduler import Scheduler
 from pocketllm_torch.sequence import Sequence
 from pocketllm_torch.state_cache import StateSlots
+from pocketllm_torch.tensor_parallel import Group
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from pocketllm.args import EngineArgs
     from pocketllm.backend import SampledLogprobs
@@ -25,10 +26,36 @@ if TYPE_CHECKING:
     from pocketllm.sampling_params import SamplingParams
 
 
+def join_group(args: EngineArgs, config: TorchConfig) -> Group | None:
+    """This rank's tensor-parallel group (None at tensor_parallel_size 1)."""
+    if args.tensor_parallel_size == 1:
+        return None
+    return Group(config.device, threads_chosen="num_threads" in args.backend_options)
+
+
+def serve_as_worker(args: EngineArgs, checkpoint: Checkpoint, ready: Callable[[], None]) -> None:
+    """A rank other than 0 (see pocketllm.backend.TensorParallelBackend)."""
+    config = TorchConfig.from_args(args, checkpoint.config)
+    tp = join_group(args, config)
+    assert tp is not None
+    try:
+        runner = ModelRunner(config, checkpoint, tp)
+        ready()
+        runner.serve()
+    finally:
+        tp.close()
+
+
 class TorchEngine:
     def __init__(self, args: EngineArgs, checkpoint: Checkpoint) -> None:
         self.config = TorchConfig.from_args(args, checkpoint.config)
-        self.runner = ModelRunner(self.config, checkpoint)
+        self.tp = join_group(args, self.config)
+        try:
+            self.runner = ModelRunner(self.config, checkpoint, self.tp)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.state_slots = StateSlots(self.config.max_num_seqs) if self.runner.state_cache is not None else None
@@ -93,6 +120,11 @@ class TorchEngine:
 
     def shutdown(self) -> None:
         self.abort(list(self.seqs))
+        if self.tp is not None:  # the other ranks' loops return
+            try:
+                self.tp.send(None)
+            finally:
+                self.tp.close()
         del self.runner  # the weights and the KV cache
         if self.config.device.type == "cuda":
             torch.cuda.empty_cache()

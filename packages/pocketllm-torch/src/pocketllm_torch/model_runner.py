@@ -17,6 +17,7 @@ from pocketllm_torch.models import model_class
 from pocketllm_torch.sampler import Outcome, sample_each
 from pocketllm_torch.state_cache import StateCache
 from pocketllm_torch.state_snapshots import StateSnapshots
+from pocketllm_torch.tensor_parallel import Split, Step, parallelize
 
 if TYPE_CHECKING:
     from pocketllm.checkpoint import Checkpoint
@@ -24,16 +25,26 @@ if TYPE_CHECKING:
     from pocketllm_torch.scheduler import ScheduledBatch
     from pocketllm_torch.sequence import Sequence
     from pocketllm_torch.state_cache import LayerState
+    from pocketllm_torch.tensor_parallel import Group
 
 
 class ModelRunner:
-    def __init__(self, config: TorchConfig, checkpoint: Checkpoint) -> None:
+    def __init__(self, config: TorchConfig, checkpoint: Checkpoint, tp: Group | None = None) -> None:
         self.device = config.device
         self.block_size = config.block_size
+        self.tp = tp
         int4, int8 = uses_int4(config.device, config.dtype), uses_int8(config.device)
         weights = ((t.name, groups.load(t, int4=int4, int8=int8)) for t in checkpoint.tensors())
+        model_config = config.model
+        split = None
+        if tp is not None:
+            grouped = any(t.dtype in groups.INT4_TYPES or t.dtype in groups.INT8_TYPES for t in checkpoint.tensors())
+            split = Split.of(config.model, tp.rank, tp.world_size, grouped)
+            model_config, weights = split.local_config(config.model), split.shard(weights)
         model_cls = model_class(config.model.architecture)
-        self.model = model_cls.from_weights(config.model, weights, config.device, config.dtype, config.max_model_len)
+        self.model = model_cls.from_weights(model_config, weights, config.device, config.dtype, config.max_model_len)
+        if tp is not None and split is not None:
+            parallelize(self.model, split, tp, config.model.vocab_size)
         specs = self.model.cache_specs
         attention = [s for s in specs if isinstance(s, AttentionSpec)]
         states = [s for s in specs if isinstance(s, StateSpec)]
@@ -45,6 +56,8 @@ class ModelRunner:
         snapshot_bytes = config.state_snapshot_bytes if states and config.enable_prefix_caching else 0
         self.num_kv_blocks = config.resolve_num_kv_blocks(len(attention),
                                                           config.max_num_seqs * state_bytes + snapshot_bytes)
+        if tp is not None:  # every rank holds the same blocks: as many as the tightest rank can
+            self.num_kv_blocks = tp.min(self.num_kv_blocks)
         # One spare block up front is the null block that padding reads.
         spec = attention[0]
         self.kv_cache = KVCache(len(attention), self.num_kv_blocks + 1, self.block_size, spec.num_kv_heads,
@@ -61,8 +74,9 @@ class ModelRunner:
                 raise ConfigError("backend_options", f"state_snapshot_mb {config.state_snapshot_bytes >> 20} holds no "
                                                      f"snapshot of this model's states ({state_bytes} bytes each)")
             self.snapshots = StateSnapshots(capacity)
+        # A trace would freeze the collectives of a tensor-parallel step: those run eagerly.
         self.decode_graphs = (DecodeGraphs(self.model, self.caches, self.state_cache)
-                              if config.decode_graphs and self.model.traceable else None)
+                              if config.decode_graphs and self.model.traceable and tp is None else None)
 
     def _capture_points(self, batch: ScheduledBatch) -> list[list[int]] | None:
         """Where inside each prompt chunk the state layers keep states for snapshots: block boundaries that fall
@@ -107,11 +121,10 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 last_rows.append(len(token_ids) - 1)
                 samplers.append(i)
-        block_tables = [seq.block_table for seq in batch.seqs]
-        self.kv_cache.zero_new_blocks(block_tables)
-        positions, meta = build_metadata(starts, batch.num_new_tokens, block_tables, self.block_size, self.device,
-                                         self.model.dtype)
-        input_ids = torch.tensor(token_ids, device=self.device)
+        step = Step(token_ids, starts, list(batch.num_new_tokens), [seq.block_table for seq in batch.seqs],
+                    last_rows)
+        if self.tp is not None:
+            self.tp.send(step)
         slots = None
         if self.state_cache is not None:
             slots = torch.tensor([seq.state_slot for seq in batch.seqs], device=self.device)
@@ -122,21 +135,42 @@ class ModelRunner:
                 if seq.resume_from is not None and self.snapshots is not None:
                     self.snapshots.restore(seq.resume_from, self.state_cache, seq.state_slot)
                     seq.resume_from = None
-        ctx = StepContext(positions, meta, self.caches, batch.num_new_tokens, slots, self._capture_points(batch))
-        if self.decode_graphs is not None and ctx.is_decode:
-            hidden = self.decode_graphs(input_ids, ctx)
-        else:
-            hidden = self.model(input_ids, ctx)
+        logits, ctx = self.forward(step, slots, self._capture_points(batch))
         # Filed by save_snapshots once the blocks they end have their hashes.
         self._captured = [(batch.seqs[i], batch.seqs[i].num_computed_tokens + p, states)
                           for (i, p), states in ctx.captured.items()]
         results: list[Outcome | None] = [None] * len(batch.seqs)
-        if not samplers:
+        if logits is None:
             return results
-        # Only the last token of a sequence needs logits: the lm_head is the largest matrix in small models.
-        if len(last_rows) < len(token_ids):
-            hidden = hidden[torch.tensor(last_rows, device=self.device)]
-        outcomes = sample_each(self.model.compute_logits(hidden), [batch.seqs[i] for i in samplers])
+        outcomes = sample_each(logits, [batch.seqs[i] for i in samplers])
         for i, outcome in zip(samplers, outcomes, strict=True):
             results[i] = outcome
         return results
+
+    @torch.inference_mode()
+    def forward(self, step: Step, slots: torch.Tensor | None = None,
+                capture_points: list[list[int]] | None = None) -> tuple[torch.Tensor | None, StepContext]:
+        """The step's forward pass, on every rank: the logits of ``step.last_rows`` (None where no row samples,
+        and on ranks other than 0), and the step's context."""
+        self.kv_cache.zero_new_blocks(step.block_tables)
+        positions, meta = build_metadata(step.starts, step.num_new_tokens, step.block_tables, self.block_size,
+                                         self.device, self.model.dtype)
+        input_ids = torch.tensor(step.token_ids, device=self.device)
+        ctx = StepContext(positions, meta, self.caches, step.num_new_tokens, slots, capture_points)
+        if self.decode_graphs is not None and ctx.is_decode:
+            hidden = self.decode_graphs(input_ids, ctx)
+        else:
+            hidden = self.model(input_ids, ctx)
+        if not step.last_rows:
+            return None, ctx
+        # Only the last token of a sequence needs logits: the lm_head is the largest matrix in small models.
+        if len(step.last_rows) < len(step.token_ids):
+            hidden = hidden[torch.tensor(step.last_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
+        return (logits if self.tp is None or self.tp.rank == 0 else None), ctx
+
+    def serve(self) -> None:
+        """A rank other than 0: run rank 0's steps until it shuts down."""
+        assert self.tp is not None
+        while (step := self.tp.receive()) is not None:
+            self.forward(step)

@@ -1,6 +1,7 @@
 """The conformance kit: what a backend's own tests subclass to prove it keeps the contract.
 
-Two classes, each run by subclassing it in a test module of the backend's package::
+Two classes (and a third for tensor parallelism), each run by subclassing it in a test module of the backend's
+package::
 
     from pocketllm.testing import ModelConformance, ProtocolConformance
 
@@ -10,6 +11,9 @@ Two classes, each run by subclassing it in a test module of the backend's packag
     class TestMyBackendModels(ModelConformance):          # a backend that runs models
         backend = "mybackend"
         engine_kwargs = {"dtype": "float32"}
+
+    class TestMyBackendTP(TensorParallelConformance):     # one that declares tensor_parallel
+        backend = "mybackend"
 
 The kit writes its own tiny checkpoints (``checkpoints.py``) and ships transformers' outputs on them
 (``data/references.json``); its pytest fixtures come with pocketllm-core through the ``pytest11`` entry point.
@@ -26,11 +30,12 @@ except ImportError as e:
 from pocketllm.testing.checkpoints import KIT_CHECKPOINTS, make_tiny_gguf, make_tiny_llama, make_tiny_qwen3
 from pocketllm.testing.model import ModelConformance
 from pocketllm.testing.protocol import ProtocolConformance
+from pocketllm.testing.tensor_parallel import TensorParallelConformance
 
 
 class BackendConformance(ProtocolConformance, ModelConformance):
     """Both classes at once, for a backend that runs models (and what contract 1's kit was called)."""
 
 
-__all__ = ["KIT_CHECKPOINTS", "BackendConformance", "ModelConformance", "ProtocolConformance", "make_tiny_gguf",
-           "make_tiny_llama", "make_tiny_qwen3"]
+__all__ = ["KIT_CHECKPOINTS", "BackendConformance", "ModelConformance", "ProtocolConformance",
+           "TensorParallelConformance", "make_tiny_gguf", "make_tiny_llama", "make_tiny_qwen3"]

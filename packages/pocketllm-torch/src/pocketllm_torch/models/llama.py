@@ -132,8 +132,16 @@ class DecoderLayer:
 
 
 @dataclass(slots=True)
+class Embedding:
+    weight: Tensor  # [vocab, hidden]
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight)
+
+
+@dataclass(slots=True)
 class LlamaModel:
-    embed_tokens: Tensor
+    embed_tokens: Embedding
     layers: list[DecoderLayer]
     norm: RMSNorm
     lm_head: Linear
@@ -146,7 +154,7 @@ class LlamaModel:
 
     def __call__(self, input_ids: Tensor, ctx: StepContext) -> Tensor:
         """Hidden states [T, hidden] of the step's tokens, before the final norm; fills the KV cache."""
-        x = F.embedding(input_ids, self.embed_tokens).to(self.dtype)
+        x = self.embed_tokens(input_ids).to(self.dtype)
         rotation = self.rope[ctx.positions].unsqueeze(1)
         for layer, kv_cache in zip(self.layers, ctx.caches, strict=True):
             x = layer(x, rotation, kv_cache, ctx.attention)
@@ -205,7 +213,7 @@ class LlamaModel:
         inv_freq, attention_factor = rope_frequencies(config, NAME)
         angles = torch.outer(torch.arange(max_model_len, dtype=torch.float32), torch.from_numpy(inv_freq))
         return cls(
-            embed_tokens=dense(embed, dtype).to(device),
+            embed_tokens=Embedding(dense(embed, dtype).to(device)),
             layers=layers,
             norm=final_norm,
             lm_head=make_linear(embed if head is None else head, None, device, dtype),

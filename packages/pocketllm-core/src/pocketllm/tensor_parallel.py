@@ -1,0 +1,195 @@
+"""Tensor-parallel ranks: where this process stands, what a worker rank runs, and ranks started for the library.
+
+A tensor-parallel engine is N processes, one per rank, joined by the backend's own collectives. Each process
+learns its place from the environment torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so one launch works on one machine or across several.
+Rank 0 builds the engine as usual and schedules; every other rank runs its backend's worker loop
+(:meth:`pocketllm.backend.BackendPlugin.run_tp_worker`) until rank 0 shuts down. The processes come from:
+
+- the supervisor (``supervisor.py``) behind ``pocketllm-server --tensor-parallel-size N`` and ``pocketllm serve``;
+- torchrun or any launcher that sets those variables (``--no-tensor-parallel-supervisor``);
+- ``LLM(tensor_parallel_size=N)`` in a process without ``RANK``: :class:`LocalRanks` starts ranks 1..N-1 as
+  child processes of this one, which becomes rank 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from pocketllm.args import EngineArgs
+from pocketllm.backend import TensorParallelBackend
+from pocketllm.errors import ConfigError, UnsupportedOptionError
+
+READY_DIR_ENV = "POCKETLLM_TP_READY_DIR"  # where each rank flushes its readiness marker (set by the supervisor)
+_ARGS_ENV = "POCKETLLM_TP_ENGINE_ARGS"  # a library-started worker's EngineArgs, as JSON
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+
+def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo | None:
+    """This process's rank from torchrun's variables, or None where ``RANK`` is not set."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env:
+        return None
+
+    def number(key: str, default: str | None = None, low: int = 0) -> int:
+        raw = env.get(key, default)
+        try:
+            value = int(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ConfigError("tensor_parallel_size", f"environment variable {key}={raw!r} is not an integer") \
+                from None
+        if not low <= value < 1 << 31:
+            raise ConfigError("tensor_parallel_size", f"environment variable {key}={value} is out of range")
+        return value
+
+    world = number("WORLD_SIZE", low=1)
+    info = RankInfo(rank=number("RANK"), world_size=world, local_rank=number("LOCAL_RANK", env["RANK"]),
+                    local_world_size=number("LOCAL_WORLD_SIZE", str(world), low=1),
+                    master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=number("MASTER_PORT", "29500", 1))
+    if info.rank >= world:
+        raise ConfigError("tensor_parallel_size", f"RANK={info.rank} is not below WORLD_SIZE={world}")
+    return info
+
+
+def check_world(args: EngineArgs, info: RankInfo) -> None:
+    if info.world_size != args.tensor_parallel_size:
+        raise ConfigError("tensor_parallel_size", f"{args.tensor_parallel_size}, but this process was launched "
+                                                  f"as one of WORLD_SIZE={info.world_size} ranks")
+
+
+def mark_ready(rank: int) -> None:
+    """Tell the supervisor (if one started this process) that this rank is ready: a flushed marker file."""
+    directory = os.environ.get(READY_DIR_ENV)
+    if not directory:
+        return
+    marker = Path(directory) / f"rank-{rank}.ready"
+    partial = marker.with_suffix(".partial")
+    with open(partial, "w") as f:
+        f.write(str(os.getpid()))
+        f.flush()
+        os.fsync(f.fileno())
+    partial.rename(marker)
+
+
+def run_worker(args: EngineArgs, ready: Callable[[], None] | None = None) -> None:
+    """Serve as a non-zero rank: load the checkpoint, pick the backend as rank 0 does, and run its worker loop
+    until rank 0 shuts down. ``ready`` is called once the rank has joined its group and holds its weights."""
+    from pocketllm.checkpoint import load_checkpoint
+    from pocketllm.driver import resolve_max_model_len
+    from pocketllm.plugins import BackendRegistry
+    from pocketllm.support import check_engine_args
+
+    info = rank_info()
+    if info is None or info.rank == 0:
+        raise ConfigError("tensor_parallel_size", "run_worker is for ranks other than 0 (RANK is not set or 0)")
+    check_world(args, info)
+    checkpoint = load_checkpoint(args.model, args.model_format)
+    args = dataclasses.replace(args, max_model_len=resolve_max_model_len(args, checkpoint.config))
+    plugin = BackendRegistry().select(args, checkpoint)
+    check_engine_args(plugin.name, plugin.capabilities(), args, checkpoint)
+    if not isinstance(plugin, TensorParallelBackend):
+        raise UnsupportedOptionError("tensor_parallel_size", plugin.name, "it declares tensor parallelism but has "
+                                     "no run_tp_worker (pocketllm.backend.TensorParallelBackend)")
+    if threading.current_thread() is threading.main_thread():
+        # A stop signal ends rank 0's engine, whose shutdown ends this loop: the worker waits for that (or for
+        # the collectives to fail, if rank 0 is gone) rather than dying under a collective in flight.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+    plugin.run_tp_worker(args, checkpoint, ready or (lambda: mark_ready(info.rank)))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """In a child before exec: the kernel kills it when its parent dies, so no rank outlives its launcher."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the prctl took effect
+        os._exit(1)
+
+
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+class LocalRanks:
+    """Ranks 1..N-1 on this machine, started for a library engine; this process becomes rank 0.
+
+    Rank 0's variables go into this process's environment, where the backend reads them (as under torchrun).
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        world = args.tensor_parallel_size
+        port = free_port()
+        self._log_dir = tempfile.TemporaryDirectory(prefix="pocketllm-tp-")
+        os.environ.update(rank_environment(0, world, port))
+        payload = msgspec.json.encode(args).decode()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+        for rank in range(1, world):
+            log = Path(self._log_dir.name) / f"rank-{rank}.log"
+            env = os.environ | rank_environment(rank, world, port) | {_ARGS_ENV: payload}
+            env.pop(READY_DIR_ENV, None)
+            with open(log, "wb") as out:
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "pocketllm.tensor_parallel"], env=env,
+                                                   stdout=out, stderr=subprocess.STDOUT,
+                                                   preexec_fn=die_with_parent))
+            self.logs.append(log)
+
+    def failure(self) -> str | None:
+        """Which rank exited, with its last log lines, or None while all run."""
+        for rank, (proc, log) in enumerate(zip(self.procs, self.logs, strict=True), start=1):
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace").splitlines()[-20:]
+                return f"rank {rank} exited with code {proc.returncode}; its last lines:\n" + "\n".join(tail)
+        return None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Wait for the ranks (rank 0's engine shutdown ends their loops), killing any that outstay ``timeout``."""
+        for proc in self.procs:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for key in rank_environment(0, 1, 0):
+            os.environ.pop(key, None)
+        self._log_dir.cleanup()
+
+
+def _library_worker() -> int:
+    args = msgspec.json.decode(os.environ[_ARGS_ENV], type=EngineArgs)
+    run_worker(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_library_worker())
