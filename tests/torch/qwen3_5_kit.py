@@ -196,14 +196,10 @@ def to_gguf(hf: Any, path: Path, *, matrices: str = "F32", mtp_layers: int = 0) 
         blk = f"blk.{c.num_hidden_layers + j}"
         tensors[f"{blk}.nextn.eh_proj.weight"] = rng.standard_normal((c.hidden_size, 2 * c.hidden_size), np.float32)
         tensors[f"{blk}.attn_norm.weight"] = np.ones(c.hidden_size, np.float32)
-    for name, t in tensors.items():
-        t = np.ascontiguousarray(t, dtype=np.float32)
-        qtype = gguf.GGMLQuantizationType[matrices if t.ndim >= 2 and "norm" not in name
-                                          and "ssm_conv1d" not in name and "gate_inp" not in name else "F32"]
-        data = t if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(t, qtype)
-        writer.add_tensor(name, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    # As the converter forces: norms, the convolution and the routers stay float32.
+    checkpoints.finish_gguf(writer, {
+        name: (np.ascontiguousarray(t, dtype=np.float32),
+               matrices if t.ndim >= 2 and not any(part in name for part in ("norm", "ssm_conv1d", "gate_inp"))
+               else "F32")
+        for name, t in tensors.items()})
     return path

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -196,15 +197,22 @@ def make_tiny_gguf(path: Path, *, seed: int = 0) -> Path:
     writer.add_token_merges([f"{a} {b}" for a, b in _merges()])
     writer.add_eos_token_id(EOS_TOKEN_ID)
     writer.add_chat_template(CHATML_TEMPLATE)
-    for name, array in gguf_tensors(seed).items():
-        qtype = gguf.GGMLQuantizationType[_gguf_type(name, array)]
+    finish_gguf(writer, {name: (array, _gguf_type(name, array)) for name, array in gguf_tensors(seed).items()})
+    return path
+
+
+def finish_gguf(writer: Any, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
+    """Add each float32 array, stored as its GGML type ("F32", "Q8_0", ...), then write and close the file."""
+    import gguf
+
+    for name, (array, type_name) in tensors.items():
+        qtype = gguf.GGMLQuantizationType[type_name]
         data = array if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(array, qtype)
         writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def gguf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
