@@ -203,3 +203,10 @@ def test_no_supervisor_without_a_launcher_is_a_clear_error(model: str) -> None:
                             capture_output=True, text=True, timeout=60,
                             env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
     assert result.returncode == 2 and "needs RANK, WORLD_SIZE" in result.stderr
+
+
+def test_pocketllm_serve_is_the_server_s_command() -> None:
+    result = subprocess.run([sys.executable, "-c", "import sys; from pocketllm.cli import main; "
+                             "sys.exit(main(['serve', '--help']))"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert "usage: pocketllm serve" in result.stdout and "--no-tensor-parallel-supervisor" in result.stdout

@@ -18,7 +18,7 @@ pytest.importorskip("pocketllm_torch")
 
 from pocketllm.model_config import ModelConfig
 from pocketllm_torch.groups import Int4Groups
-from pocketllm_torch.tensor_parallel import Split, _columns, _rows
+from pocketllm_torch.weight_split import Split, _take
 
 CONFIG = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -50,24 +50,82 @@ def test_two_ranks_with_prefix_caching_and_preemption(tmp_path: Path) -> None:
 
 
 def test_the_split_follows_kv_heads_and_stays_in_whole_groups() -> None:
-    config = CONFIG  # 4 query heads, 2 KV heads of 16
-    halves = [Split.of(config, rank, 2, grouped=True) for rank in range(2)]
-    assert [s.kv_heads for s in halves] == [(0, 1), (1, 2)] and [s.heads for s in halves] == [(0, 2), (2, 4)]
-    assert halves[0].intermediate == (0, 64) and halves[1].intermediate == (64, 128)
-    nine = msgspec.structs.replace(config, num_key_value_heads=3, num_attention_heads=9, head_dim=32)
-    uneven = [Split.of(nine, rank, 2, grouped=False) for rank in range(2)]
-    assert [s.kv_heads for s in uneven] == [(0, 2), (2, 3)] and [s.heads for s in uneven] == [(0, 6), (6, 9)]
+    halves = [Split.of(CONFIG, rank, 2) for rank in range(2)]  # 4 query heads, 2 KV heads of 16
+    assert [s.local["num_key_value_heads"] for s in halves] == [1, 1]
+    assert list(halves[1].parts["q"]) == list(range(32, 64)) and list(halves[1].parts["kv"]) == list(range(16, 32))
+    assert list(halves[0].parts["ff"]) == list(range(64))  # 128 features: two whole 32-column groups each
+    nine = msgspec.structs.replace(CONFIG, num_key_value_heads=3, num_attention_heads=9, head_dim=32)
+    uneven = [Split.of(nine, rank, 2) for rank in range(2)]
+    assert [s.local["num_attention_heads"] for s in uneven] == [6, 3]
+    assert [len(s.parts["o"]) for s in uneven] == [192, 96]
     codes = np.arange(4 * 64, dtype=np.uint8).reshape(4, 64) % 16
     groups = Int4Groups(codes, np.ones((4, 2), np.float32), np.zeros((4, 2), np.float32))
-    right = _columns(groups, 32, 64)
+    right = _take(groups, np.arange(32, 64), 1, "w")
     assert right.codes.shape == (4, 32) and right.scale.shape == (4, 1) and (right.codes == codes[:, 32:]).all()
-    assert _rows(groups, 1, 3).offset.shape == (2, 2)
+    assert _take(groups, np.arange(1, 3), 0, "w").offset.shape == (2, 2)
+    with pytest.raises(UnsupportedOptionError, match="32-column groups"):
+        _take(groups, np.arange(16, 48), 1, "blk.0.attn_output.weight")
+
+
+def test_gated_deltanet_value_heads_follow_their_key_heads_in_either_order() -> None:
+    hybrid = msgspec.structs.replace(CONFIG, architecture="qwen3_5_text", extra={
+        "linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 4,
+        "linear_value_head_dim": 2})
+    grouped, tiled = Split.of(hybrid, 1, 2), Split.of(hybrid, 1, 2, tiled_values=True)
+    assert list(grouped.parts["v_heads"]) == [3, 4, 5] and list(tiled.parts["v_heads"]) == [1, 3, 5]
+    # q rows of key head 1, k rows of key head 1, then the value rows of its heads
+    assert list(grouped.parts["qkv"]) == [4, 5, 6, 7, 12, 13, 14, 15, *range(16 + 6, 16 + 12)]
+    assert grouped.local_config(hybrid).extra["linear_num_value_heads"] == 3
 
 
 def test_what_cannot_be_split_is_refused_by_name() -> None:
     with pytest.raises(UnsupportedOptionError, match=r"tensor_parallel_size.*only 2 KV heads"):
-        Split.of(CONFIG, 0, 4, grouped=False)
-    hybrid = msgspec.structs.replace(CONFIG, architecture="qwen3_5_text")
-    with pytest.raises(UnsupportedOptionError, match=r"tensor_parallel_size.*qwen3_5_text"):
-        Split.of(hybrid, 0, 2, grouped=False)
+        Split.of(CONFIG, 0, 4)
+    with pytest.raises(UnsupportedOptionError, match=r"tensor_parallel_size.*mistral"):
+        Split.of(msgspec.structs.replace(CONFIG, architecture="mistral"), 0, 2)
 
+
+@pytest.mark.parametrize("form", ["dense", "moe", "dense-gguf", "moe-gguf"])
+def test_qwen3_5_on_two_ranks_generates_what_one_does_and_its_snapshots_hit(form: str, tmp_path: Path) -> None:
+    """Gated DeltaNet heads (grouped, or tiled in the GGUF form) and experts split; a request resuming from a
+    state snapshot restores every rank's share of it."""
+    pytest.importorskip("transformers")
+    from pocketllm.testing.checkpoints import _write_tokenizer
+    from tests.torch.qwen3_5_kit import tiny_qwen3_5, to_gguf
+
+    hf, path = tiny_qwen3_5(tmp_path / "hf", moe=form.startswith("moe"))
+    _write_tokenizer(path)
+    model = str(to_gguf(hf, tmp_path / "model.gguf") if form.endswith("gguf") else path)
+    shared = list(range(3, 80))
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(model, backend="torch", dtype="float32", tensor_parallel_size=tp, enable_prefix_caching=True,
+                  prefill_chunk_size=24, backend_options={"block_size": 8})
+        try:
+            first = llm.generate([[*shared, 5, 6]], GREEDY)
+            rest = llm.generate([[*shared, 9, 10, 11], list(range(100, 140))], GREEDY)
+            results[tp] = [out.outputs[0].token_ids for out in first + rest]
+            assert llm.stats().num_state_snapshot_hits == 1
+        finally:
+            llm.shutdown()
+    assert results[2] == results[1]
+
+
+def test_a_process_holds_one_tensor_parallel_engine_and_rank_1_no_engine(tmp_path: Path, monkeypatch) -> None:
+    from pocketllm.errors import ConfigError
+
+    path = str(write_checkpoint("llama", tmp_path))
+    llm = LLM(path, backend="torch", dtype="float32", tensor_parallel_size=2)
+    try:
+        with pytest.raises(ConfigError, match="already holds a tensor-parallel engine"):
+            LLM(path, backend="torch", dtype="float32", tensor_parallel_size=2)
+    finally:
+        llm.shutdown()
+    assert "RANK" not in __import__("os").environ  # the library's ranks leave the environment as they found it
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="rank 1: ranks other than 0"):
+        LLM(path, backend="torch", dtype="float32", tensor_parallel_size=2)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=3"):
+        LLM(path, backend="torch", dtype="float32", tensor_parallel_size=2)

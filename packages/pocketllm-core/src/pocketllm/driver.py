@@ -30,7 +30,7 @@ from pocketllm.plugins import BackendRegistry
 from pocketllm.progress import LoadProgress
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.support import check_engine_args, check_request
-from pocketllm.tensor_parallel import LocalRanks, rank_info
+from pocketllm.tensor_parallel import LocalRanks, check_world, rank_info
 from pocketllm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -99,8 +99,16 @@ class EngineDriver:
         self._error: BaseException | None = None
         self._closing = False
         # A library engine split across ranks starts its other ranks itself (a launcher has set RANK otherwise).
-        self._ranks = (LocalRanks(self.args) if self.args.tensor_parallel_size > 1 and rank_info() is None
-                       else None)
+        self._ranks = None
+        if self.args.tensor_parallel_size > 1:
+            rank = rank_info()
+            if rank is None or LocalRanks.active:
+                self._ranks = LocalRanks(self.args)
+            else:
+                check_world(self.args, rank)
+                if rank.rank != 0:
+                    raise ConfigError("tensor_parallel_size", f"this process is rank {rank.rank}: ranks other than 0 "
+                                      "serve through pocketllm.tensor_parallel.run_worker(args), not an engine")
         built: Future[None] = Future()
         self._thread = threading.Thread(target=self._run, args=(plugin, checkpoint, built), name="pocketllm-engine",
                                         daemon=True)

@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import msgspec
 
@@ -146,7 +147,13 @@ class LocalRanks:
     Rank 0's variables go into this process's environment, where the backend reads them (as under torchrun).
     """
 
+    active: ClassVar[bool] = False  # torch.distributed and its peers hold one group per process
+
     def __init__(self, args: EngineArgs) -> None:
+        if LocalRanks.active:
+            raise ConfigError("tensor_parallel_size", "this process already holds a tensor-parallel engine (its "
+                                                      "collectives are per process): shut it down first")
+        LocalRanks.active = True
         world = args.tensor_parallel_size
         port = free_port()
         self._log_dir = tempfile.TemporaryDirectory(prefix="pocketllm-tp-")
@@ -183,6 +190,7 @@ class LocalRanks:
         for key in rank_environment(0, 1, 0):
             os.environ.pop(key, None)
         self._log_dir.cleanup()
+        LocalRanks.active = False
 
 
 def _library_worker() -> int:

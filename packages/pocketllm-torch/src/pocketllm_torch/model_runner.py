@@ -17,7 +17,8 @@ from pocketllm_torch.models import model_class
 from pocketllm_torch.sampler import Outcome, sample_each
 from pocketllm_torch.state_cache import StateCache
 from pocketllm_torch.state_snapshots import StateSnapshots
-from pocketllm_torch.tensor_parallel import Split, Step, parallelize
+from pocketllm_torch.tensor_parallel import Step, parallelize
+from pocketllm_torch.weight_split import Split
 
 if TYPE_CHECKING:
     from pocketllm.checkpoint import Checkpoint
@@ -38,8 +39,7 @@ class ModelRunner:
         model_config = config.model
         split = None
         if tp is not None:
-            grouped = any(t.dtype in groups.INT4_TYPES or t.dtype in groups.INT8_TYPES for t in checkpoint.tensors())
-            split = Split.of(config.model, tp.rank, tp.world_size, grouped)
+            split = Split.of(config.model, tp.rank, tp.world_size, tiled_values=checkpoint.format == "gguf")
             model_config, weights = split.local_config(config.model), split.shard(weights)
         model_cls = model_class(config.model.architecture)
         self.model = model_cls.from_weights(model_config, weights, config.device, config.dtype, config.max_model_len)
@@ -67,9 +67,13 @@ class ModelRunner:
         self.caches: list[torch.Tensor | LayerState] = [
             next(kv_layers) if isinstance(s, AttentionSpec) else next(state_layers) for s in specs]
         self.snapshots: StateSnapshots | None = None
-        self._captured: list[tuple[Sequence, int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self._captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # states inside the last step's chunks
+        self._capture_ends: list[tuple[Sequence, int]] = []  # rank 0: whose they are, and where
+        self._pending_saves: tuple[list[tuple[int, int]], list[tuple[int, int]]] = [], []
         if states and config.enable_prefix_caching:
             capacity = config.state_snapshot_bytes // state_bytes
+            if tp is not None:  # every rank files and evicts the same snapshots
+                capacity = tp.min(capacity)
             if capacity == 0:
                 raise ConfigError("backend_options", f"state_snapshot_mb {config.state_snapshot_bytes >> 20} holds no "
                                                      f"snapshot of this model's states ({state_bytes} bytes each)")
@@ -91,19 +95,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def save_snapshots(self, batch: ScheduledBatch) -> None:
-        """After a step and its blocks' hashes: the states at the block boundaries its prompt chunks reached."""
+        """After a step and its blocks' hashes (rank 0): file the states at the block boundaries its prompt chunks
+        reached. The other ranks file theirs at the start of the next step, which names them."""
         if self.snapshots is None or self.state_cache is None:
             return
-        for seq, end, states in self._captured:
-            conv, recurrent = (torch.stack(parts) for parts in zip(*states, strict=True))
-            self.snapshots.save(seq.block_hashes[end // self.block_size - 1], conv, recurrent)
-        self._captured = []
+        capture_saves = [(seq.block_hashes[end // self.block_size - 1], i)
+                         for i, (seq, end) in enumerate(self._capture_ends)]
+        slot_saves = []
         for seq in batch.seqs:  # each chunk's end
             blocks, partial = divmod(seq.num_computed_tokens, self.block_size)
             if blocks and not partial and seq.num_computed_tokens <= seq.num_prompt_tokens:
-                slot = seq.state_slot
-                self.snapshots.save(seq.block_hashes[blocks - 1], self.state_cache.conv[:, slot],
-                                    self.state_cache.recurrent[:, slot])
+                slot_saves.append((seq.block_hashes[blocks - 1], seq.state_slot))
+        self._file_snapshots(slot_saves, capture_saves)
+        self._pending_saves = slot_saves, capture_saves
+
+    def _file_snapshots(self, slot_saves: list[tuple[int, int]], capture_saves: list[tuple[int, int]]) -> None:
+        assert self.snapshots is not None and self.state_cache is not None
+        for key, i in capture_saves:
+            conv, recurrent = (torch.stack(parts) for parts in zip(*self._captured[i], strict=True))
+            self.snapshots.save(key, conv, recurrent)
+        self._captured = []
+        for key, slot in slot_saves:
+            self.snapshots.save(key, self.state_cache.conv[:, slot], self.state_cache.recurrent[:, slot])
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[Outcome | None]:
@@ -123,22 +136,23 @@ class ModelRunner:
                 samplers.append(i)
         step = Step(token_ids, starts, list(batch.num_new_tokens), [seq.block_table for seq in batch.seqs],
                     last_rows)
+        if self.state_cache is not None:
+            step.state_slots = [seq.state_slot for seq in batch.seqs]
+            # New, or recomputing after preemption: their states start from zero.
+            step.fresh_slots = [slot for slot, start in zip(step.state_slots, starts, strict=True) if start == 0]
+            if self.snapshots is not None:  # admitted after a cached prefix: its states where that prefix ends
+                step.restores = [(seq.resume_from, seq.state_slot) for seq in batch.seqs
+                                 if seq.resume_from is not None]
+                step.capture_points = self._capture_points(batch)
+                step.slot_saves, step.capture_saves = self._pending_saves
+                self._pending_saves = [], []
+            for seq in batch.seqs:
+                seq.resume_from = None
         if self.tp is not None:
             self.tp.send(step)
-        slots = None
-        if self.state_cache is not None:
-            slots = torch.tensor([seq.state_slot for seq in batch.seqs], device=self.device)
-            fresh = [seq.state_slot for seq, start in zip(batch.seqs, starts, strict=True) if start == 0]
-            if fresh:  # new, or recomputing after preemption: their states start from zero
-                self.state_cache.reset(torch.tensor(fresh, device=self.device))
-            for seq in batch.seqs:  # admitted after a cached prefix: its states where that prefix ends
-                if seq.resume_from is not None and self.snapshots is not None:
-                    self.snapshots.restore(seq.resume_from, self.state_cache, seq.state_slot)
-                    seq.resume_from = None
-        logits, ctx = self.forward(step, slots, self._capture_points(batch))
+        logits, ctx = self.forward(step)
         # Filed by save_snapshots once the blocks they end have their hashes.
-        self._captured = [(batch.seqs[i], batch.seqs[i].num_computed_tokens + p, states)
-                          for (i, p), states in ctx.captured.items()]
+        self._capture_ends = [(batch.seqs[i], batch.seqs[i].num_computed_tokens + p) for i, p in ctx.captured]
         results: list[Outcome | None] = [None] * len(batch.seqs)
         if logits is None:
             return results
@@ -148,19 +162,29 @@ class ModelRunner:
         return results
 
     @torch.inference_mode()
-    def forward(self, step: Step, slots: torch.Tensor | None = None,
-                capture_points: list[list[int]] | None = None) -> tuple[torch.Tensor | None, StepContext]:
+    def forward(self, step: Step) -> tuple[torch.Tensor | None, StepContext]:
         """The step's forward pass, on every rank: the logits of ``step.last_rows`` (None where no row samples,
         and on ranks other than 0), and the step's context."""
+        slots = None
+        if self.state_cache is not None and step.state_slots is not None:
+            if self.tp is not None and self.tp.rank > 0 and self.snapshots is not None:
+                self._file_snapshots(step.slot_saves, step.capture_saves)
+            slots = torch.tensor(step.state_slots, device=self.device)
+            if step.fresh_slots:
+                self.state_cache.reset(torch.tensor(step.fresh_slots, device=self.device))
+            for key, slot in step.restores:
+                assert self.snapshots is not None
+                self.snapshots.restore(key, self.state_cache, slot)
         self.kv_cache.zero_new_blocks(step.block_tables)
         positions, meta = build_metadata(step.starts, step.num_new_tokens, step.block_tables, self.block_size,
                                          self.device, self.model.dtype)
         input_ids = torch.tensor(step.token_ids, device=self.device)
-        ctx = StepContext(positions, meta, self.caches, step.num_new_tokens, slots, capture_points)
+        ctx = StepContext(positions, meta, self.caches, step.num_new_tokens, slots, step.capture_points)
         if self.decode_graphs is not None and ctx.is_decode:
             hidden = self.decode_graphs(input_ids, ctx)
         else:
             hidden = self.model(input_ids, ctx)
+        self._captured = list(ctx.captured.values())
         if not step.last_rows:
             return None, ctx
         # Only the last token of a sequence needs logits: the lm_head is the largest matrix in small models.

@@ -1,4 +1,4 @@
-"""Tensor parallelism over torch.distributed: the rank group, how weights are split, and the step protocol.
+"""Tensor parallelism over torch.distributed: the rank group, the step protocol and the model's collectives.
 
 Megatron's split of a decoder: q/k/v and gate/up are column-parallel (each rank computes its own heads and its
 share of the MLP's intermediate features), o_proj and down_proj row-parallel (each rank multiplies its columns,
@@ -6,27 +6,24 @@ then one all-reduce sums the partial outputs), the embedding and the LM head voc
 slice of the vocabulary: a lookup outside it adds zeros to the all-reduce; rank 0 gathers the logits). Heads go
 to ranks whole with their query groups: with more ranks than KV heads there is nothing to split and the engine
 refuses. A split may be uneven (the default model's 3 KV heads go 2 + 1 at TP=2), so each rank has its own
-local config and KV-cache layout. 4- and 8-bit grouped matrices are split by rows, or by columns at group
-boundaries, and stay grouped.
+local config and KV-cache layout; weight_split.py says which part of each weight a rank holds (Gated DeltaNet
+layers are split by their heads too, and experts by their intermediate features).
 
 Rank 0 schedules and samples. Each step it broadcasts the step's inputs (one msgspec message: token ids,
-positions, block tables, rows that sample) and every rank runs the same forward; the other ranks' worker loop
-(:func:`serve`) returns when rank 0 sends the stop message at shutdown. Collectives use gloo on CPU and nccl
+positions, block tables, rows that sample, and for hybrid models the state slots to reset, the prefix-cache
+snapshots to file or restore) and every rank runs the same forward; the other ranks' worker loop
+(``ModelRunner.serve``) returns when rank 0 sends the stop message at shutdown. Collectives use gloo on CPU and nccl
 on CUDA (HCCL is an Ascend backend's own).
 """
 
 from __future__ import annotations
 
 import datetime
-import logging
 import os
-import re
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -35,18 +32,13 @@ from torch import Tensor
 from pocketllm.errors import UnsupportedOptionError
 from pocketllm.tensor_parallel import rank_info
 from pocketllm_torch.backend import NAME
-from pocketllm_torch.groups import GROUP_SIZE, Int4Groups, Int8Groups
 
 if TYPE_CHECKING:
-    from pocketllm.model_config import ModelConfig
     from pocketllm_torch.linear import Linear
+    from pocketllm_torch.weight_split import Split
 
-log = logging.getLogger(__name__)
-Weight = np.ndarray | Int4Groups | Int8Groups
 # Rank 0 may sit idle between requests for as long as it likes: the other ranks wait for its next step.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
-TP_ARCHITECTURES = ("llama", "qwen3")
-_LAYER = re.compile(r"model\.layers\.\d+\.(.+)\.(weight|bias)")
 
 
 class Step(msgspec.Struct, array_like=True):
@@ -57,6 +49,15 @@ class Step(msgspec.Struct, array_like=True):
     num_new_tokens: list[int]
     block_tables: list[list[int]]
     last_rows: list[int]  # rows whose logits rank 0 samples from
+    # Hybrid models: each sequence's state slot; those starting from their first token; (prefix hash, slot)
+    # snapshots to restore; where inside prompt chunks to capture states; and the snapshots rank 0 filed after
+    # the step before, to file here first: (prefix hash, slot) of chunk ends, (prefix hash, index) of captures.
+    state_slots: list[int] | None = None
+    fresh_slots: list[int] = []
+    restores: list[tuple[int, int]] = []
+    capture_points: list[list[int]] | None = None
+    slot_saves: list[tuple[int, int]] = []
+    capture_saves: list[tuple[int, int]] = []
 
 
 class Group:
@@ -113,99 +114,6 @@ class Group:
             dist.destroy_process_group()
 
 
-@dataclass(frozen=True, slots=True)
-class Split:
-    """This rank's share of a model: its heads, KV heads, intermediate features and vocabulary rows."""
-
-    heads: tuple[int, int]  # [first, end) of the query heads
-    kv_heads: tuple[int, int]
-    intermediate: tuple[int, int]
-    vocab: tuple[int, int]  # real rows; the shard is padded to vocab_rows
-    vocab_rows: int
-    head_dim: int
-    first: bool  # rank 0: keeps the row-parallel biases, added once
-
-    @classmethod
-    def of(cls, config: ModelConfig, rank: int, world_size: int, grouped: bool) -> Split:
-        if config.architecture not in TP_ARCHITECTURES:
-            raise UnsupportedOptionError("tensor_parallel_size", NAME, f"tensor parallelism runs "
-                                         f"{', '.join(TP_ARCHITECTURES)}, not {config.architecture} yet")
-        kv, heads, dim = config.num_key_value_heads, config.num_attention_heads, config.head_dim
-        if kv < world_size:
-            raise UnsupportedOptionError("tensor_parallel_size", NAME, f"{world_size} ranks, but the model has "
-                                         f"only {kv} KV heads to split (replicating them is not implemented)")
-        kv_range = _even(kv, world_size, rank, 1)
-        group = heads // kv
-        # Grouped matrices split their columns at group boundaries: a row-parallel shard is whole groups.
-        align = GROUP_SIZE if grouped else 1
-        if (dim * group) % align or config.intermediate_size % align:
-            raise UnsupportedOptionError("tensor_parallel_size", NAME, f"o_proj's {dim * group} columns per KV "
-                                         f"head or down_proj's {config.intermediate_size} do not split at the "
-                                         f"{GROUP_SIZE}-column groups of its 4- and 8-bit matrices")
-        per_rank = -(-config.vocab_size // world_size)
-        vocab = (min(config.vocab_size, rank * per_rank), min(config.vocab_size, (rank + 1) * per_rank))
-        return cls(heads=(kv_range[0] * group, kv_range[1] * group), kv_heads=kv_range,
-                   intermediate=_even(config.intermediate_size // align, world_size, rank, align),
-                   vocab=vocab, vocab_rows=per_rank, head_dim=dim, first=rank == 0)
-
-    def local_config(self, config: ModelConfig) -> ModelConfig:
-        return msgspec.structs.replace(config, num_attention_heads=self.heads[1] - self.heads[0],
-                                       num_key_value_heads=self.kv_heads[1] - self.kv_heads[0],
-                                       intermediate_size=self.intermediate[1] - self.intermediate[0])
-
-    def shard(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
-        """This rank's part of each weight (Hugging Face names and layout: [out features, in features])."""
-        d = self.head_dim
-        for name, w in weights:
-            if name in ("model.embed_tokens.weight", "lm_head.weight"):
-                yield name, _pad_rows(_rows(w, *self.vocab), self.vocab_rows)
-                continue
-            match = _LAYER.fullmatch(name)
-            module, kind = (match[1], match[2]) if match else ("", "")
-            if module == "self_attn.q_proj":
-                yield name, _rows(w, self.heads[0] * d, self.heads[1] * d)
-            elif module in ("self_attn.k_proj", "self_attn.v_proj"):
-                yield name, _rows(w, self.kv_heads[0] * d, self.kv_heads[1] * d)
-            elif module in ("mlp.gate_proj", "mlp.up_proj"):
-                yield name, _rows(w, *self.intermediate)
-            elif module in ("self_attn.o_proj", "mlp.down_proj"):
-                start, end = ((self.heads[0] * d, self.heads[1] * d) if module == "self_attn.o_proj"
-                              else self.intermediate)
-                yield name, _columns(w, start, end) if kind == "weight" else (w if self.first else w * 0)
-            else:
-                yield name, w  # norms: every rank needs them whole
-
-
-def _even(total: int, parts: int, index: int, unit: int) -> tuple[int, int]:
-    """Part ``index`` of ``total`` units split as evenly as possible, in elements of ``unit``."""
-    base, extra = divmod(total, parts)
-    start = index * base + min(index, extra)
-    return start * unit, (start + base + (index < extra)) * unit
-
-
-def _rows(w: Weight, start: int, end: int) -> Weight:
-    if isinstance(w, np.ndarray):
-        return w[start:end]
-    return type(w)(*(getattr(w, f)[start:end] for f in w.__dataclass_fields__))
-
-
-def _columns(w: Weight, start: int, end: int) -> Weight:
-    if isinstance(w, np.ndarray):
-        return w[:, start:end]
-    codes, *groups = (getattr(w, f) for f in w.__dataclass_fields__)
-    return type(w)(codes[:, start:end], *(g[:, start // GROUP_SIZE:end // GROUP_SIZE] for g in groups))
-
-
-def _pad_rows(w: Weight, rows: int) -> Weight:
-    missing = rows - w.shape[0]
-    if missing == 0:
-        return w
-    if isinstance(w, np.ndarray):
-        return np.concatenate([w, np.zeros((missing, *w.shape[1:]), w.dtype)])
-    return type(w)(*(np.concatenate([a, np.zeros((missing, *a.shape[1:]), a.dtype)])
-                     for a in (getattr(w, f) for f in w.__dataclass_fields__)))
-
-
 @dataclass(slots=True)
 class AllReduced:
     """A row-parallel linear layer: this rank's partial product, summed over the ranks."""
@@ -243,11 +151,17 @@ class VocabParallelHead:
         return logits[:, :self.vocab_size] if logits is not None else x.new_empty(0)
 
 
-def parallelize(model: object, split: Split, group: Group, vocab_size: int) -> None:
+def parallelize(model: Any, split: Split, group: Group, vocab_size: int) -> None:
     """Wrap a model built from this rank's shards in the collectives that join it to the others."""
-    for layer in model.layers:  # type: ignore[attr-defined]
-        layer.attn.o_proj = AllReduced(layer.attn.o_proj, group)
-        layer.mlp.down_proj = AllReduced(layer.mlp.down_proj, group)
-    embed = model.embed_tokens  # type: ignore[attr-defined]
-    model.embed_tokens = VocabParallelEmbedding(embed.weight, *split.vocab, group)  # type: ignore[attr-defined]
-    model.lm_head = VocabParallelHead(model.lm_head, group, vocab_size)  # type: ignore[attr-defined]
+    for layer in model.layers:
+        mixer = getattr(layer, "attn", None) or layer.mixer
+        if hasattr(mixer, "o_proj"):  # attention
+            mixer.o_proj = AllReduced(mixer.o_proj, group)
+        else:  # Gated DeltaNet
+            mixer.out_proj = AllReduced(mixer.out_proj, group)
+        if hasattr(layer.mlp, "down_proj"):
+            layer.mlp.down_proj = AllReduced(layer.mlp.down_proj, group)
+        else:  # experts and the shared expert: their partial outputs sum once
+            layer.mlp = AllReduced(layer.mlp, group)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, *split.vocab, group)
+    model.lm_head = VocabParallelHead(model.lm_head, group, vocab_size)

@@ -13,7 +13,7 @@ import pytest
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.testing.protocol import GREEDY, PROMPTS, KitBase
 
-TP_CHECKPOINTS = ("llama", "qwen3", "llama-gguf")
+TP_CHECKPOINTS = ("llama", "qwen3", "llama-gguf", "qwen3_5")
 
 
 class TensorParallelConformance(KitBase):

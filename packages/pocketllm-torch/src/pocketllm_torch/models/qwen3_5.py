@@ -32,7 +32,7 @@ from pocketllm_torch.attention import paged_attention
 from pocketllm_torch.backend import NAME
 from pocketllm_torch.cache_spec import AttentionSpec, LayerCacheSpec, StateSpec
 from pocketllm_torch.linear import Linear, compute_dtype, make_linear
-from pocketllm_torch.models.llama import MLP, RMSNorm
+from pocketllm_torch.models.llama import MLP, Embedding, RMSNorm
 from pocketllm_torch.models.weights import Weights, dense
 
 if TYPE_CHECKING:
@@ -298,7 +298,7 @@ class HybridLayer:
 
 @dataclass(slots=True)
 class Qwen3_5Model:
-    embed_tokens: Tensor
+    embed_tokens: Embedding
     layers: list[HybridLayer]
     norm: RMSNorm
     lm_head: Linear
@@ -314,7 +314,7 @@ class Qwen3_5Model:
 
     def __call__(self, input_ids: Tensor, ctx: StepContext) -> Tensor:
         """Hidden states [T, hidden] of the step's tokens, before the final norm; updates KV and states."""
-        x = F.embedding(input_ids, self.embed_tokens).to(self.dtype)
+        x = self.embed_tokens(input_ids).to(self.dtype)
         rope = self.cos[ctx.positions].unsqueeze(1), self.sin[ctx.positions].unsqueeze(1)
         for layer, cache in zip(self.layers, ctx.caches, strict=True):
             x, h = layer.post_attention_norm.add(x, layer.mixer(layer.input_norm(x), rope, cache, ctx))
@@ -408,7 +408,7 @@ class Qwen3_5Model:
         angles = torch.outer(torch.arange(max_model_len, dtype=torch.float32), torch.from_numpy(inv_freq))
         angles = torch.cat([angles, angles], dim=-1)
         return cls(
-            embed_tokens=dense(embed, dtype).to(device),
+            embed_tokens=Embedding(dense(embed, dtype).to(device)),
             layers=layers,
             norm=final_norm,
             lm_head=make_linear(embed if head is None else head, None, device, dtype),
