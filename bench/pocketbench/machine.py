@@ -46,3 +46,14 @@ def describe() -> dict[str, Any]:
             "logical_cpus": psutil.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
             "kernel": platform.release()}
+
+
+def write_report(out: Path, workload: str, report: str, figures: dict[str, Any]) -> None:
+    """Print a workload's table and write it beside its figures: ``<date>-<machine>-<workload>.{md,json}``."""
+    import datetime
+    import json
+
+    print(report)
+    stem = out / f"{datetime.date.today().isoformat()}-{machine_name()}-{workload}"
+    stem.with_suffix(".md").write_text(report)
+    stem.with_suffix(".json").write_text(json.dumps({"machine": describe()} | figures, indent=1) + "\n")

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from pocketbench.machine import describe, machine_name
+from pocketbench.machine import write_report
 from pocketllm import LLM, AsyncLLM, SamplingParams
 from pocketllm.testing import checkpoints
 
@@ -172,13 +170,8 @@ def main() -> None:
              "pocketllm / transformers: batch 1 "
              f"{decode['pocketllm-torch, batch 1'] / decode['transformers, batch 1']:.2f}x, batch 8 "
              f"{decode['pocketllm-torch, batch 8'] / decode['transformers, batch 8']:.2f}x."]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    stem = args.out / f"{datetime.date.today().isoformat()}-{machine_name()}-shared-prefix"
-    stem.with_suffix(".md").write_text(report)
-    stem.with_suffix(".json").write_text(json.dumps({"machine": describe(), "args": {k: str(v) for k, v in
-                                                     vars(args).items()}, "shared_prefix": runs, "decode": decode},
-                                                    indent=1) + "\n")
+    write_report(args.out, "shared-prefix", "\n".join(lines) + "\n",
+                 {"args": {k: str(v) for k, v in vars(args).items()}, "shared_prefix": runs, "decode": decode})
 
 
 if __name__ == "__main__":

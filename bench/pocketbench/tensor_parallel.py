@@ -12,15 +12,13 @@ layer, the embedding's, the logits' gather and the step broadcast). Prints a tab
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import time
 from pathlib import Path
 
 import numpy as np
 
-from pocketbench.machine import describe, machine_name
+from pocketbench.machine import write_report
 from pocketllm import LLM, SamplingParams
 
 PROMPT, TOKENS = 128, 64
@@ -99,13 +97,8 @@ def main() -> None:
              f"{reduce[1] * 1e6:.0f} us at 1 row, {reduce[8] * 1e6:.0f} us at 8; a step runs ~{collectives} "
              f"collectives: ~{collectives * reduce[1] * 1e3:.1f} ms of communication per decode step at batch 1, "
              f"~{collectives * reduce[8] * 1e3:.1f} ms at 8."]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    stem = args.out / f"{datetime.date.today().isoformat()}-{machine_name()}-tensor-parallel"
-    stem.with_suffix(".md").write_text(report)
-    stem.with_suffix(".json").write_text(json.dumps({"machine": describe(), "decode": figures,
-                                                     "all_reduce_s": reduce, "collectives_per_step": collectives},
-                                                    indent=1) + "\n")
+    write_report(args.out, "tensor-parallel", "\n".join(lines) + "\n",
+                 {"decode": figures, "all_reduce_s": reduce, "collectives_per_step": collectives})
 
 
 if __name__ == "__main__":

@@ -129,3 +129,36 @@ def test_a_process_holds_one_tensor_parallel_engine_and_rank_1_no_engine(tmp_pat
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="WORLD_SIZE=3"):
         LLM(path, backend="torch", dtype="float32", tensor_parallel_size=2)
+
+
+def test_a_library_rank_that_dies_before_joining_is_an_error_not_a_hang(tmp_path: Path, monkeypatch) -> None:
+    import os
+    import time
+
+    from pocketllm.errors import EngineDeadError
+
+    # Rank 1's interpreter imports this sitecustomize, which exits before the rank can join rank 0.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('RANK') == '1':\n    print('rank 1: no device here')\n    os._exit(4)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"rank 1 exited with code 4(.|\n)*no device here"):
+        LLM(str(write_checkpoint("llama", tmp_path / "model")), backend="torch", dtype="float32",
+            tensor_parallel_size=2)
+    assert time.monotonic() - started < 60 and "RANK" not in os.environ
+
+
+def test_an_engine_built_on_a_thread_outlives_the_thread(tmp_path: Path) -> None:
+    import threading
+
+    path = str(write_checkpoint("llama", tmp_path))
+    built: list[LLM] = []
+    thread = threading.Thread(target=lambda: built.append(LLM(path, backend="torch", dtype="float32",
+                                                               tensor_parallel_size=2)))
+    thread.start()
+    thread.join()
+    [llm] = built
+    try:
+        assert len(llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+    finally:
+        llm.shutdown()

@@ -64,8 +64,9 @@ if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
     from pocketllm.checkpoint import Checkpoint
     from pocketllm.sampling_params import SamplingParams
+    from pocketllm.structured import Constraint
 
-API_VERSION = (2, 2)  # 2.1: BackendStats counts state-layer snapshots; 2.2: TensorParallelBackend
+API_VERSION = (2, 3)  # 2.1: BackendStats snapshot counters; 2.2: TensorParallelBackend; 2.3: structured outputs
 """``(major, minor)`` of this contract. A backend built for the same major and an older or equal minor loads;
 the minor grows with additions a backend may ignore, the major with changes it may not."""
 
@@ -96,6 +97,8 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int | None = None
     """Largest batch (``EngineArgs.max_num_seqs``) it can run; None: no limit of its own."""
     prefix_caching: bool = False
+    structured_outputs: bool = False
+    """Masks each token of a request to its :class:`~pocketllm.structured.Constraint` (see ``add_request``)."""
     tensor_parallel: bool = False
     speculative_methods: tuple[str, ...] = ()
     devices: tuple[str, ...] = ("cpu",)
@@ -169,7 +172,8 @@ class Engine(Protocol):
     it calls :meth:`abort` when a stop string matches.
     """
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    constraint: Constraint | None = None) -> None:
         """Queue a request. The engine may assume, without checking again, that:
 
         * ``request_id`` is not in use by a request this engine still knows;
@@ -178,6 +182,11 @@ class Engine(Protocol):
         * ``params.n == 1``; ``logit_bias`` and ``stop_token_ids`` ids are in ``[0, vocab_size)``;
         * every sampling option in use is listed in ``Capabilities.sampling_options``, and
           ``params.logprobs`` is at most ``Capabilities.max_logprobs``.
+
+        ``constraint`` comes only with ``params.structured_outputs``, and only to a backend that declares
+        ``Capabilities.structured_outputs``: before choosing each token, allow only the tokens
+        ``constraint.fill_bitmask`` sets, after every other logits processor; then ``constraint.accept`` the
+        token. A failure of either fails this request alone (``finish_reason="error"``).
 
         Raise a :class:`~pocketllm.errors.PocketLLMError` subclass for anything else it cannot take (say,
         :class:`~pocketllm.errors.PromptTooLongError` when its KV pool could never hold the prompt); nothing

@@ -13,22 +13,23 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import msgspec
 
 from pocketllm.args import EngineArgs
-from pocketllm.backend import BackendPlugin, BackendStats, RequestDelta, SampledLogprobs
+from pocketllm.backend import BackendPlugin, BackendStats, RequestDelta, SampledLogprobs, TensorParallelBackend
 from pocketllm.checkpoint import Checkpoint, load_checkpoint
 from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
-from pocketllm.errors import ConfigError, EngineDeadError, RequestFailedError
+from pocketllm.errors import ConfigError, EngineDeadError, RequestFailedError, UnsupportedOptionError
 from pocketllm.limits import MAX_MODEL_LEN_CAP
 from pocketllm.model_config import ModelConfig
 from pocketllm.outputs import StreamEvent, Usage
 from pocketllm.plugins import BackendRegistry
 from pocketllm.progress import LoadProgress
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.structured import Constraint, GrammarCompiler
 from pocketllm.support import check_engine_args, check_request
 from pocketllm.tensor_parallel import LocalRanks, check_world, rank_info
 from pocketllm.tokenizer import Tokenizer
@@ -49,6 +50,7 @@ class _Choice:
     logprobs: list[SampledLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    constraint: Constraint | None = None
 
 
 @dataclass(slots=True)
@@ -89,6 +91,7 @@ class EngineDriver:
             self.capabilities = plugin.capabilities()
             check_engine_args(plugin.name, self.capabilities, self.args, checkpoint)
 
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._cond = threading.Condition()
         self._commands: list[tuple[str, object, Future[None] | None]] = []
         self._requests: dict[str, _Request] = {}  # every request added and not finished, by request id
@@ -101,6 +104,9 @@ class EngineDriver:
         # A library engine split across ranks starts its other ranks itself (a launcher has set RANK otherwise).
         self._ranks = None
         if self.args.tensor_parallel_size > 1:
+            if not isinstance(plugin, TensorParallelBackend) or plugin.api_version < (2, 2):
+                raise UnsupportedOptionError("tensor_parallel_size", plugin.name, "it declares tensor parallelism "
+                                             "without contract 2.2's run_tp_worker (TensorParallelBackend)")
             rank = rank_info()
             if rank is None or LocalRanks.active:
                 self._ranks = LocalRanks(self.args)
@@ -115,10 +121,16 @@ class EngineDriver:
         with progress.stage(f"loading the weights on backend {plugin.name}"):
             self._thread.start()
             try:
+                # A rank that dies before joining would leave rank 0 waiting to meet it: watch them meanwhile.
+                while not wait([built], timeout=0.2).done:
+                    failure = self._ranks.failure() if self._ranks is not None else None
+                    if failure is not None:
+                        raise EngineDeadError(f"tensor-parallel {failure}")
                 built.result()  # re-raises whatever create_engine raised
             except BaseException:
                 if self._ranks is not None:
-                    self._ranks.close(timeout=0)
+                    self._ranks.abandon()
+                    self._thread.join(timeout=5)  # its wait for the ranks ends: the next engine may start
                 raise
         self.registry.pm.hook.pocketllm_engine_started(args=self.args, backend_name=plugin.name)
         progress.done(f"{checkpoint.config.architecture} model on backend {plugin.name} "
@@ -137,9 +149,13 @@ class EngineDriver:
         params = check_request(self.backend_name, self.capabilities, prompt_ids, params,
                                vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
         request_id = request_id or uuid.uuid4().hex
+        # Compiled here, on the caller's thread: a large schema must not stall the engine's steps.
+        constraints = ([self.grammars.constraint(params.structured_outputs) for _ in range(params.n)]
+                       if params.structured_outputs is not None else [None] * params.n)
         choices = [
             _Choice(i, request_id if params.n == 1 else f"{request_id}-{i}",
-                    IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens))
+                    IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+                    constraint=constraints[i])
             for i in range(params.n)
         ]
         request = _Request(request_id, list(prompt_ids), params, sink,
@@ -238,7 +254,11 @@ class EngineDriver:
                 seed = request.params.seed
                 params = msgspec.structs.replace(
                     request.params, n=1, seed=None if seed is None else _wrap_int64(seed + choice.index))
-                self.engine.add_request(choice.backend_id, request.prompt_ids, params)
+                if choice.constraint is None:
+                    self.engine.add_request(choice.backend_id, request.prompt_ids, params)
+                else:
+                    self.engine.add_request(choice.backend_id, request.prompt_ids, params,
+                                            constraint=choice.constraint)
                 added.append(choice.backend_id)
                 self._choices[choice.backend_id] = (request, choice)
         except Exception as e:

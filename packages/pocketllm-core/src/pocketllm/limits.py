@@ -26,5 +26,8 @@ MAX_STOP_STRING_CHARS = 1024
 
 MAX_STOP_TOKEN_IDS = 1024
 
+MAX_GRAMMAR_CHARS = 1 << 20
+"""A structured-output spec (JSON schema, regex, grammar) is compiled per distinct spec: 1 MiB of text at most."""
+
 MAX_THREADS = 1024
 """Most compute threads a backend option may ask for: a typo of 10**6 must be an error, not a million threads."""

@@ -19,6 +19,7 @@ from pocketllm.limits import (
     MAX_STOP_TOKEN_IDS,
     MIN_REPETITION_PENALTY,
 )
+from pocketllm.structured import StructuredOutputs
 
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -49,6 +50,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None  # what the output must match (a grammar constrains it)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +95,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                "stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
         _check(all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative token ids")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+               "structured_outputs", "must be a StructuredOutputs")
         _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to numbers")
         _check(all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.logit_bias), "logit_bias",
                "keys must be non-negative token ids")

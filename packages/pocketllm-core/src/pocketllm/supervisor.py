@@ -4,8 +4,8 @@ It is not a scheduler: rank 0 schedules, and the ranks talk through the backend'
 only creates the run's rendezvous (a free loopback port, a private directory for readiness markers), starts
 each rank with torchrun's variables, waits until every rank has flushed its marker, forwards SIGINT/SIGTERM,
 and makes any rank's failure the group's: the others are stopped at once and the supervisor exits non-zero,
-naming the rank and its last log lines. Every rank dies with the supervisor (a parent-death signal), so no
-exit path, its own SIGKILL included, leaves an orphan.
+naming the rank and its last log lines. Every rank dies with the supervisor (it watches a pipe only the
+supervisor holds open), so no exit path, its own SIGKILL included, leaves an orphan.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from pocketllm.tensor_parallel import READY_DIR_ENV, die_with_parent, free_port, rank_environment
+from pocketllm.tensor_parallel import READY_DIR_ENV, ParentPipe, free_port, rank_environment
 
 LOG_LINES = 20  # of a failed rank's output, in the supervisor's error
 STOP_GRACE_S = 10.0  # after forwarding SIGTERM, before SIGKILL
@@ -32,11 +32,11 @@ POLL_S = 0.05
 
 
 class _Rank:
-    def __init__(self, rank: int, command: Sequence[str], env: dict[str, str]) -> None:
+    def __init__(self, rank: int, command: Sequence[str], env: dict[str, str], parent: ParentPipe) -> None:
         self.rank = rank
         self.lines: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
-        self.proc = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(list(command), env=env | parent.environment(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, pass_fds=(parent.read_fd,))
         assert self.proc.stdout is not None
         self._pump = threading.Thread(target=self._forward, args=(self.proc.stdout,), daemon=True)
         self._pump.start()
@@ -45,7 +45,10 @@ class _Rank:
         for raw in stream:
             line = raw.decode(errors="replace").rstrip("\n")
             self.lines.append(line)
-            print(f"[rank {self.rank}] {line}", file=sys.stderr, flush=True)
+            # A closed stderr (`... | head`) must not stop the draining: a rank blocked on a full pipe would
+            # stall every rank's collectives.
+            with contextlib.suppress(OSError, ValueError):
+                print(f"[rank {self.rank}] {line}", file=sys.stderr, flush=True)
 
     def tail(self) -> str:
         self._pump.join(timeout=1.0)
@@ -58,12 +61,14 @@ def supervise(command: Sequence[str], world_size: int, ready_timeout_s: float) -
     previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     with tempfile.TemporaryDirectory(prefix="pocketllm-tp-") as ready_dir:
         port = free_port()
-        ranks = [_Rank(r, command, os.environ | rank_environment(r, world_size, port) | {READY_DIR_ENV: ready_dir})
-                 for r in range(world_size)]
+        parent = ParentPipe()
+        ranks = [_Rank(r, command, os.environ | rank_environment(r, world_size, port) | {READY_DIR_ENV: ready_dir},
+                       parent) for r in range(world_size)]
         try:
             return _watch(ranks, Path(ready_dir), ready_timeout_s, stopping)
         finally:
             _stop(ranks, STOP_GRACE_S)
+            parent.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 

@@ -90,6 +90,8 @@ def check_request(backend: str, caps: Capabilities, prompt_ids: list[int], param
     for option in sampling_options_in_use(params):
         if option not in caps.sampling_options:
             raise UnsupportedOptionError(option, backend)
+    if params.structured_outputs is not None and not caps.structured_outputs:
+        raise UnsupportedOptionError("structured_outputs", backend, "it has no grammar-constrained decoding")
     if params.logprobs is not None and params.logprobs > caps.max_logprobs:
         raise UnsupportedOptionError("logprobs", backend, f"at most {caps.max_logprobs} alternatives")
     if params.n > caps.max_n:

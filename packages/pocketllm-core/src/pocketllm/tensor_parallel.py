@@ -14,7 +14,7 @@ Rank 0 builds the engine as usual and schedules; every other rank runs its backe
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import dataclasses
 import os
 import signal
@@ -35,8 +35,8 @@ from pocketllm.backend import TensorParallelBackend
 from pocketllm.errors import ConfigError, UnsupportedOptionError
 
 READY_DIR_ENV = "POCKETLLM_TP_READY_DIR"  # where each rank flushes its readiness marker (set by the supervisor)
+PARENT_PIPE_ENV = "POCKETLLM_TP_PARENT_FD"  # the inherited pipe a rank watches for its launcher's exit
 _ARGS_ENV = "POCKETLLM_TP_ENGINE_ARGS"  # a library-started worker's EngineArgs, as JSON
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,17 +128,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent() -> None:
-    """In a child before exec: the kernel kills it when its parent dies, so no rank outlives its launcher."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before the prctl took effect
-        os._exit(1)
+class ParentPipe:
+    """A pipe whose read end the ranks inherit and whose write end only this process holds: a rank reads EOF
+    once this process is gone, however it ended (SIGKILL included), and exits (see :func:`watch_parent`).
+
+    A pipe rather than a parent-death signal: that signal follows the thread that forked the child, so a rank
+    of an engine built on a short-lived thread would die with the thread.
+    """
+
+    def __init__(self) -> None:
+        self.read_fd, self._write_fd = os.pipe()
+        os.set_inheritable(self.read_fd, True)
+
+    def environment(self) -> dict[str, str]:
+        return {PARENT_PIPE_ENV: str(self.read_fd)}
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self._write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def watch_parent() -> None:
+    """In a rank a supervisor or the library started: exit the moment the launching process is gone."""
+    fd = os.environ.pop(PARENT_PIPE_ENV, None)
+    if fd is None or not fd.isdigit():
+        return
+
+    def watch() -> None:
+        try:
+            while os.read(int(fd), 1):
+                pass
+        finally:
+            os._exit(1)
+
+    threading.Thread(target=watch, name="pocketllm-parent-watch", daemon=True).start()
 
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+_abandoned = threading.Event()
+
+
+def launch_abandoned() -> bool:
+    """Whether the library gave up starting this process's ranks (one died first): a backend waiting for the
+    others to join its group stops waiting."""
+    return _abandoned.is_set()
 
 
 class LocalRanks:
@@ -153,23 +191,32 @@ class LocalRanks:
         if LocalRanks.active:
             raise ConfigError("tensor_parallel_size", "this process already holds a tensor-parallel engine (its "
                                                       "collectives are per process): shut it down first")
-        LocalRanks.active = True
         world = args.tensor_parallel_size
         port = free_port()
         self._log_dir = tempfile.TemporaryDirectory(prefix="pocketllm-tp-")
-        os.environ.update(rank_environment(0, world, port))
+        self._parent = ParentPipe()
+        ours = rank_environment(0, world, port)
+        self._saved = {key: os.environ.get(key) for key in ours}
         payload = msgspec.json.encode(args).decode()
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
-        for rank in range(1, world):
-            log = Path(self._log_dir.name) / f"rank-{rank}.log"
-            env = os.environ | rank_environment(rank, world, port) | {_ARGS_ENV: payload}
-            env.pop(READY_DIR_ENV, None)
-            with open(log, "wb") as out:
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "pocketllm.tensor_parallel"], env=env,
-                                                   stdout=out, stderr=subprocess.STDOUT,
-                                                   preexec_fn=die_with_parent))
-            self.logs.append(log)
+        LocalRanks.active = True
+        _abandoned.clear()
+        try:
+            for rank in range(1, world):
+                log = Path(self._log_dir.name) / f"rank-{rank}.log"
+                env = os.environ | rank_environment(rank, world, port) | self._parent.environment() | {
+                    _ARGS_ENV: payload}
+                env.pop(READY_DIR_ENV, None)
+                with open(log, "wb") as out:
+                    self.procs.append(subprocess.Popen([sys.executable, "-m", "pocketllm.tensor_parallel"],
+                                                       env=env, stdout=out, stderr=subprocess.STDOUT,
+                                                       pass_fds=(self._parent.read_fd,)))
+                self.logs.append(log)
+        except BaseException:
+            self.abandon()
+            raise
+        os.environ.update(ours)
 
     def failure(self) -> str | None:
         """Which rank exited, with its last log lines, or None while all run."""
@@ -179,6 +226,11 @@ class LocalRanks:
                 return f"rank {rank} exited with code {proc.returncode}; its last lines:\n" + "\n".join(tail)
         return None
 
+    def abandon(self) -> None:
+        """Give up on the group (a rank died, or rank 0 failed): kill the ranks, and stop rank 0's wait for them."""
+        _abandoned.set()
+        self.close(timeout=0)
+
     def close(self, timeout: float = 10.0) -> None:
         """Wait for the ranks (rank 0's engine shutdown ends their loops), killing any that outstay ``timeout``."""
         for proc in self.procs:
@@ -187,13 +239,18 @@ class LocalRanks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for key in rank_environment(0, 1, 0):
-            os.environ.pop(key, None)
+        for key, value in self._saved.items():  # the environment as this process had it
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._parent.close()
         self._log_dir.cleanup()
         LocalRanks.active = False
 
 
 def _library_worker() -> int:
+    watch_parent()
     args = msgspec.json.decode(os.environ[_ARGS_ENV], type=EngineArgs)
     run_worker(args)
     return 0

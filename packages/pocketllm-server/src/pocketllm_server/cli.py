@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ from pocketllm.args import DEFAULT_MODEL
 from pocketllm.cli_args import add_engine_args, engine_args_from
 from pocketllm.errors import PocketLLMError
 from pocketllm.supervisor import supervise
-from pocketllm.tensor_parallel import check_world, mark_ready, rank_info, run_worker
+from pocketllm.tensor_parallel import check_world, mark_ready, rank_info, run_worker, watch_parent
 from pocketllm_server.app import DEFAULT_MAX_REQUEST_BYTES, GENERATION_CONFIG_CHOICES, create_app
 from pocketllm_server.state import ServerState
 
@@ -67,13 +68,14 @@ def build_parser(prog: str = "pocketllm-server") -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "pocketllm-server") -> int:
+    watch_parent()  # a rank the supervisor started ends with it
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine_args = engine_args_from(ns)
-        rank = rank_info()
-        if rank is not None and engine_args.tensor_parallel_size > 1:
+        rank = rank_info() if engine_args.tensor_parallel_size > 1 else None
+        if rank is not None:
             check_world(engine_args, rank)
     except PocketLLMError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -83,13 +85,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "pocketllm-server") -> i
             print("error: --no-tensor-parallel-supervisor needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
                   "(as torchrun sets them)", file=sys.stderr)
             return 2
-        if ns.tensor_parallel_ready_timeout <= 0:
+        if not (math.isfinite(ns.tensor_parallel_ready_timeout) and ns.tensor_parallel_ready_timeout > 0):
             print("error: --tensor-parallel-ready-timeout must be positive", file=sys.stderr)
             return 2
         # Each rank runs this same command line; the environment tells it which rank it is.
         return supervise([sys.executable, "-m", "pocketllm_server", *argv], engine_args.tensor_parallel_size,
                          ns.tensor_parallel_ready_timeout)
-    if rank is not None and rank.rank > 0 and engine_args.tensor_parallel_size > 1:
+    if rank is not None and rank.rank > 0:
         try:
             run_worker(engine_args)
         except PocketLLMError as e:

@@ -7,10 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 
 from pocketllm import ConfigError, PocketLLMError, RequestOutput, SamplingParams
 from pocketllm.client import OutputCollector
+from pocketllm.structured import StructuredOutputs
 from pocketllm_server.errors import APIError, from_engine_error, invalid_request, unavailable
 from pocketllm_server.protocol import SamplingRequest, UsageInfo
 from pocketllm_server.state import EngineStream, state_of
@@ -61,8 +63,12 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
     (see ``--generation-config``); ``fields`` names request fields in errors."""
     values = {name: defaults[name] for name in _PASSTHROUGH if name in defaults}
     values |= {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
+    constraint, field = structured_outputs(req)
+    if field is not None:
+        fields["structured_outputs"] = field  # the grammar compiles later: its errors name this field
     try:
         return SamplingParams(
+            structured_outputs=constraint,
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
@@ -70,6 +76,40 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
             include_stop_str_in_output=req.include_stop_str_in_output, **values)
     except ConfigError as e:
         raise from_engine_error(e, fields=fields) from None
+
+
+def structured_outputs(req: SamplingRequest) -> tuple[StructuredOutputs | None, str | None]:
+    """The one structured-output spec the request gives, and the field it came from."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema is None:
+                raise invalid_request("response_format json_schema needs json_schema.schema", "response_format")
+            given.append(("response_format", {"json": fmt.json_schema.schema}))
+        else:
+            raise invalid_request(f"response_format type must be text, json_object or json_schema, got "
+                                  f"{fmt.type!r}", "response_format")
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", req.structured_outputs))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            given.append((name, {key: getattr(req, name)}))
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise invalid_request(f"give one structured-output constraint, not {', '.join(n for n, _ in given)}",
+                              given[1][0])
+    field, spec = given[0]
+    try:
+        return msgspec.convert(spec, StructuredOutputs), field
+    except msgspec.ValidationError as e:
+        raise invalid_request(f"{field}: {e}", field) from None
+    except ConfigError as e:
+        raise invalid_request(f"{field}: {e}", field) from None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

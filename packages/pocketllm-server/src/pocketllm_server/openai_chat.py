@@ -89,9 +89,6 @@ def _check_options(req: ChatCompletionRequest) -> None:
     check_stream_options(req)
     if req.top_logprobs and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"response_format {req.response_format.type!r} is not supported (only 'text')",
-                       param="response_format", code="unsupported_option")
     # Tools are shown to the model through its chat template, but tool calls are not parsed out of its reply,
     # so a request that insists on a call cannot be honoured.
     if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):

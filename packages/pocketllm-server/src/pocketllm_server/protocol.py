@@ -25,6 +25,18 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None  # the grammar enforces the schema exactly either way
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(msgspec.Struct, kw_only=True):
     """Fields both generation endpoints share; None means "not given" (defaults are applied later)."""
 
@@ -49,6 +61,13 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # omit_defaults: messages go to the chat template as dicts, and templates test keys with ``is defined``.
@@ -65,10 +84,6 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool_call_id: str | None = None
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str
-
-
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
@@ -76,7 +91,6 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

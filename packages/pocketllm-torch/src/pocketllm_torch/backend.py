@@ -41,6 +41,7 @@ class TorchBackend:
             quantization_formats=(*FLOAT_STORAGE_TYPES, "F64", *BLOCK_TYPES),
             sampling_options=SAMPLING_OPTIONS,
             prefix_caching=True,
+            structured_outputs=True,
             tensor_parallel=True,
             devices=("cpu", "cuda"),
             dtypes=("float32", "bfloat16", "float16"),

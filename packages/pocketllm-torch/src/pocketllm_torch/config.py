@@ -75,12 +75,14 @@ class TorchConfig:
         per_token = 2 * num_attention_layers * m.num_key_value_heads * m.head_dim * self.kv_cache_dtype.itemsize
         return per_token * self.block_size
 
-    def resolve_num_kv_blocks(self, num_attention_layers: int, state_bytes: int = 0) -> int:
+    def resolve_num_kv_blocks(self, num_attention_layers: int, state_bytes: int = 0, ranks_here: int = 1) -> int:
         """Blocks for every sequence at full length, unless that exceeds the memory budget (less ``state_bytes``,
-        the state layers' slots of max_num_seqs requests and their prefix-cache snapshots' budget)."""
+        the state layers' slots of max_num_seqs requests and their prefix-cache snapshots' budget). On a CPU,
+        ``ranks_here`` tensor-parallel ranks share the machine's budget."""
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         per_block = self.kv_bytes_per_block(num_attention_layers)
-        budget = _kv_memory_budget(self.device) - state_bytes
+        share = ranks_here if self.device.type == "cpu" else 1
+        budget = _kv_memory_budget(self.device) // share - state_bytes
         num_blocks = self.num_kv_blocks or min(self.max_num_seqs * blocks_per_seq, max(0, budget) // per_block)
         if self.num_kv_blocks and self.num_kv_blocks * per_block + state_bytes > _physical_memory(self.device):
             raise ConfigError("backend_options", f"{self.num_kv_blocks} KV blocks of {per_block} bytes "

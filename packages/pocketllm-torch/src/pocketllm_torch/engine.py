@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pocketllm.backend import SampledLogprobs
     from pocketllm.checkpoint import Checkpoint
     from pocketllm.sampling_params import SamplingParams
+    from pocketllm.structured import Constraint
 
 
 def join_group(args: EngineArgs, config: TorchConfig) -> Group | None:
@@ -65,7 +66,8 @@ class TorchEngine:
         # Seeds for requests without one: reproducible for a given engine seed and order of requests.
         self._seeds = random.Random(args.seed)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    constraint: Constraint | None = None) -> None:
         # The core has checked the prompt, the ids in it and the parameters (see pocketllm.backend.Engine).
         generator = None
         if not params.is_greedy:
@@ -81,6 +83,7 @@ class TorchEngine:
             max_output_tokens=params.max_tokens,
             stop_token_ids=frozenset((*params.stop_token_ids, *eos)),
             generator=generator,
+            constraint=constraint,
         )
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -135,6 +138,10 @@ class TorchEngine:
         return RequestDelta(request_id=seq.request_id, new_token_ids=[], finish_reason="error", error=message)
 
     def _append(self, seq: Sequence, token_id: int, logprobs: SampledLogprobs | None) -> RequestDelta:
+        if seq.constraint is not None:
+            seq.constraint.accept(token_id)
+            if seq.constraint.error is not None:
+                return self._fail(seq, f"structured output: {seq.constraint.error}")
         seq.token_ids.append(token_id)
         reason = seq.finish_reason()
         if reason is not None:

@@ -55,7 +55,8 @@ class ModelRunner:
         # The snapshots' budget is memory they may come to hold: it is not the KV cache's to take.
         snapshot_bytes = config.state_snapshot_bytes if states and config.enable_prefix_caching else 0
         self.num_kv_blocks = config.resolve_num_kv_blocks(len(attention),
-                                                          config.max_num_seqs * state_bytes + snapshot_bytes)
+                                                          config.max_num_seqs * state_bytes + snapshot_bytes,
+                                                          ranks_here=tp.local_world_size if tp else 1)
         if tp is not None:  # every rank holds the same blocks: as many as the tightest rank can
             self.num_kv_blocks = tp.min(self.num_kv_blocks)
         # One spare block up front is the null block that padding reads.

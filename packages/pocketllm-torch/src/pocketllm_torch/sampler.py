@@ -1,6 +1,7 @@
 """Next-token choice on the logits' device, vectorised over the batch, with vLLM's semantics.
 
-Order: min_tokens masking, logit_bias, repetition/frequency/presence penalties, then greedy argmax, or
+Order: min_tokens masking, logit_bias, repetition/frequency/presence penalties, the structured-output grammar's
+mask (its packed bits unpacked on the device), then greedy argmax, or
 temperature, top-k, top-p, min-p and a draw. Each row draws from its own generator (an exponential race:
 argmax(p / Exp(1)) picks token i with probability p_i), so a seed gives the same tokens whatever else is in the
 batch. Logprobs come from the raw logits, before any of this.
@@ -12,10 +13,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from pocketllm.backend import SampledLogprobs, TokenLogprob
+from pocketllm.structured import bitmask_words, fill_bitmasks
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
@@ -94,7 +97,18 @@ def process_logits(logits: Tensor, seqs: Seq[Sequence]) -> Tensor:
         logits = apply_penalties(logits, [seq.token_ids[:seq.num_prompt_tokens] for seq in seqs],
                                  [seq.output_token_ids for seq in seqs], [p.repetition_penalty for p in params],
                                  [p.frequency_penalty for p in params], [p.presence_penalty for p in params])
+    if any(seq.constraint is not None for seq in seqs):
+        logits = logits.masked_fill(~grammar_mask(seqs, vocab_size, device), float("-inf"))
     return logits
+
+
+def grammar_mask(seqs: Seq[Sequence], vocab_size: int, device: torch.device) -> Tensor:
+    """[B, V] bool: the tokens each row's grammar allows next (every token for rows without one)."""
+    packed = np.full((len(seqs), bitmask_words(vocab_size)), -1, dtype=np.int32)
+    fill_bitmasks([(i, seq.constraint) for i, seq in enumerate(seqs) if seq.constraint is not None], packed)
+    words = torch.from_numpy(packed).to(device)
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=device)) & 1
+    return bits.view(len(seqs), -1)[:, :vocab_size].bool()
 
 
 def apply_penalties(logits: Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],

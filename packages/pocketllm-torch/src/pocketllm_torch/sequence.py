@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     import torch
 
     from pocketllm.sampling_params import SamplingParams
+    from pocketllm.structured import Constraint
 
 
 class SequenceStatus(enum.Enum):
@@ -34,6 +35,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # prefix hash of each computed full block
     state_slot: int | None = None  # its slot in the state layers' caches while running (hybrid models)
     resume_from: int | None = None  # prefix hash of the state snapshot to load into that slot before it runs
+    constraint: Constraint | None = None  # structured outputs: the grammar each next token must follow
 
     @property
     def num_tokens(self) -> int:

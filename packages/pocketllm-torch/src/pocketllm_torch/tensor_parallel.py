@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pocketllm.errors import UnsupportedOptionError
-from pocketllm.tensor_parallel import rank_info
+from pocketllm.tensor_parallel import launch_abandoned, rank_info
 from pocketllm_torch.backend import NAME
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 # Rank 0 may sit idle between requests for as long as it likes: the other ranks wait for its next step.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+JOIN_POLL = datetime.timedelta(seconds=0.5)
 
 
 class Step(msgspec.Struct, array_like=True):
@@ -68,12 +69,26 @@ class Group:
         if info is None:
             raise UnsupportedOptionError("tensor_parallel_size", NAME, "this process has no rank: launch it with "
                                          "torchrun, pocketllm-server's supervisor or the LLM class")
-        self.rank, self.world_size = info.rank, info.world_size
+        self.rank, self.world_size, self.local_world_size = info.rank, info.world_size, info.local_world_size
         if device.type == "cpu" and not threads_chosen:  # the ranks on this machine share its cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"tcp://{info.master_addr}:{info.master_port}", rank=info.rank,
-                                world_size=info.world_size, timeout=IDLE_TIMEOUT)
+        if device.type == "cuda":  # one GPU per local rank; "cuda" then means this one
+            torch.cuda.set_device(info.local_rank)
+        store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=info.rank == 0,
+                              timeout=IDLE_TIMEOUT, wait_for_workers=False)
+        # Every rank checks in; the wait gives up once the launcher says a rank died before it could.
+        store.set(f"pocketllm/joined/{info.rank}", "1")
+        joined = [f"pocketllm/joined/{r}" for r in range(info.world_size)]
+        while True:
+            try:
+                store.wait(joined, JOIN_POLL)
+                break
+            except RuntimeError:  # DistStoreError: not all there yet
+                if launch_abandoned():
+                    raise RuntimeError("the other tensor-parallel ranks never joined") from None
+        # The step messages and the KV-block count are CPU tensors (gloo); activations on CUDA go through nccl.
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", store=store,
+                                rank=info.rank, world_size=info.world_size, timeout=IDLE_TIMEOUT)
         self._decoder = msgspec.msgpack.Decoder(Step)
         self._encoder = msgspec.msgpack.Encoder()
 

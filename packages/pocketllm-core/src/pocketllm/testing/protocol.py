@@ -21,6 +21,7 @@ from pocketllm.errors import PromptTooLongError, UnsupportedOptionError
 from pocketllm.limits import MAX_LOGPROBS, MAX_N
 from pocketllm.plugins import BackendRegistry
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.structured import StructuredOutputs
 from pocketllm.testing.faults import FaultyAddBackend
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -405,6 +406,20 @@ class ProtocolConformance(KitBase):
     def test_prompt_too_long(self, llm: Any) -> None:
         with pytest.raises(PromptTooLongError):
             llm.generate([5] * llm.args.max_model_len, GREEDY)
+
+    def test_structured_outputs_are_honoured_or_refused(self, llm: Any) -> None:
+        """A declared grammar holds even when sampling; an undeclared one is refused, never ignored."""
+        spec = StructuredOutputs(choice=["cat", "dog and bird"])
+        caps = self.caps(llm)
+        sampled = {"temperature": 1.0} if "temperature" in caps.sampling_options else {"temperature": 0.0}
+        params = SamplingParams(max_tokens=12, n=min(4, caps.max_n), structured_outputs=spec, **sampled)
+        if not caps.structured_outputs:
+            with pytest.raises(UnsupportedOptionError) as err:
+                llm.generate(PROMPTS[0], params)
+            assert err.value.option == "structured_outputs" and err.value.backend == self.backend
+            return
+        [out] = llm.generate(PROMPTS[0], params)
+        assert all(c.text in spec.choice and c.finish_reason == "stop" for c in out.outputs), out.outputs
 
     @pytest.mark.parametrize("option", ["tensor_parallel_size", "speculative_method", "backend_options",
                                         "enable_prefix_caching", "dtype", "kv_cache_dtype", "max_num_seqs"])

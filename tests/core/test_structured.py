@@ -1,0 +1,61 @@
+"""Structured-output specs: exactly one constraint, checked at the boundary; grammars compiled once per spec."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pocketllm.errors import ConfigError
+from pocketllm.structured import GrammarCompiler, StructuredOutputs, bitmask_words
+from pocketllm.testing.checkpoints import make_tiny_llama
+from pocketllm.tokenizer import Tokenizer
+
+
+@pytest.mark.parametrize("fields", [{}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"choice": [""]},
+                                    {"json": {"type": "object"}, "json_object": True},
+                                    {"grammar": "x" * (1 << 20 + 1)}])
+def test_a_spec_sets_exactly_one_sane_constraint(fields: dict) -> None:
+    with pytest.raises(ConfigError, match="structured_outputs"):
+        StructuredOutputs(**fields)
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory: pytest.TempPathFactory) -> GrammarCompiler:
+    from pocketllm.checkpoint import load_checkpoint
+
+    checkpoint = load_checkpoint(str(make_tiny_llama(tmp_path_factory.mktemp("tiny"))))
+    return GrammarCompiler(Tokenizer.from_checkpoint(checkpoint), checkpoint.config.vocab_size)
+
+
+def allowed(compiler: GrammarCompiler, constraint) -> set[str]:
+    mask = np.zeros(bitmask_words(compiler.vocab_size), np.int32)
+    constraint.fill_bitmask(mask)
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:compiler.vocab_size]
+    return {compiler._tokenizer.decode([int(t)], skip_special_tokens=False) for t in np.flatnonzero(bits)}
+
+
+@pytest.mark.parametrize("spec", [StructuredOutputs(regex="ab+"), StructuredOutputs(grammar='start: "ab" "b"*'),
+                                  StructuredOutputs(grammar='root ::= "ab" "b"*')])
+def test_regex_lark_and_gbnf_constrain_the_next_token(compiler: GrammarCompiler, spec: StructuredOutputs) -> None:
+    constraint = compiler.constraint(spec)
+    first = allowed(compiler, constraint)
+    assert first and all("ab".startswith(t) or t.startswith("ab") for t in first), first
+    token = compiler._tokenizer.encode("a", add_special_tokens=False)[0]
+    constraint.accept(token)
+    assert all(set(t) <= {"b"} for t in allowed(compiler, constraint))
+
+
+def test_each_request_gets_its_own_state_from_one_compiled_grammar(compiler: GrammarCompiler) -> None:
+    spec = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    first, second = compiler.constraint(spec), compiler.constraint(StructuredOutputs(json=dict(spec.json)))
+    assert len([k for k in compiler._cache if '"a"' in k]) == 1  # one compile for the equal specs
+    first.accept(compiler._tokenizer.encode("{", add_special_tokens=False)[0])
+    assert "{" in "".join(allowed(compiler, second))  # the other request has not moved
+
+
+@pytest.mark.parametrize("spec", [StructuredOutputs(json={"type": "nope"}), StructuredOutputs(regex="(open"),
+                                  StructuredOutputs(json="{not json"),
+                                  StructuredOutputs(grammar="start: missing_rule")])
+def test_bad_grammars_are_config_errors(compiler: GrammarCompiler, spec: StructuredOutputs) -> None:
+    with pytest.raises(ConfigError, match="structured_outputs"):
+        compiler.constraint(spec)

@@ -1,0 +1,120 @@
+"""Structured outputs over HTTP on the default model (torch backend): JSON schemas sampled at temperature 0.8
+parse and validate, regex and choice hold, and every bad spec or backend without grammars is a 400 naming its
+field."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from pocketllm import AsyncLLM, EngineArgs
+from pocketllm_server import create_app
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("pocketllm_torch")
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "weather": {"enum": ["sunny", "rainy", "cloudy"]},
+        "days": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 31}, "maxItems": 4}},
+     "required": ["city", "weather", "days"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "person": {"type": "object", "properties": {"first": {"type": "string", "maxLength": 20},
+                                                    "last": {"type": "string", "maxLength": 20}},
+                   "required": ["first", "last"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"}},
+     "required": ["person", "tags", "ok"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "number", "minimum": -100, "maximum": 100}, "minItems": 1, "maxItems": 5},
+]
+
+
+@pytest.fixture(scope="module")
+def client(live_server) -> Iterator[httpx.Client]:
+    args = EngineArgs(model="smollm2-135m-instruct", backend="torch")
+    llm = AsyncLLM(engine_args=args)
+    server = live_server(create_app(args, served_model_name="smol", llm=llm))
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+    llm.shutdown()
+
+
+def chat(client: httpx.Client, **fields: object) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": "Answer in JSON."}], "temperature": 0.8, "max_tokens": 200}
+    return client.post("/v1/chat/completions", json=body | fields)
+
+
+def test_json_schemas_sampled_at_temperature_0_8_validate(client: httpx.Client) -> None:
+    for i in range(20):
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
+        reply = chat(client, response_format=fmt, seed=i)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+def test_json_object_and_vllm_s_fields(client: httpx.Client) -> None:
+    cat = [{"role": "user", "content": "Describe a cat as a JSON object with a name and a color."}]
+    reply = chat(client, response_format={"type": "json_object"}, messages=cat, temperature=0, max_tokens=300)
+    assert isinstance(json.loads(reply.json()["choices"][0]["message"]["content"]), dict)
+    schema = SCHEMAS[0]
+    for fields in ({"guided_json": schema}, {"structured_outputs": {"json": schema}}):
+        content = chat(client, **fields).json()["choices"][0]["message"]["content"]
+        jsonschema.validate(json.loads(content), schema)
+
+
+def test_regex_and_choice_hold_streamed_and_not(client: httpx.Client) -> None:
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    for fields in ({"guided_regex": pattern}, {"structured_outputs": {"regex": pattern}}):
+        assert re.fullmatch(pattern, chat(client, **fields).json()["choices"][0]["message"]["content"])
+    choices = ["yes", "no", "maybe later"]
+    for seed in range(4):
+        assert chat(client, guided_choice=choices, seed=seed).json()["choices"][0]["message"]["content"] in choices
+    body = {"prompt": "The answer:", "temperature": 0.8, "max_tokens": 20, "stream": True, "guided_regex": pattern}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                       if line.startswith("data: {"))
+    assert re.fullmatch(pattern, text)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"json": {"type": "object"}, "regex": "a"}}, "structured_outputs"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+])
+def test_bad_specs_are_400s_naming_their_field(client: httpx.Client, fields: dict, param: str) -> None:
+    reply = chat(client, **fields)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    assert chat(client, max_tokens=4).status_code == 200  # nothing else is harmed
+
+
+def test_a_backend_without_grammars_refuses_with_a_400(live_server) -> None:
+    pytest.importorskip("pocketllm_cpp")
+    args = EngineArgs(model="smollm2-135m-instruct", backend="cpp")
+    llm = AsyncLLM(engine_args=args)
+    try:
+        server = live_server(create_app(args, served_model_name="smol", llm=llm))
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            reply = chat(c, response_format={"type": "json_object"})
+        assert reply.status_code == 400
+        error = reply.json()["error"]
+        assert error["code"] == "unsupported_option" and error["param"] == "response_format"
+        assert "structured_outputs" in error["message"] and "cpp" in error["message"]
+    finally:
+        llm.shutdown()
