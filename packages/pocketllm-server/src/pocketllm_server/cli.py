@@ -21,6 +21,7 @@ from pocketllm.errors import PocketLLMError
 from pocketllm.supervisor import supervise
 from pocketllm.tensor_parallel import check_world, mark_ready, rank_info, run_worker, watch_parent
 from pocketllm_server.app import DEFAULT_MAX_REQUEST_BYTES, GENERATION_CONFIG_CHOICES, create_app
+from pocketllm_server.reasoning import REASONING_PARSERS
 from pocketllm_server.state import ServerState
 
 log = logging.getLogger("pocketllm_server")
@@ -55,6 +56,10 @@ def build_parser(prog: str = "pocketllm-server") -> argparse.ArgumentParser:
                         help="auto: sampling fields a request leaves out take the model's recommended settings "
                              "(generation_config.json, or GGUF general.sampling.*), as vLLM does; none: the "
                              "OpenAI API's defaults (default: %(default)s)")
+    server.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="split a reply's <think>...</think> section into reasoning_content (and reasoning) "
+                             "in chat completions; qwen3: replies that open with <think>; deepseek_r1: the "
+                             "template opens it (default: no splitting)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     tp = parser.add_argument_group("tensor parallelism", "with --tensor-parallel-size N > 1, this command starts "
                                    "N local ranks and supervises them; rank 0 serves HTTP")
@@ -101,7 +106,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "pocketllm-server") -> i
     served_model_name = ns.served_model_name or os.path.basename(engine_args.model.rstrip("/\\"))
     app = create_app(engine_args, served_model_name=served_model_name, api_key=ns.api_key or None,
                      max_queue_len=ns.max_queue_len, max_request_bytes=ns.max_request_bytes,
-                     generation_config=ns.generation_config)
+                     generation_config=ns.generation_config, reasoning_parser=ns.reasoning_parser)
     config = Config()
     address = f"[{ns.host}]:{ns.port}" if ":" in ns.host else f"{ns.host}:{ns.port}"
     config.bind = [address]

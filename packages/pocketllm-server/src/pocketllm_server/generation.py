@@ -14,7 +14,7 @@ from pocketllm import ConfigError, PocketLLMError, RequestOutput, SamplingParams
 from pocketllm.client import OutputCollector
 from pocketllm.structured import StructuredOutputs
 from pocketllm_server.errors import APIError, from_engine_error, invalid_request, unavailable
-from pocketllm_server.protocol import SamplingRequest, UsageInfo
+from pocketllm_server.protocol import CompletionTokensDetails, SamplingRequest, UsageInfo
 from pocketllm_server.state import EngineStream, state_of
 from pocketllm_server.streaming import all_or_nothing, cancel_on_disconnect
 
@@ -181,6 +181,8 @@ def aborted() -> APIError:
     return unavailable("the request was aborted because the server is shutting down", "request_aborted")
 
 
-def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage_info(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     completion_tokens_details=None if reasoning_tokens is None
+                     else CompletionTokensDetails(reasoning_tokens=reasoning_tokens))

@@ -123,10 +123,15 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 # -- responses -----------------------------------------------------------------------------------------------------
 
-class UsageInfo(msgspec.Struct, kw_only=True):
+class CompletionTokensDetails(msgspec.Struct, kw_only=True):
+    reasoning_tokens: int
+
+
+class UsageInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(msgspec.Struct, kw_only=True):
@@ -149,6 +154,9 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str
+    # --reasoning-parser: the <think> section, under both names clients read (vLLM's and the newer one).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -170,6 +178,8 @@ class ChatCompletion(msgspec.Struct, kw_only=True, tag_field="object", tag="chat
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
