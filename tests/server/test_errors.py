@@ -112,7 +112,11 @@ def test_bad_values_are_400s_naming_the_field(client: httpx.Client, path: str, b
 
 @pytest.mark.parametrize(("path", "body", "param"), [
     (CHAT, chat(response_format={"type": "json_object"}), "response_format"),
-    (CHAT, chat(tool_choice="required"), "tool_choice"),
+    # Forced calls need a tool-call parser (this server has none) and a backend with grammars (echo has none).
+    (CHAT, chat(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
+    (CHAT, chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
+    (CHAT, chat(modalities=["text", "audio"]), "modalities"),
+    (CHAT, chat(prediction={"type": "content", "content": "x"}), "prediction"),
     (COMPLETIONS, completion(suffix="x"), "suffix"),
     (COMPLETIONS, completion(best_of=3), "best_of"),
     (COMPLETIONS, completion(echo=True, logprobs=1), "echo"),

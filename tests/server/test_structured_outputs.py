@@ -38,13 +38,18 @@ SCHEMAS = [
 
 
 @pytest.fixture(scope="module")
-def client(live_server) -> Iterator[httpx.Client]:
+def smol(live_server) -> Iterator[tuple[EngineArgs, AsyncLLM]]:
     args = EngineArgs(model="smollm2-135m-instruct", backend="torch")
     llm = AsyncLLM(engine_args=args)
-    server = live_server(create_app(args, served_model_name="smol", llm=llm))
+    yield args, llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(live_server, smol) -> Iterator[httpx.Client]:
+    server = live_server(create_app(smol[0], served_model_name="smol", llm=smol[1]))
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
-    llm.shutdown()
 
 
 def chat(client: httpx.Client, **fields: object) -> httpx.Response:
@@ -118,3 +123,31 @@ def test_a_backend_without_grammars_refuses_with_a_400(live_server) -> None:
         assert "structured_outputs" in error["message"] and "cpp" in error["message"]
     finally:
         llm.shutdown()
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 10}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_forced_tool_calls_of_the_default_model_follow_their_schemas(live_server, smol) -> None:
+    """tool_choice required and named, through the openai SDK: even a 135M model returns valid calls."""
+    openai = pytest.importorskip("openai")
+    server = live_server(create_app(smol[0], served_model_name="smol", llm=smol[1], tool_call_parser="hermes"))
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for i, choice in enumerate(["required", {"type": "function", "function": {"name": "get_time"}}] * 3):
+        reply = sdk.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=[WEATHER, TIME], tool_choice=choice, temperature=0.8, seed=i, max_tokens=120,
+            parallel_tool_calls=False)
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls" and len(message.tool_calls) == 1, reply
+        call = message.tool_calls[0].function
+        if isinstance(choice, dict):
+            assert call.name == "get_time"
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])

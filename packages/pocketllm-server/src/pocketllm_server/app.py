@@ -20,6 +20,7 @@ from pocketllm_server.middleware import ApiKeyMiddleware, RequestBodyMiddleware,
 from pocketllm_server.openapi import openapi_document, openapi_json
 from pocketllm_server.reasoning import REASONING_PARSERS
 from pocketllm_server.state import ServerState, state_of
+from pocketllm_server.tool_calls import TOOL_CALL_PARSERS
 
 # Status for a request whose client left before the answer (nginx's convention; nobody receives it).
 _CLIENT_CLOSED_REQUEST = 499
@@ -34,7 +35,7 @@ GENERATION_CONFIG_CHOICES = ("auto", "none")
 def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str | None = None,
                max_queue_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                generation_config: str = "auto", llm: AsyncLLM | None = None,
-               reasoning_parser: str | None = None) -> Starlette:
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> Starlette:
     """Build the server. Without ``llm`` the app loads the model itself, in the background, at startup.
 
     An ``llm`` passed in is used as it is and not shut down with the app.
@@ -45,11 +46,14 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
         raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
+    if tool_call_parser is not None and tool_call_parser not in ("auto", *TOOL_CALL_PARSERS):
+        raise ValueError(f"tool_call_parser must be auto or one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
     if generation_config not in GENERATION_CONFIG_CHOICES:
         raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {generation_config!r}")
     state = ServerState(engine_args, served_model_name=served_model_name, max_queue_len=max_queue_len, llm=llm,
                         generation_config=generation_config)
     state.reasoning_parser = reasoning_parser
+    state.tool_call_parser = tool_call_parser
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -23,6 +23,7 @@ from pocketllm.tensor_parallel import check_world, mark_ready, rank_info, run_wo
 from pocketllm_server.app import DEFAULT_MAX_REQUEST_BYTES, GENERATION_CONFIG_CHOICES, create_app
 from pocketllm_server.reasoning import REASONING_PARSERS
 from pocketllm_server.state import ServerState
+from pocketllm_server.tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("pocketllm_server")
 ENGINE_WATCH_INTERVAL_S = 0.5
@@ -60,6 +61,9 @@ def build_parser(prog: str = "pocketllm-server") -> argparse.ArgumentParser:
                         help="split a reply's <think>...</think> section into reasoning_content (and reasoning) "
                              "in chat completions; qwen3: replies that open with <think>; deepseek_r1: the "
                              "template opens it (default: no splitting)")
+    server.add_argument("--tool-call-parser", choices=("auto", *TOOL_CALL_PARSERS), default=None,
+                        help="parse tool calls out of chat replies when a request gives tools (auto: the format "
+                             "the chat template shows; default: not parsed, the reply stays content)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     tp = parser.add_argument_group("tensor parallelism", "with --tensor-parallel-size N > 1, this command starts "
                                    "N local ranks and supervises them; rank 0 serves HTTP")
@@ -106,7 +110,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "pocketllm-server") -> i
     served_model_name = ns.served_model_name or os.path.basename(engine_args.model.rstrip("/\\"))
     app = create_app(engine_args, served_model_name=served_model_name, api_key=ns.api_key or None,
                      max_queue_len=ns.max_queue_len, max_request_bytes=ns.max_request_bytes,
-                     generation_config=ns.generation_config, reasoning_parser=ns.reasoning_parser)
+                     generation_config=ns.generation_config, reasoning_parser=ns.reasoning_parser,
+                     tool_call_parser=ns.tool_call_parser)
     config = Config()
     address = f"[{ns.host}]:{ns.port}" if ":" in ns.host else f"{ns.host}:{ns.port}"
     config.bind = [address]

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from pocketllm import PocketLLMError
+from pocketllm.structured import StructuredOutputs
 from pocketllm_server.errors import APIError, ErrorBody, from_engine_error, invalid_request
 from pocketllm_server.generation import (
     ABORTED,
@@ -33,21 +35,30 @@ from pocketllm_server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     DeltaMessage,
+    FunctionCall,
+    ToolCallOut,
     UsageInfo,
     json_response,
 )
 from pocketllm_server.reasoning import ReasoningSplitter, split_reply
 from pocketllm_server.state import EngineStream, read_model_request
 from pocketllm_server.streaming import DONE, EventStreamResponse, sse
+from pocketllm_server.tool_calls import ToolCall, ToolCallStream, forcing_grammar, parser_for_template
+from pocketllm_server.tool_calls import parse as parse_tool_calls
 
 
 async def create_chat_completion(request: Request) -> Response:
     state, req, llm = await read_model_request(request, ChatCompletionRequest)
     _check_options(req)
+    tools, tool_choice = _tools_of(req)
+    parser = state.tool_call_parser
+    if parser == "auto":
+        parser = parser_for_template(llm.tokenizer.chat_template)
+    tool_parser = parser if tools and tool_choice != "none" else None
     try:  # off the event loop: rendering and tokenizing grow with the conversation
         _, prompt_ids = await asyncio.to_thread(
             llm.render_chat, [msgspec.to_builtins(m) for m in req.messages],
-            add_generation_prompt=req.add_generation_prompt, tools=req.tools,
+            add_generation_prompt=req.add_generation_prompt, tools=tools,
             chat_template_kwargs=req.chat_template_kwargs)
     except PocketLLMError as e:
         raise from_engine_error(e, fields={"prompt": "messages"}) from None
@@ -61,6 +72,10 @@ async def create_chat_completion(request: Request) -> Response:
         param=budget_field, prompt_param="messages")
     params = sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                              fields=fields, defaults=state.sampling_defaults)
+    forced = _forced_calls(req, tools, tool_choice, tool_parser)
+    if forced is not None:
+        fields["structured_outputs"] = "tool_choice" if req.functions is None else "function_call"
+        params = msgspec.structs.replace(params, structured_outputs=forced)
     rid = request_id(request, "chatcmpl")
     prompt = PromptRequest(text=None, ids=prompt_ids, params=params, request_id=rid)
     [stream] = await start_all(request, [prompt], fields)
@@ -74,22 +89,30 @@ async def create_chat_completion(request: Request) -> Response:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         chunks = _chunks(stream, rid=rid, model=state.served_model_name, created=created, n=req.n,
                          logprobs=req.logprobs, include_usage=include_usage, text_of=text_of,
-                         reasoning_parser=state.reasoning_parser, decode=decode)
+                         reasoning_parser=state.reasoning_parser, decode=decode, tool_parser=tool_parser,
+                         parallel_tool_calls=req.parallel_tool_calls)
         return EventStreamResponse(chunks, headers={"X-Request-Id": rid},
                                    on_disconnect=state.metrics.client_disconnects.inc)
 
     [output] = await collect(request, [stream], [prompt], fields)
     choices, reasoning_tokens = [], 0
     for c in output.outputs:
-        message = AssistantMessage(content=c.text)
+        reasoning, answer = None, c.text
         if state.reasoning_parser is not None:
             reasoning, answer, tokens = split_reply(state.reasoning_parser, c.token_ids, decode, c.text)
-            message = AssistantMessage(content=answer, reasoning_content=reasoning, reasoning=reasoning)
             reasoning_tokens += tokens
+        calls: list[ToolCall] = []
+        if tool_parser is not None:
+            answer, calls = parse_tool_calls(tool_parser, answer)
+            calls = calls if req.parallel_tool_calls else calls[:1]
+        message = AssistantMessage(content=answer if answer.strip() or not calls else None, tool_calls=[
+            ToolCallOut(id=call.id, type="function", function=FunctionCall(name=call.name, arguments=call.arguments))
+            for call in calls], reasoning_content=reasoning, reasoning=reasoning)
         choices.append(ChatChoice(
             index=c.index, message=message,
             logprobs=chat_logprobs(c.logprobs, text_of) if req.logprobs and c.logprobs is not None else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            finish_reason="tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
+            stop_reason=c.stop_reason))
     usage = usage_info(output.usage.prompt_tokens, output.usage.completion_tokens,
                        reasoning_tokens if state.reasoning_parser is not None else None)
     return json_response(ChatCompletion(id=rid, created=created, model=state.served_model_name, choices=choices,
@@ -100,16 +123,54 @@ def _check_options(req: ChatCompletionRequest) -> None:
     check_stream_options(req)
     if req.top_logprobs and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    # Tools are shown to the model through its chat template, but tool calls are not parsed out of its reply,
-    # so a request that insists on a call cannot be honoured.
-    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
-        raise APIError(400, "tool_choice must be 'none' or 'auto': tool calls are not parsed by this server",
-                       param="tool_choice", code="unsupported_option")
+    for name in ("audio", "prediction", "web_search_options"):
+        if getattr(req, name) is not None:
+            raise APIError(400, f"{name} is not supported", param=name, code="unsupported_option")
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise APIError(400, "modalities other than ['text'] are not supported", param="modalities",
+                       code="unsupported_option")
+    if req.functions is not None and req.tools is not None:
+        raise invalid_request("give tools or the legacy functions, not both", "functions")
+
+
+def _forced_calls(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                  tool_choice: str | dict[str, Any] | None, parser: str | None) -> StructuredOutputs | None:
+    """tool_choice "required" or a named function: the grammar that makes the reply such a call, or None."""
+    if tool_choice in (None, "none", "auto"):
+        return None
+    param = "tool_choice" if req.functions is None else "function_call"
+    name = None
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function") if req.functions is None else tool_choice
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise invalid_request(f"{param} must be none, auto, required or name a function", param)
+    elif tool_choice != "required":
+        raise invalid_request(f"{param} must be none, auto, required or name a function, got {tool_choice!r}", param)
+    if not tools:
+        raise invalid_request(f"{param} {tool_choice!r} needs tools", param)
+    if parser is None:
+        raise APIError(400, f"{param} {tool_choice!r} needs the server started with --tool-call-parser",
+                       param=param, code="unsupported_option")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise invalid_request(f"{param} {tool_choice!r} and response_format cannot both constrain the reply", param)
+    try:
+        return StructuredOutputs(grammar=forcing_grammar(parser, tools, name, req.parallel_tool_calls))
+    except ValueError as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="unsupported_option") from None
+
+
+def _tools_of(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
+    """The request's tools and tool_choice, the legacy functions and function_call mapped onto them."""
+    if req.functions is not None:
+        return [{"type": "function", "function": f} for f in req.functions], req.function_call
+    return req.tools, req.tool_choice
 
 
 async def _chunks(stream: EngineStream, *, rid: str, model: str, created: int, n: int, logprobs: bool,
                   include_usage: bool, text_of: TokenTexts, reasoning_parser: str | None,
-                  decode: Callable[[Sequence[int]], str]) -> AsyncGenerator[bytes, None]:
+                  decode: Callable[[Sequence[int]], str], tool_parser: str | None,
+                  parallel_tool_calls: bool) -> AsyncGenerator[bytes, None]:
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
         return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
 
@@ -117,14 +178,32 @@ async def _chunks(stream: EngineStream, *, rid: str, model: str, created: int, n
     # Reasoning tokens are counted as for a whole reply, once each choice has its tokens and text.
     replies: list[tuple[list[int], list[str]]] = [([], []) for _ in range(n)]
 
-    def delta(index: int, text: str, finished: bool) -> DeltaMessage:
-        if splitters is None:
-            return DeltaMessage(content=text or None)
-        reasoning, answer = splitters[index].feed(text)
-        if finished:
-            held_reasoning, held_answer = splitters[index].finish()
-            reasoning, answer = reasoning + held_reasoning, answer + held_answer
-        return DeltaMessage(content=answer or None, reasoning_content=reasoning or None, reasoning=reasoning or None)
+    tool_streams = [ToolCallStream(tool_parser) for _ in range(n)] if tool_parser else None
+    called = [False] * n
+
+    def deltas(index: int, text: str, finished: bool) -> list[DeltaMessage]:
+        """This piece's delta, then, at the end of a reply with tool calls, each call's name and arguments."""
+        reasoning, answer = "", text
+        if splitters is not None:
+            reasoning, answer = splitters[index].feed(text)
+            if finished:
+                held_reasoning, held_answer = splitters[index].finish()
+                reasoning, answer = reasoning + held_reasoning, answer + held_answer
+        calls: list[ToolCall] = []
+        if tool_streams is not None:
+            answer = tool_streams[index].feed(answer)
+            if finished:
+                rest, calls = tool_streams[index].finish()
+                answer += rest
+                calls = calls if parallel_tool_calls else calls[:1]
+        out = [DeltaMessage(content=answer or None, reasoning_content=reasoning or None,
+                            reasoning=reasoning or None)]
+        for i, call in enumerate(calls):
+            out.append(DeltaMessage(tool_calls=[ToolCallOut(index=i, id=call.id, type="function",
+                                                            function=FunctionCall(name=call.name, arguments=""))]))
+            out.append(DeltaMessage(tool_calls=[ToolCallOut(index=i, function=FunctionCall(arguments=call.arguments))]))
+        called[index] = called[index] or bool(calls)
+        return out
 
     try:
         for index in range(n):
@@ -139,9 +218,17 @@ async def _chunks(stream: EngineStream, *, rid: str, model: str, created: int, n
                 replies[event.index][0].extend(event.token_ids)
                 replies[event.index][1].append(event.text)
             if event.text or event.finish_reason is not None or lp is not None:
-                message = delta(event.index, event.text, event.finish_reason is not None)
-                yield chunk([ChatChunkChoice(index=event.index, delta=message, logprobs=lp,
-                                             finish_reason=event.finish_reason, stop_reason=event.stop_reason)])
+                # The piece's text, then any calls' names and arguments; the finish goes with the last.
+                messages = deltas(event.index, event.text, event.finish_reason is not None)
+                finish = ("tool_calls" if called[event.index] and event.finish_reason == "stop"
+                          else event.finish_reason)
+                for i, message in enumerate(messages):
+                    final = i == len(messages) - 1
+                    if not final and message == DeltaMessage():
+                        continue
+                    yield chunk([ChatChunkChoice(index=event.index, delta=message, logprobs=lp if i == 0 else None,
+                                                 finish_reason=finish if final else None,
+                                                 stop_reason=event.stop_reason if final else None)])
             if event.usage is not None and include_usage:
                 reasoning_tokens = None
                 if reasoning_parser is not None:

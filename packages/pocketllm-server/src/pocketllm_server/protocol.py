@@ -91,6 +91,14 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    functions: list[dict[str, Any]] | None = None  # the legacy form of tools
+    function_call: str | dict[str, Any] | None = None  # the legacy form of tool_choice
+    # OpenAI features this server does not have: refused when asked for (see openai_chat._check_options).
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -151,9 +159,22 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCall
+    index: int | None = None  # in streamed deltas
+
+
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = msgspec.field(default_factory=list)
     # --reasoning-parser: the <think> section, under both names clients read (vLLM's and the newer one).
     reasoning_content: str | None = None
     reasoning: str | None = None
@@ -180,6 +201,7 @@ class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

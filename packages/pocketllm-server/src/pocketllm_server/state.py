@@ -58,6 +58,7 @@ class ServerState:
         self.generation_config = generation_config
         self.served_model_name = served_model_name
         self.reasoning_parser: str | None = None  # --reasoning-parser: <think> sections split from answers
+        self.tool_call_parser: str | None = None  # --tool-call-parser: tool calls parsed out of replies
         self.max_queue_len = max_queue_len
         self.llm = llm
         self.owns_llm = llm is None  # an engine handed in by the caller is theirs to shut down

@@ -1,0 +1,188 @@
+"""Tool-call parsers (``--tool-call-parser``): the calls in a reply, in the formats the supported models use.
+
+- ``hermes`` (Qwen2.5, Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call;
+- ``qwen3_xml`` (Qwen3-Coder, Qwen3.5): ``<tool_call><function=NAME><parameter=K>V</parameter>...</function>
+  </tool_call>``; a value that parses as JSON is taken as JSON, else as a string;
+- ``llama3_json`` (Llama 3.x): the reply, after an optional ``<|python_tag|>``, is ``{"name": ..., "parameters":
+  {...}}``, several separated by ``;``.
+
+``auto`` picks one from the chat template. A block that does not parse stays in the content as text: a model's
+malformed attempt is shown, not dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+TOOL_CALL_PARSERS = ("hermes", "qwen3_xml", "llama3_json")
+OPEN = "<tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+_FUNCTION = re.compile(r"^\s*<function=([^>\s]+)>(.*?)(?:</function>\s*)?$", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's form)
+    id: str
+
+
+def parser_for_template(template: str | None) -> str | None:
+    """The parser a chat template's tool format calls for, or None when it shows no tool calls."""
+    if not template:
+        return None
+    if OPEN in template and "<function=" in template:
+        return "qwen3_xml"
+    if OPEN in template:
+        return "hermes"
+    if PYTHON_TAG in template or "ipython" in template:
+        return "llama3_json"
+    return None
+
+
+class ToolCallStream:
+    """A reply's answer as it streams: content is passed on until a call begins, then held to the end, where
+    :meth:`finish` parses it (a call marker split across pieces is held until the next piece settles it)."""
+
+    def __init__(self, parser: str) -> None:
+        self.parser = parser
+        self._held = ""
+        self._calling = False
+        self._emitted = False
+
+    def feed(self, text: str) -> str:
+        buf = self._held + text
+        if self._calling:
+            self._held = buf
+            return ""
+        if self.parser == "llama3_json":  # a call is the whole reply: its first visible characters decide
+            stripped = buf.lstrip()
+            if not self._emitted and (not stripped or PYTHON_TAG.startswith(stripped)):
+                self._held = buf
+                return ""
+            if not self._emitted and stripped.startswith(("{", PYTHON_TAG)):
+                self._calling, self._held = True, buf
+                return ""
+            self._emitted, self._held = True, ""
+            return buf
+        at = buf.find(OPEN)
+        if at >= 0:
+            self._calling, self._held = True, buf[at:]
+            return buf[:at]
+        keep = next((size for size in range(min(len(OPEN) - 1, len(buf)), 0, -1) if OPEN.startswith(buf[-size:])), 0)
+        self._held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep]
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The held text's content and calls, once the reply has ended."""
+        held, self._held = self._held, ""
+        return parse(self.parser, held) if self._calling else (held, [])
+
+
+def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
+    """The reply's content outside its tool calls, and the calls."""
+    if parser == "llama3_json":
+        return _llama3(text)
+    calls: list[ToolCall] = []
+    content: list[str] = []
+    last = 0
+    for match in _BLOCK.finditer(text):
+        call = _hermes(match[1]) if parser == "hermes" else _qwen3_xml(match[1])
+        if call is None:
+            continue  # malformed: left in the content
+        content.append(text[last:match.start()])
+        last = match.end()
+        calls.append(call)
+    content.append(text[last:])
+    return "".join(content) if calls else text, calls
+
+
+def _new_call(name: object, arguments: object) -> ToolCall | None:
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+        return None
+    return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False), id=f"call_{uuid.uuid4().hex[:24]}")
+
+
+def _hermes(body: str) -> ToolCall | None:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict):
+        return None
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # some models send the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    return _new_call(call.get("name"), arguments)
+
+
+def _qwen3_xml(body: str) -> ToolCall | None:
+    match = _FUNCTION.match(body.strip())
+    if match is None:
+        return None
+    arguments: dict[str, object] = {}
+    for key, raw in _PARAMETER.findall(match[2]):
+        try:
+            arguments[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            arguments[key] = raw
+    return _new_call(match[1], arguments)
+
+
+def _llama3(text: str) -> tuple[str, list[ToolCall]]:
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return text, []
+    calls = []
+    decoder = json.JSONDecoder()
+    position = 0
+    while position < len(body):
+        try:
+            value, position = decoder.raw_decode(body, position)
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(value, dict):
+            return text, []
+        call = _new_call(value.get("name"), value.get("parameters", value.get("arguments", {})))
+        if call is None:
+            return text, []
+        calls.append(call)
+        position = len(body) - len(body[position:].lstrip().removeprefix(";").lstrip())
+    return "", calls
+
+
+def forcing_grammar(parser: str, tools: list[dict], name: str | None, parallel: bool) -> str:
+    """A Lark grammar (llguidance's, with ``%json``) whose every string is a call in ``parser``'s format: to the
+    tool ``name``, or to any of ``tools`` (tool_choice "required"), arguments valid under its parameters' schema."""
+    if parser not in ("hermes", "llama3_json"):
+        raise ValueError(f"required and named tool calls are enforced in the hermes and llama3_json formats, not "
+                         f"{parser}")
+    functions = [t.get("function", {}) for t in tools
+                 if isinstance(t, dict) and t.get("type", "function") == "function"]
+    chosen = [f for f in functions if isinstance(f, dict) and isinstance(f.get("name"), str)
+              and (name is None or f["name"] == name)]
+    if not chosen:
+        raise ValueError(f"no tool named {name!r}" if name is not None else "tools has no function")
+    arguments_key = "arguments" if parser == "hermes" else "parameters"
+    rules = []
+    for i, function in enumerate(chosen):
+        parameters = function.get("parameters") or {"type": "object"}
+        schema = {"type": "object", "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
+                  "required": ["name", arguments_key], "additionalProperties": False}
+        rules.append(f"call_{i}: %json {json.dumps(schema)}")
+    call = "call: " + " | ".join(f"call_{i}" for i in range(len(chosen)))
+    if parser == "hermes":
+        block = 'block: "<tool_call>\\n" call "\\n</tool_call>"'
+        start = 'start: block ("\\n" block)*' if parallel else "start: block"
+    else:
+        block = "block: call"
+        start = 'start: block ("; " block)*' if parallel else "start: block"
+    return "\n".join([start, block, call, *rules])

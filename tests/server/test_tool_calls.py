@@ -1,0 +1,101 @@
+"""Tool-call parsers over scripted replies (calls split across pieces, several calls, malformed calls kept as
+content, streams reassembling to the whole reply's parse), and over HTTP with the echo backend."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from pocketllm import AsyncLLM
+from pocketllm_server import create_app
+from pocketllm_server.tool_calls import ToolCallStream, parse, parser_for_template
+
+HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}\n</tool_call>')
+XML = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+       "</parameter>\n</function>\n</tool_call>")
+LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "f", "parameters": {}}'
+
+
+def calls_of(parser: str, text: str) -> tuple[str, list[tuple[str, dict]]]:
+    content, calls = parse(parser, text)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_each_format_parses() -> None:
+    assert calls_of("hermes", HERMES) == ("Let me look.\n\n", [("get_weather", {"city": "Paris"}),
+                                                              ("get_time", {"zone": "CET"})])
+    assert calls_of("qwen3_xml", XML) == ("", [("get_weather", {"city": "Paris", "days": 3})])
+    assert calls_of("llama3_json", LLAMA) == ("", [("get_weather", {"city": "Paris"}), ("f", {})])
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    ("hermes", "<tool_call>{not json</tool_call> sorry"),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),  # no name
+    ("qwen3_xml", "<tool_call><parameter=x>1</parameter></tool_call>"),  # no function
+    ("llama3_json", '{"name": "f", "parameters": {}} and then some prose'),
+    ("llama3_json", "Plain prose."),
+])
+def test_malformed_calls_stay_content(parser: str, text: str) -> None:
+    assert parse(parser, text) == (text, [])
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json"])
+@pytest.mark.parametrize("size", [1, 3, 8])
+def test_streams_reassemble_to_the_whole_parse(parser: str, size: int) -> None:
+    text = {"hermes": HERMES, "qwen3_xml": "Sure. " + XML, "llama3_json": LLAMA}[parser]
+    stream = ToolCallStream(parser)
+    content = "".join(stream.feed(text[i:i + size]) for i in range(0, len(text), size))
+    rest, calls = stream.finish()
+    whole_content, whole_calls = parse(parser, text)
+    assert content + rest == whole_content
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+
+
+def test_auto_picks_the_template_s_format() -> None:
+    assert parser_for_template("{{ '<tool_call>' }}{{ '<function=' }}") == "qwen3_xml"
+    assert parser_for_template("<tool_call>{{ tool | tojson }}</tool_call>") == "hermes"
+    assert parser_for_template("{% if role == 'ipython' %}") == "llama3_json"
+    assert parser_for_template("{{ messages }}") is None
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_calls_over_http(serve_app, tiny_args, echo_llm: AsyncLLM) -> None:
+    """The echo backend replays the rendered prompt: a user turn holding a call scripts the reply."""
+    app = create_app(tiny_args, served_model_name="tiny", llm=echo_llm, tool_call_parser="hermes")
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    body = {"messages": [{"role": "user", "content": call * 2}], "max_tokens": 200, "temperature": 0,
+            "tools": TOOLS}
+    with serve_app(app) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        reply = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        calls = reply["message"]["tool_calls"]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("get_weather", {"city": "Paris"})] * 2
+        assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+        one = client.post("/v1/chat/completions", json=body | {"parallel_tool_calls": False}).json()
+        assert len(one["choices"][0]["message"]["tool_calls"]) == 1
+        none = client.post("/v1/chat/completions", json=body | {"tool_choice": "none"}).json()
+        assert none["choices"][0]["message"]["tool_calls"] == [] and call in none["choices"][0]["message"]["content"]
+        legacy = {k: v for k, v in body.items() if k != "tools"} | {"functions": [TOOLS[0]["function"]]}
+        assert len(client.post("/v1/chat/completions", json=legacy).json()["choices"][0]["message"]["tool_calls"]) == 2
+        streamed: dict[int, dict[str, str]] = {}
+        finish = None
+        with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    for delta in choice["delta"].get("tool_calls") or []:
+                        entry = streamed.setdefault(delta["index"], {"name": "", "arguments": ""})
+                        entry["name"] += delta["function"].get("name") or ""
+                        entry["arguments"] += delta["function"].get("arguments") or ""
+                    finish = choice["finish_reason"] or finish
+        assert [(v["name"], json.loads(v["arguments"])) for v in streamed.values()] == [
+            ("get_weather", {"city": "Paris"})] * 2
+        assert finish == reply["finish_reason"] and finish in ("tool_calls", "length")
+        assert client.post("/v1/chat/completions", json=body | {"tool_choice": "required"}).status_code == 400
+        assert client.post("/v1/chat/completions", json=legacy | {"function_call": {"name": "x"}}).status_code == 400
