@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -139,11 +138,6 @@ async def start_all(request: Request, prompts: Sequence[PromptRequest], fields: 
     started: list[EngineStream | None] = [None] * len(prompts)
 
     async def start(i: int, prompt: PromptRequest) -> None:
-        spec = prompt.params.structured_outputs
-        if spec is not None and state.llm is not None:
-            # Compiled off the event loop (the first grammar also builds llguidance's view of the vocabulary);
-            # the request then finds it in the core's cache.
-            await asyncio.to_thread(state.llm.driver.grammars.constraint, spec)
         started[i] = await state.start(prompt.ids, prompt.params, prompt.request_id)
 
     try:
