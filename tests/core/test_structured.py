@@ -19,6 +19,16 @@ def test_a_spec_sets_exactly_one_sane_constraint(fields: dict) -> None:
         StructuredOutputs(**fields)
 
 
+def test_a_schema_nested_ten_thousand_deep_is_a_config_error() -> None:
+    schema: dict = {}
+    inner = schema
+    for _ in range(10_000):
+        inner["items"] = {}
+        inner = inner["items"]
+    with pytest.raises(ConfigError, match=r"structured_outputs.*nested too deeply"):
+        StructuredOutputs(json=schema)
+
+
 @pytest.fixture(scope="module")
 def compiler(tmp_path_factory: pytest.TempPathFactory) -> GrammarCompiler:
     from pocketllm.checkpoint import load_checkpoint

@@ -50,7 +50,11 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
                                                     f"grammar, got {', '.join(kinds) or 'none'}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ConfigError("structured_outputs", "choice must be a non-empty list of non-empty strings")
-        if len(self.key()) > MAX_GRAMMAR_CHARS:
+        try:
+            size = len(self.key())
+        except RecursionError:  # a schema nested thousands deep: refused here, not in a compiler's recursion
+            raise ConfigError("structured_outputs", "is nested too deeply") from None
+        if size > MAX_GRAMMAR_CHARS:
             raise ConfigError("structured_outputs", f"is longer than {MAX_GRAMMAR_CHARS} characters")
 
     def key(self) -> str:
