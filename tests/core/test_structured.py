@@ -69,3 +69,45 @@ def test_each_request_gets_its_own_state_from_one_compiled_grammar(compiler: Gra
 def test_bad_grammars_are_config_errors(compiler: GrammarCompiler, spec: StructuredOutputs) -> None:
     with pytest.raises(ConfigError, match="structured_outputs"):
         compiler.constraint(spec)
+
+
+def test_a_reasoning_section_is_left_free_and_the_grammar_starts_after_it(compiler: GrammarCompiler) -> None:
+    """deepseek_r1: the template opened the section, so every token is allowed until the closing tag's tokens."""
+    spec = StructuredOutputs(regex="ab+")
+    free = allowed(compiler, compiler.constraint(StructuredOutputs(regex="(.|\n)*")))
+    constrained = allowed(compiler, compiler.constraint(spec))
+    gated = compiler.constraint(spec, "deepseek_r1")
+    tokenizer = compiler._tokenizer
+    for token in tokenizer.encode("think about b, not a", add_special_tokens=False):
+        assert allowed(compiler, gated) == free | allowed(compiler, gated)  # nothing masked
+        gated.accept(token)
+    for token in tokenizer.encode("</think>", add_special_tokens=False):
+        gated.accept(token)
+    assert allowed(compiler, gated) == constrained
+    gated.accept(tokenizer.encode("a", add_special_tokens=False)[0])
+    assert gated.error is None and all(set(t) <= {"b"} for t in allowed(compiler, gated))
+
+
+def test_an_optional_section_opens_only_on_the_first_token(compiler: GrammarCompiler) -> None:
+    """qwen3: the opening tag's single token is allowed beside the grammar's first tokens; any other first token
+    starts the answer (here ids 7 and 8, 9 stand for the tags)."""
+    from pocketllm.structured import Constraint, ReasoningGate
+
+    spec = StructuredOutputs(regex="ab+")
+    name = compiler._tokenizer.decode([7], skip_special_tokens=False)
+    grammar_first = allowed(compiler, compiler.constraint(spec))
+
+    def gated() -> Constraint:
+        return Constraint(compiler.constraint(spec)._matcher, compiler.vocab_size, ReasoningGate(False, 7, [8, 9]))
+
+    opening = gated()
+    assert allowed(compiler, opening) == grammar_first | {name}
+    opening.accept(7)
+    assert len(allowed(compiler, opening)) > len(grammar_first) + 1  # reasoning: free
+    opening.accept(8)
+    opening.accept(9)
+    assert allowed(compiler, opening) == grammar_first
+    answering = gated()
+    answering.accept(compiler._tokenizer.encode("a", add_special_tokens=False)[0])
+    assert name not in allowed(compiler, answering) or "b" in name
+    assert all(set(t) <= {"b"} for t in allowed(compiler, answering))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -166,3 +169,34 @@ def torch_server(live_server: Callable[..., LiveServer], torch_llm: AsyncLLM) ->
 def client(echo_server: LiveServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=echo_server.url, timeout=30) as client:
         yield client
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def server_process(args: list[str], wait_for: Callable[..., bool] | None = None, env: dict[str, str] | None = None):
+    """``pocketllm-server ARGS --port <free>`` in a subprocess, yielded as (process, url) once /ready answers;
+    killed at the end if still running."""
+    port = free_port()
+    script = Path(sys.executable).with_name("pocketllm-server")
+    process = subprocess.Popen([str(script), *args, "--port", str(port)], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return process.poll() is not None
+
+    try:
+        assert (wait_for or _wait_for)(ready, timeout=60) and process.poll() is None, process.poll()
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 import pocketllm_server.state
 from pocketllm import AsyncLLM, BackendStats, EngineArgs
 from pocketllm_server import create_app
+from tests.server.conftest import free_port, server_process
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 3}
 
@@ -146,41 +146,10 @@ def test_shutdown_aborts_in_flight_requests(serve_app, tiny_args: EngineArgs, wa
         assert after.status_code == 503 and after.json()["error"]["code"] == "shutting_down"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def _server_process(args: list[str], wait_for, env: dict[str, str] | None = None):
-    """``pocketllm-server ARGS --port <free>`` in a subprocess, yielded as (process, url) once /ready answers;
-    killed at the end if still running."""
-    port = _free_port()
-    script = Path(sys.executable).with_name("pocketllm-server")
-    process = subprocess.Popen([str(script), *args, "--port", str(port)], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{url}/ready", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return process.poll() is not None
-
-    try:
-        assert wait_for(ready, timeout=60) and process.poll() is None
-        yield process, url
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_console_script_serves_then_stops_on_a_signal(pocketllm_tiny_llama: Path, sig: signal.Signals,
                                                       wait_for) -> None:
-    with _server_process(["--model", str(pocketllm_tiny_llama), "--backend", "echo", "--max-queue-len", "8",
+    with server_process(["--model", str(pocketllm_tiny_llama), "--backend", "echo", "--max-queue-len", "8",
                           "--log-level", "info"], wait_for, {"POCKETLLM_PLUGINS": "echo"}) as (process, url):
         models = httpx.get(f"{url}/v1/models").json()
         assert models["data"][0]["id"] == pocketllm_tiny_llama.name  # the default served name: the basename
@@ -195,7 +164,7 @@ def test_console_script_serves_then_stops_on_a_signal(pocketllm_tiny_llama: Path
 def test_console_script_exits_1_when_the_model_cannot_load() -> None:
     script = Path(sys.executable).with_name("pocketllm-server")
     result = subprocess.run([str(script), "--model", "/no/such/model", "--backend", "echo", "--port",
-                             str(_free_port())], capture_output=True, text=True, timeout=60,
+                             str(free_port())], capture_output=True, text=True, timeout=60,
                             env={**os.environ, "POCKETLLM_PLUGINS": "echo"})
     assert result.returncode == 1
     assert "could not load model /no/such/model" in result.stderr
@@ -204,7 +173,7 @@ def test_console_script_exits_1_when_the_model_cannot_load() -> None:
 def test_console_script_exits_1_when_the_engine_dies(pocketllm_tiny_llama: Path, wait_for) -> None:
     """A dead engine serves nothing: the process says so and exits non-zero, for a supervisor to restart it."""
     pytest.importorskip("pocketllm_flawed")
-    with _server_process(["--model", str(pocketllm_tiny_llama), "--backend", "flawed-dies"],
+    with server_process(["--model", str(pocketllm_tiny_llama), "--backend", "flawed-dies"],
                          wait_for) as (process, url):
         fatal = {"prompt": "hello", "temperature": 1.0, "seed": 13, "max_tokens": 3}
         response = httpx.post(f"{url}/v1/completions", json=fatal, timeout=30)

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from pocketllm import AsyncLLM
+from pocketllm.reasoning import ReasoningSplitter, split_reply
 from pocketllm_server import create_app
-from pocketllm_server.reasoning import ReasoningSplitter, split_reply
 
 REPLY = "<think>\nweigh it: a < b, and </thin is not a tag</think>\n\nThe answer is 4."
 
@@ -78,3 +78,17 @@ def test_chat_over_http_splits_reasoning_and_counts_it(serve_app, tiny_args, ech
                         usage = chunk["usage"]
     assert streamed == {"reasoning_content": message["reasoning_content"], "content": message["content"]}
     assert usage["completion_tokens_details"] == whole["usage"]["completion_tokens_details"]
+
+
+def test_stop_strings_inside_the_reasoning_section_do_not_end_the_reply(serve_app, tiny_args,
+                                                                         echo_llm: AsyncLLM) -> None:
+    app = create_app(tiny_args, served_model_name="tiny", llm=echo_llm, reasoning_parser="deepseek_r1")
+    body = {"messages": [{"role": "user", "content": "plan STOP more</think>done STOP after"}], "max_tokens": 60,
+            "temperature": 0, "stop": ["STOP"]}
+    with serve_app(app) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert message["finish_reason"] == "stop"
+        assert message["message"]["reasoning_content"].endswith("plan STOP more")
+        assert message["message"]["content"] == "done "
+        asked = client.post("/v1/chat/completions", json=body | {"stop_in_reasoning": True}).json()["choices"][0]
+        assert asked["message"]["reasoning_content"].endswith("plan ") and not asked["message"]["content"]

@@ -1,4 +1,4 @@
-"""Structured outputs over HTTP on the default model (torch backend): JSON schemas sampled at temperature 0.8
+"""Structured outputs over HTTP on the default model (torch and cpp backends): JSON schemas sampled at temperature 0.8
 parse and validate, regex and choice hold, and every bad spec or backend without grammars is a 400 naming its
 field."""
 
@@ -15,8 +15,6 @@ from pocketllm import AsyncLLM, EngineArgs
 from pocketllm_server import create_app
 
 jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("pocketllm_torch")
-
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
                                       "age": {"type": "integer", "minimum": 0, "maximum": 150}},
@@ -37,9 +35,11 @@ SCHEMAS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smol(live_server) -> Iterator[tuple[EngineArgs, AsyncLLM]]:
-    args = EngineArgs(model="smollm2-135m-instruct", backend="torch")
+@pytest.fixture(scope="module", params=["torch", "cpp"])
+def smol(request: pytest.FixtureRequest, live_server) -> Iterator[tuple[EngineArgs, AsyncLLM]]:
+    """The default model on each backend that has grammars (cpp is what ``auto`` picks on x86 CPUs)."""
+    pytest.importorskip(f"pocketllm_{request.param}")
+    args = EngineArgs(model="smollm2-135m-instruct", backend=request.param)
     llm = AsyncLLM(engine_args=args)
     yield args, llm
     llm.shutdown()
@@ -109,20 +109,14 @@ def test_bad_specs_are_400s_naming_their_field(client: httpx.Client, fields: dic
     assert chat(client, max_tokens=4).status_code == 200  # nothing else is harmed
 
 
-def test_a_backend_without_grammars_refuses_with_a_400(live_server) -> None:
-    pytest.importorskip("pocketllm_cpp")
-    args = EngineArgs(model="smollm2-135m-instruct", backend="cpp")
-    llm = AsyncLLM(engine_args=args)
-    try:
-        server = live_server(create_app(args, served_model_name="smol", llm=llm))
-        with httpx.Client(base_url=server.url, timeout=60) as c:
-            reply = chat(c, response_format={"type": "json_object"})
-        assert reply.status_code == 400
-        error = reply.json()["error"]
-        assert error["code"] == "unsupported_option" and error["param"] == "response_format"
-        assert "structured_outputs" in error["message"] and "cpp" in error["message"]
-    finally:
-        llm.shutdown()
+def test_a_backend_without_grammars_refuses_with_a_400(serve_app, tiny_args, echo_llm) -> None:
+    with serve_app(create_app(tiny_args, served_model_name="smol", llm=echo_llm)) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as c:
+        reply = chat(c, response_format={"type": "json_object"}, temperature=0)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["code"] == "unsupported_option" and error["param"] == "response_format"
+    assert "structured_outputs" in error["message"] and "echo" in error["message"]
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
@@ -134,10 +128,12 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "additionalProperties": False}}}
 
 
-def test_forced_tool_calls_of_the_default_model_follow_their_schemas(live_server, smol) -> None:
-    """tool_choice required and named, through the openai SDK: even a 135M model returns valid calls."""
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json"])
+def test_forced_tool_calls_of_the_default_model_follow_their_schemas(live_server, smol, parser: str) -> None:
+    """tool_choice required and named, through the openai SDK, in each format: even a 135M model returns valid
+    calls."""
     openai = pytest.importorskip("openai")
-    server = live_server(create_app(smol[0], served_model_name="smol", llm=smol[1], tool_call_parser="hermes"))
+    server = live_server(create_app(smol[0], served_model_name="smol", llm=smol[1], tool_call_parser=parser))
     sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     for i, choice in enumerate(["required", {"type": "function", "function": {"name": "get_time"}}] * 3):
@@ -151,3 +147,32 @@ def test_forced_tool_calls_of_the_default_model_follow_their_schemas(live_server
         if isinstance(choice, dict):
             assert call.name == "get_time"
         jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_a_grammar_compiles_off_the_event_loop(smol) -> None:
+    """The first grammar also builds llguidance's vocabulary (~0.5 s): AsyncLLM adds such a request from a worker
+    thread, so a server's event loop keeps answering meanwhile."""
+    import asyncio
+    import threading
+
+    from pocketllm import SamplingParams
+    from pocketllm.structured import StructuredOutputs
+
+    llm = smol[1]
+    threads: list[int] = []
+    add = llm.driver.add_request
+
+    def spy(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return add(*args, **kwargs)
+
+    async def run() -> str:
+        params = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputs(choice=["yes", "no"]))
+        return "".join([e.text async for e in llm.stream_ids(llm.tokenizer.encode("Yes or no?"), params)])
+
+    llm.driver.add_request = spy
+    try:
+        assert asyncio.run(run()) in ("yes", "no")
+    finally:
+        del llm.driver.add_request
+    assert threads and threading.get_ident() not in threads

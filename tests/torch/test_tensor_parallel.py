@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from pocketllm import LLM, SamplingParams
+from pocketllm import LLM, PoolingParams, SamplingParams
 from pocketllm.errors import UnsupportedOptionError
 from pocketllm.testing.checkpoints import write_checkpoint
 
@@ -41,6 +41,25 @@ def test_two_ranks_generate_what_one_does(kind: str, tmp_path: Path) -> None:
     an uneven split of KV heads (the default model's 3 go 2 + 1)."""
     path = "smollm2-135m-instruct" if kind == "default" else str(write_checkpoint(kind, tmp_path))
     assert _greedy(path, 2) == _greedy(path, 1)
+
+
+def test_two_ranks_embed_what_one_does_beside_a_generation(tmp_path: Path) -> None:
+    """Rank 0 pools the replicated hidden states; the other ranks run the same forward passes as for generation."""
+    path = str(write_checkpoint("llama", tmp_path))
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(path, backend="torch", dtype="float32", tensor_parallel_size=tp)
+        try:
+            stream = llm.generate_stream([5, 6, 7, 8], GREEDY)
+            tokens = next(stream).token_ids
+            mean = PoolingParams(pooling_type="mean")
+            vectors = [o.embedding for o in llm.embed(["the cat sat", list(range(3, 60))], mean)]
+            results[tp] = vectors, tokens + [t for e in stream for t in e.token_ids]
+        finally:
+            llm.shutdown()
+    assert results[2][1] == results[1][1]
+    for ours, theirs in zip(results[2][0], results[1][0], strict=True):
+        assert np.abs(np.array(ours) - np.array(theirs)).max() < 1e-5
 
 
 def test_two_ranks_with_prefix_caching_and_preemption(tmp_path: Path) -> None:

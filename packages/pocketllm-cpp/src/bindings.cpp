@@ -42,6 +42,7 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> new_matrix(int64_t rows, int64_t cols
 }
 
 using Vector = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Mask = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Matmul = std::tuple<Bytes, std::string, int64_t, int64_t>;  // raw bytes, storage type, rows, cols
 
 // The model plus the Python arrays its weight views point into, kept alive as long as it is.
@@ -225,6 +226,18 @@ NB_MODULE(_native, m) {
                 self.engine->add_request(id, std::move(prompt), sampling_config(sampling));
             },
             nb::arg("request_id"), nb::arg("prompt"), nb::arg("sampling"))
+        .def(
+            "add_embedding_request",
+            [](PyEngine& self, const std::string& id, std::vector<int32_t> prompt, const std::string& pooling,
+               bool normalize) {
+                Pooling pool;
+                if (pooling == "last") pool = Pooling::Last;
+                else if (pooling == "mean") pool = Pooling::Mean;
+                else if (pooling == "cls") pool = Pooling::Cls;
+                else throw std::invalid_argument("pooling must be last, mean or cls, got '" + pooling + "'");
+                self.engine->add_embedding_request(id, std::move(prompt), pool, normalize);
+            },
+            nb::arg("request_id"), nb::arg("prompt"), nb::arg("pooling"), nb::arg("normalize"))
         .def("step",
              [](PyEngine& self) {
                  std::vector<Delta> deltas;
@@ -238,11 +251,22 @@ NB_MODULE(_native, m) {
                      if (d.has_logprobs) {
                          lp = nb::make_tuple(d.logprobs.token, d.logprobs.logprob, d.logprobs.rank, d.logprobs.top);
                      }
-                     out.append(nb::make_tuple(d.request_id, d.token, static_cast<int>(d.finish), d.stop_token_id, lp));
+                     nb::object embedding = nb::none();
+                     if (!d.embedding.empty()) embedding = nb::cast(d.embedding);
+                     out.append(nb::make_tuple(d.request_id, d.token, static_cast<int>(d.finish), d.stop_token_id, lp,
+                                               embedding));
                  }
                  return out;
              },
-             "One scheduling step: (request_id, token, finish 0/1 stop/2 length, stop_token_id or -1, logprobs).")
+             "One scheduling step: (request_id, token, finish 0/1 stop/2 length/3 nothing allowed, stop_token_id or "
+             "-1, logprobs, embedding or None).")
+        .def(
+            "set_allowed",
+            [](PyEngine& self, const std::string& id, const Mask& words) {
+                self.engine->set_allowed(id, std::vector<uint32_t>(words.data(), words.data() + words.size()));
+            },
+            nb::arg("request_id"), nb::arg("words"),
+            "The tokens a request may sample next: a bitmask of (vocab + 31) // 32 uint32 words (empty: any).")
         .def("abort", [](PyEngine& self, const std::vector<std::string>& ids) { self.engine->abort(ids); })
         .def("has_unfinished", [](PyEngine& self) { return self.engine->has_unfinished(); })
         .def("profile",

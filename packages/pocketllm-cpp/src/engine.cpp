@@ -1,6 +1,7 @@
 #include "pocketllm_cpp/engine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
 namespace pocketllm {
@@ -13,25 +14,67 @@ Engine::Engine(std::shared_ptr<Model> model, SchedulerConfig config)
     }
 }
 
-void Engine::add_request(const std::string& id, std::vector<int32_t> prompt, SamplingConfig sampling) {
+void Engine::check_prompt(const std::string& id, const std::vector<int32_t>& prompt, int64_t longest) const {
     if (by_id_.count(id)) throw std::invalid_argument("request id '" + id + "' is already in use");
     const int64_t vocab = model_->config().vocab_size;
-    auto in_vocab = [&](int32_t t) { return t >= 0 && t < vocab; };
-    if (prompt.empty() || !std::all_of(prompt.begin(), prompt.end(), in_vocab) ||
-        !std::all_of(sampling.stop_ids.begin(), sampling.stop_ids.end(), in_vocab) ||
-        !std::all_of(sampling.logit_bias.begin(), sampling.logit_bias.end(), [&](auto& b) { return in_vocab(b.first); }) ||
-        sampling.max_tokens < 1) {
-        throw std::invalid_argument("request '" + id + "': empty prompt, token id out of range, or max_tokens < 1");
+    if (prompt.empty() || !std::all_of(prompt.begin(), prompt.end(), [&](int32_t t) { return t >= 0 && t < vocab; })) {
+        throw std::invalid_argument("request '" + id + "': empty prompt or token id out of range");
     }
-    const int64_t longest = static_cast<int64_t>(prompt.size()) + sampling.max_tokens;
     if ((longest + model_->block_size() - 1) / model_->block_size() > model_->num_blocks()) {
         throw std::invalid_argument("request '" + id + "' needs more KV blocks than the pool has");
     }
+}
+
+void Engine::add_request(const std::string& id, std::vector<int32_t> prompt, SamplingConfig sampling) {
+    const int64_t vocab = model_->config().vocab_size;
+    auto in_vocab = [&](int32_t t) { return t >= 0 && t < vocab; };
+    if (!std::all_of(sampling.stop_ids.begin(), sampling.stop_ids.end(), in_vocab) ||
+        !std::all_of(sampling.logit_bias.begin(), sampling.logit_bias.end(), [&](auto& b) { return in_vocab(b.first); }) ||
+        sampling.max_tokens < 1) {
+        throw std::invalid_argument("request '" + id + "': token id out of range, or max_tokens < 1");
+    }
+    check_prompt(id, prompt, static_cast<int64_t>(prompt.size()) + sampling.max_tokens);
     const uint64_t seed = sampling.has_seed ? sampling.seed : seeds_.next();
     const size_t num_prompt = prompt.size();
-    auto seq = std::make_shared<Sequence>(Sequence{id, std::move(prompt), num_prompt, std::move(sampling), Rng(seed), 0, {}, {}});
+    auto seq = std::make_shared<Sequence>(Sequence{id, std::move(prompt), num_prompt, std::move(sampling), Rng(seed), 0, {}, {}, {}});
     by_id_[id] = seq;
     waiting_.push_back(seq);
+}
+
+void Engine::add_embedding_request(const std::string& id, std::vector<int32_t> prompt, Pooling pool, bool normalize) {
+    if (pool == Pooling::None) throw std::invalid_argument("request '" + id + "': an embedding needs a pooling");
+    check_prompt(id, prompt, static_cast<int64_t>(prompt.size()));
+    const size_t num_prompt = prompt.size();
+    auto seq = std::make_shared<Sequence>(Sequence{id, std::move(prompt), num_prompt, SamplingConfig{}, Rng(0), 0, {}, {}, {}});
+    seq->pool = pool;
+    seq->normalize = normalize;
+    by_id_[id] = seq;
+    waiting_.push_back(seq);
+}
+
+bool Engine::pool_chunk(const SeqPtr& seq, int64_t start, const float* part, Delta& delta) {
+    const size_t hidden = static_cast<size_t>(model_->config().hidden_size);
+    if (start == 0) seq->pooled.assign(hidden, 0.0f);  // a preempted request pools its recomputed prompt again
+    if (seq->pool == Pooling::Last) {
+        std::copy(part, part + hidden, seq->pooled.begin());
+    } else if (seq->pool == Pooling::Mean || start == 0) {  // Cls: the first chunk holds the first token
+        for (size_t i = 0; i < hidden; ++i) seq->pooled[i] += part[i];
+    }
+    if (seq->computed < seq->size()) return false;
+    std::vector<float> vector = seq->pooled;
+    if (seq->pool == Pooling::Mean) {
+        for (float& v : vector) v /= static_cast<float>(seq->size());
+    }
+    if (seq->normalize) {
+        double sum = 0.0;
+        for (float v : vector) sum += static_cast<double>(v) * v;
+        // As torch's F.normalize: a zero vector stays zero.
+        const float scale = static_cast<float>(1.0 / std::max(std::sqrt(sum), 1e-12));
+        for (float& v : vector) v *= scale;
+    }
+    delta = Delta{seq->id, 0, Finish::Stop, -1, false, {}, std::move(vector)};
+    finish(seq);
+    return true;
 }
 
 bool Engine::reserve(const SeqPtr& seq, int64_t tokens, const std::vector<SeqPtr>& scheduled) {
@@ -57,7 +100,9 @@ bool Engine::reserve(const SeqPtr& seq, int64_t tokens, const std::vector<SeqPtr
 // Moves a waiting sequence to running if its cached prefix and first chunk fit the free blocks (admission never
 // preempts); `count` is then the tokens it computes this step.
 bool Engine::admit(const SeqPtr& seq, int64_t budget, int64_t& count) {
-    const std::vector<int32_t> cached = blocks_.match(seq->tokens);
+    // Pooling every prompt token (or the first) needs their hidden states: no cached prefix stands in for them.
+    const bool pools_all = seq->pool == Pooling::Mean || seq->pool == Pooling::Cls;
+    const std::vector<int32_t> cached = pools_all ? std::vector<int32_t>{} : blocks_.match(seq->tokens);
     const int64_t start = static_cast<int64_t>(cached.size()) * model_->block_size();
     count = std::min({seq->size() - start, config_.prefill_chunk_size, budget});
     const int64_t fresh = (start + count + model_->block_size() - 1) / model_->block_size() -
@@ -122,21 +167,34 @@ std::vector<Delta> Engine::step() {
 
     std::vector<int32_t> tokens;
     std::vector<SequenceSlice> slices;
+    bool pools = false;
     for (size_t i = 0; i < scheduled.size(); ++i) {
         const Sequence& seq = *scheduled[i];
         tokens.insert(tokens.end(), seq.tokens.begin() + seq.computed, seq.tokens.begin() + seq.computed + counts[i]);
-        slices.push_back({seq.computed, counts[i], seq.blocks, seq.computed + counts[i] == seq.size()});
+        const bool ends = seq.computed + counts[i] == seq.size();
+        slices.push_back({seq.computed, counts[i], seq.blocks, ends && seq.pool == Pooling::None, seq.pool});
+        pools = pools || seq.pool != Pooling::None;
     }
-    const std::vector<float> logits = model_->forward(tokens, slices);
+    std::vector<float> pooled;
+    const std::vector<float> logits = model_->forward(tokens, slices, pools ? &pooled : nullptr);
     ++profile_.steps;
     profile_.tokens += static_cast<int64_t>(tokens.size());
     const int64_t vocab = model_->config().vocab_size;
     std::vector<Delta> deltas;
-    int64_t row = 0;
+    int64_t row = 0, pooled_row = 0;
+    const int64_t hidden = model_->config().hidden_size;
     for (size_t i = 0; i < scheduled.size(); ++i) {
         const SeqPtr& seq = scheduled[i];
+        const int64_t start = seq->computed;
         seq->computed += counts[i];
         blocks_.register_full(seq->tokens, seq->computed, seq->blocks, seq->chain);
+        if (seq->pool != Pooling::None) {
+            Delta delta;
+            if (pool_chunk(seq, start, &pooled[static_cast<size_t>(pooled_row++ * hidden)], delta)) {
+                deltas.push_back(std::move(delta));
+            }
+            continue;
+        }
         if (!slices[i].logits) continue;  // a prompt chunk that does not reach the end yet
         Stopwatch sampling(profile_.sample);
         deltas.push_back(sample_next(seq, std::vector<float>(logits.begin() + row * vocab, logits.begin() + (row + 1) * vocab)));
@@ -148,7 +206,14 @@ std::vector<Delta> Engine::step() {
 Delta Engine::sample_next(const SeqPtr& seq, std::vector<float> logits) {
     Delta delta{seq->id, 0, Finish::None, -1, seq->sampling.logprobs >= 0, {}};
     delta.token = sample(logits, seq->sampling, seq->tokens, seq->num_prompt, seq->rng,
-                         delta.has_logprobs ? &delta.logprobs : nullptr);
+                         delta.has_logprobs ? &delta.logprobs : nullptr, seq->allowed);
+    if (delta.token < 0) {  // the grammar and min_tokens left no token: this request fails, alone
+        delta.token = 0;
+        delta.has_logprobs = false;
+        delta.finish = Finish::Error;
+        finish(seq);
+        return delta;
+    }
     seq->tokens.push_back(delta.token);
     const auto& stops = seq->sampling.stop_ids;
     const auto& own = seq->sampling.request_stop_ids;
@@ -160,6 +225,17 @@ Delta Engine::sample_next(const SeqPtr& seq, std::vector<float> logits) {
     }
     if (delta.finish != Finish::None) finish(seq);
     return delta;
+}
+
+void Engine::set_allowed(const std::string& id, std::vector<uint32_t> words) {
+    auto it = by_id_.find(id);
+    if (it == by_id_.end()) throw std::invalid_argument("set_allowed: unknown request '" + id + "'");
+    const size_t expected = static_cast<size_t>((model_->config().vocab_size + 31) / 32);
+    if (!words.empty() && words.size() != expected) {
+        throw std::invalid_argument("set_allowed: " + std::to_string(words.size()) + " mask words, expected " +
+                                    std::to_string(expected));
+    }
+    it->second->allowed = std::move(words);
 }
 
 void Engine::abort(const std::vector<std::string>& ids) {

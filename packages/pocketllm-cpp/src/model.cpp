@@ -125,7 +125,8 @@ void Model::reset_profile() {
     regions_at_reset_ = pool_.regions();
 }
 
-std::vector<float> Model::forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices) {
+std::vector<float> Model::forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
+                                  std::vector<float>* pooled) {
     check(tokens, slices);
     Stopwatch total(profile_.forward);
     const ModelConfig& c = config_;
@@ -196,6 +197,24 @@ std::vector<float> Model::forward(const std::vector<int32_t>& tokens, const std:
         matmul(L.down, batch.gate.data(), n, batch.out.data(), pool_, c.exact_activations);
     }
 
+    std::vector<float> normed(static_cast<size_t>(hidden));
+    for (int64_t s = 0, begin = 0; pooled != nullptr && s < static_cast<int64_t>(slices.size()); ++s) {
+        const SequenceSlice& slice = slices[s];
+        const int64_t end = begin + slice.num_tokens;
+        if (slice.pool != Pooling::None) {
+            const size_t at = pooled->size();
+            pooled->resize(at + static_cast<size_t>(hidden), 0.0f);
+            // Mean sums every row; Cls takes the prompt's first row, Last the slice's last one.
+            const int64_t first = slice.pool == Pooling::Last ? end - 1 : begin;
+            const int64_t stop = slice.pool == Pooling::Mean ? end : (slice.pool == Pooling::Cls && slice.start > 0) ? first : first + 1;
+            for (int64_t t = first; t < stop; ++t) {
+                for (int64_t i = 0; i < hidden; ++i) normed[i] = batch.x[t * hidden + i] + batch.out[t * hidden + i];
+                rms_norm(normed.data(), final_norm_.data(), hidden, c.rms_norm_eps, normed.data());
+                for (int64_t i = 0; i < hidden; ++i) (*pooled)[at + static_cast<size_t>(i)] += normed[i];
+            }
+        }
+        begin = end;
+    }
     std::vector<float> last;  // the final norm of each wanted slice's last token
     for (int64_t s = 0, end = 0; s < static_cast<int64_t>(slices.size()); ++s) {
         end += slices[s].num_tokens;

@@ -37,7 +37,7 @@ int32_t argmax(const std::vector<float>& v) {  // the first maximum, as torch's 
 }  // namespace
 
 int32_t sample(std::vector<float>& logits, const SamplingConfig& c, const std::vector<int32_t>& tokens,
-               size_t num_prompt, Rng& rng, TokenLogprobs* logprobs) {
+               size_t num_prompt, Rng& rng, TokenLogprobs* logprobs, const std::vector<uint32_t>& allowed) {
     const int64_t vocab = static_cast<int64_t>(logits.size());
     std::vector<double> raw;
     if (logprobs != nullptr) raw = log_softmax(logits);  // from the model's own logits, before any processing
@@ -58,6 +58,12 @@ int32_t sample(std::vector<float>& logits, const SamplingConfig& c, const std::v
             logits[id] -= c.frequency_penalty * static_cast<float>(count) + c.presence_penalty;
         }
     }
+    if (!allowed.empty()) {
+        for (int64_t t = 0; t < vocab; ++t) {
+            if (!((allowed[static_cast<size_t>(t >> 5)] >> (t & 31)) & 1u)) logits[static_cast<size_t>(t)] = neg_inf;
+        }
+    }
+    if (*std::max_element(logits.begin(), logits.end()) == neg_inf) return -1;
     int32_t token;
     if (c.greedy()) {
         token = argmax(logits);

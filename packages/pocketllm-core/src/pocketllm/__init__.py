@@ -14,11 +14,13 @@ from pocketllm.errors import (
     EngineDeadError,
     PocketLLMError,
     PromptTooLongError,
+    RequestCancelledError,
     RequestFailedError,
     UnsupportedOptionError,
 )
 from pocketllm.hookspecs import hookimpl
 from pocketllm.outputs import CompletionOutput, RequestOutput, StreamEvent, Usage
+from pocketllm.pooling import EmbeddingOutput, PoolingParams
 from pocketllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -37,7 +39,8 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "API_VERSION", "AsyncLLM", "BackendNotFoundError", "BackendStats", "Capabilities", "CheckpointError",
-    "CompletionOutput", "ConfigError", "EngineArgs", "EngineDeadError", "LLM", "PocketLLMError",
-    "PromptTooLongError", "RequestDelta", "RequestFailedError", "RequestOutput", "SampledLogprobs", "SamplingParams",
-    "StreamEvent", "TokenLogprob", "UnsupportedOptionError", "Usage", "hookimpl",
+    "CompletionOutput", "ConfigError", "EmbeddingOutput", "EngineArgs", "EngineDeadError", "LLM", "PocketLLMError",
+    "PoolingParams", "PromptTooLongError", "RequestCancelledError", "RequestDelta", "RequestFailedError",
+    "RequestOutput", "SampledLogprobs", "SamplingParams", "StreamEvent", "TokenLogprob", "UnsupportedOptionError",
+    "Usage", "hookimpl",
 ]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any
 
-from pocketllm.client import EngineClient, Messages, OutputCollector, Prompt
+from pocketllm.client import EngineClient, Messages, OutputCollector, Prompt, embedding_of
 from pocketllm.outputs import RequestOutput, StreamEvent
+from pocketllm.pooling import EmbeddingOutput, PoolingParams
 from pocketllm.sampling_params import SamplingParams
 
 
@@ -57,12 +60,38 @@ class AsyncLLM(EngineClient):
         text, ids = self.render_chat(messages, **chat_kwargs)
         return await self._collect(text, ids, sampling_params, request_id)
 
+    async def embed(self, prompt: Prompt, pooling_params: PoolingParams | None = None, *,
+                    request_id: str | None = None) -> EmbeddingOutput:
+        """The embedding of one prompt (text or token ids); cancelling the task cancels the request."""
+        _, ids = self.encode_prompt(prompt)
+        return await self.embed_ids(ids, pooling_params, request_id=request_id)
+
+    async def embed_ids(self, prompt_ids: list[int], pooling_params: PoolingParams | None = None, *,
+                        request_id: str | None = None) -> EmbeddingOutput:
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[StreamEvent | EmbeddingOutput | BaseException] = loop.create_future()
+
+        def sink(item: StreamEvent | EmbeddingOutput | BaseException) -> None:
+            loop.call_soon_threadsafe(lambda: result.done() or result.set_result(item))
+
+        request_id, accepted = self.driver.add_embedding(prompt_ids, pooling_params or PoolingParams(), sink,
+                                                         request_id)
+        try:
+            await asyncio.wrap_future(accepted)
+            return embedding_of(await result)
+        finally:
+            if not result.done():
+                self.driver.abort(request_id)
+
     async def stream_ids(self, prompt_ids: list[int], sampling_params: SamplingParams | None = None, *,
                          request_id: str | None = None) -> AsyncIterator[StreamEvent]:
         """Stream a request given as token ids; errors in the request surface before the first event."""
         stream = _AsyncStream(asyncio.get_running_loop())
-        request_id, accepted = self.driver.add_request(prompt_ids, sampling_params or SamplingParams(), stream,
-                                                       request_id)
+        params = sampling_params or SamplingParams()
+        # A grammar compiles while the request is added (the first one also builds llguidance's view of the
+        # vocabulary, ~0.5 s): on a worker thread, so that the event loop keeps serving meanwhile.
+        add = functools.partial(self.driver.add_request, prompt_ids, params, stream, request_id)
+        request_id, accepted = await self._add_off_loop(add) if params.structured_outputs is not None else add()
         finished = False
         try:
             await asyncio.wrap_future(accepted)
@@ -73,6 +102,16 @@ class AsyncLLM(EngineClient):
         finally:
             if not finished:
                 self.driver.abort(request_id)
+
+    async def _add_off_loop(self, add: Callable[[], tuple[str, Future[None]]]) -> tuple[str, Future[None]]:
+        """``add()`` on a worker thread; a caller cancelled meanwhile leaves no request behind."""
+        adding = asyncio.ensure_future(asyncio.to_thread(add))
+        try:
+            return await asyncio.shield(adding)
+        except asyncio.CancelledError:
+            adding.add_done_callback(
+                lambda done: None if done.cancelled() or done.exception() else self.driver.abort(done.result()[0]))
+            raise
 
     async def _collect(self, text: str | None, ids: list[int], params: SamplingParams | None,
                        request_id: str | None) -> RequestOutput:

@@ -63,10 +63,12 @@ if TYPE_CHECKING:
 
     from pocketllm.args import EngineArgs
     from pocketllm.checkpoint import Checkpoint
+    from pocketllm.pooling import PoolingParams
     from pocketllm.sampling_params import SamplingParams
     from pocketllm.structured import Constraint
 
-API_VERSION = (2, 3)  # 2.1: BackendStats snapshot counters; 2.2: TensorParallelBackend; 2.3: structured outputs
+# 2.1: BackendStats snapshot counters; 2.2: TensorParallelBackend; 2.3: structured outputs; 2.4: EmbeddingEngine
+API_VERSION = (2, 4)
 """``(major, minor)`` of this contract. A backend built for the same major and an older or equal minor loads;
 the minor grows with additions a backend may ignore, the major with changes it may not."""
 
@@ -99,6 +101,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     prefix_caching: bool = False
     structured_outputs: bool = False
     """Masks each token of a request to its :class:`~pocketllm.structured.Constraint` (see ``add_request``)."""
+    pooling_types: tuple[str, ...] = ()
+    """:data:`pocketllm.pooling.POOLING_TYPES` its engine pools embeddings with (see :class:`EmbeddingEngine`);
+    empty: no embeddings."""
     tensor_parallel: bool = False
     speculative_methods: tuple[str, ...] = ()
     devices: tuple[str, ...] = ("cpu",)
@@ -132,7 +137,8 @@ class RequestDelta(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=
     ``finish_reason`` is ``"stop"`` (EOS or a stop token; see the module docstring for ``stop_token_id``),
     ``"length"`` (max_tokens reached), ``"error"`` (this request failed in the step: ``error`` says why, and
     the other requests of the step carry on) or ``None`` while the request runs. A finished request's KV is
-    already freed, and the engine never mentions it again.
+    already freed, and the engine never mentions it again. An embedding request's one delta has ``embedding``
+    set, no tokens and ``finish_reason="stop"``.
     """
 
     request_id: str
@@ -141,6 +147,7 @@ class RequestDelta(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=
     finish_reason: str | None = None
     stop_token_id: int | None = None
     error: str | None = None
+    embedding: list[float] | None = None
 
 
 class BackendStats(msgspec.Struct, kw_only=True):
@@ -212,6 +219,22 @@ class Engine(Protocol):
 
     def shutdown(self) -> None:
         """Release every resource; the engine is not used afterwards."""
+
+
+@runtime_checkable
+class EmbeddingEngine(Engine, Protocol):
+    """The engine of a backend that declares ``Capabilities.pooling_types`` also implements this (contract 2.4)."""
+
+    def add_embedding_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> None:
+        """Queue a request for the embedding of a prompt, batched with whatever else runs.
+
+        The core has checked the prompt as for ``add_request`` (with ``len(prompt_token_ids) <= max_model_len``)
+        and resolved ``params.pooling_type`` to one of ``Capabilities.pooling_types``; ``params.dimensions`` is
+        None or the model's hidden size. Run the prompt (prefix-cached blocks may be reused where the pooling
+        does not need their states) and pool the final hidden states, after the model's last norm: the last
+        prompt token's (``last``), the first's (``cls``) or their mean (``mean``), in float32, L2-normalized if
+        ``params.normalize``. Report it in one delta with ``embedding`` set and ``finish_reason="stop"``; the
+        request then holds nothing. ``abort`` and ``stats`` count it as any request."""
 
 
 @runtime_checkable

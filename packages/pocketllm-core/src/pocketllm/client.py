@@ -9,10 +9,11 @@ from pocketllm.args import EngineArgs
 from pocketllm.backend import BackendStats, Capabilities
 from pocketllm.chat import ChatPromptBuilder
 from pocketllm.driver import EngineDriver
-from pocketllm.errors import ConfigError, PromptTooLongError
+from pocketllm.errors import ConfigError, PromptTooLongError, RequestCancelledError
 from pocketllm.model_config import ModelConfig
 from pocketllm.outputs import CompletionOutput, RequestOutput, StreamEvent, Usage
 from pocketllm.plugins import BackendRegistry
+from pocketllm.pooling import EmbeddingOutput
 from pocketllm.progress import LoadProgress
 from pocketllm.sampling_params import SamplingParams
 
@@ -154,6 +155,15 @@ def per_prompt_params(params: SamplingParams | Sequence[SamplingParams] | None, 
     if len(params) != count:
         raise ConfigError("sampling_params", f"got {len(params)} for {count} prompts")
     return list(params)
+
+
+def embedding_of(item: StreamEvent | EmbeddingOutput | BaseException) -> EmbeddingOutput:
+    """What an embedding request's sink received, as its result or its error."""
+    if isinstance(item, BaseException):
+        raise item
+    if isinstance(item, StreamEvent):  # only a cancelled embedding request gets one
+        raise RequestCancelledError(f"embedding request {item.request_id} was cancelled")
+    return item
 
 
 class OutputCollector:

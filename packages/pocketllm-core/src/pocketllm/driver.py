@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pocketllm.args import EngineArgs
-from pocketllm.backend import BackendPlugin, BackendStats, RequestDelta, SampledLogprobs, TensorParallelBackend
+from pocketllm.backend import (
+    BackendPlugin,
+    BackendStats,
+    EmbeddingEngine,
+    RequestDelta,
+    SampledLogprobs,
+    TensorParallelBackend,
+)
 from pocketllm.checkpoint import Checkpoint, load_checkpoint
 from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
 from pocketllm.errors import ConfigError, EngineDeadError, RequestFailedError, UnsupportedOptionError
@@ -27,16 +34,20 @@ from pocketllm.limits import MAX_MODEL_LEN_CAP
 from pocketllm.model_config import ModelConfig
 from pocketllm.outputs import StreamEvent, Usage
 from pocketllm.plugins import BackendRegistry
+from pocketllm.pooling import DEFAULT_POOLING_TYPE, EmbeddingOutput, PoolingParams
 from pocketllm.progress import LoadProgress
+from pocketllm.reasoning import ReasoningSplitter
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.structured import Constraint, GrammarCompiler
-from pocketllm.support import check_engine_args, check_request
+from pocketllm.support import check_embedding_request, check_engine_args, check_request
 from pocketllm.tensor_parallel import LocalRanks, check_world, rank_info
 from pocketllm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[StreamEvent | BaseException], None]
+Sink = Callable[[StreamEvent | EmbeddingOutput | BaseException], None]
+"""Fed a generation's StreamEvents, or an embedding request's one EmbeddingOutput (a StreamEvent with
+finish_reason "abort" if it was cancelled); an exception ends either."""
 
 
 @dataclass(slots=True)
@@ -51,6 +62,10 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     constraint: Constraint | None = None
+    # With SamplingParams.reasoning (and not stop_in_reasoning): the answer after the section, where stop strings
+    # are looked for.
+    splitter: ReasoningSplitter | None = None
+    answer: str = ""
 
 
 @dataclass(slots=True)
@@ -61,6 +76,7 @@ class _Request:
     sink: Sink
     stop: StopMatcher
     choices: list[_Choice]
+    pooling: PoolingParams | None = None  # an embedding request: one choice, no tokens
 
     @property
     def finished(self) -> bool:
@@ -82,6 +98,7 @@ class EngineDriver:
             self.model_config = checkpoint.config
             self.checkpoint_path = checkpoint.path
             self.sampling_defaults = checkpoint.sampling_defaults()
+            self.default_pooling = checkpoint.pooling_type() or DEFAULT_POOLING_TYPE
             self.tokenizer = Tokenizer.from_checkpoint(checkpoint)
         # After the checkpoint: "auto" picks among the backends that can serve this model with these options.
         with progress.stage("finding a backend" if args.backend == "auto" else f"starting backend {args.backend}"):
@@ -150,16 +167,35 @@ class EngineDriver:
                                vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
         request_id = request_id or uuid.uuid4().hex
         # Compiled here, on the caller's thread: a large schema must not stall the engine's steps.
-        constraints = ([self.grammars.constraint(params.structured_outputs) for _ in range(params.n)]
+        constraints = ([self.grammars.constraint(params.structured_outputs, params.reasoning) for _ in range(params.n)]
                        if params.structured_outputs is not None else [None] * params.n)
+        splits = params.reasoning is not None and not params.stop_in_reasoning and bool(params.stop)
         choices = [
             _Choice(i, request_id if params.n == 1 else f"{request_id}-{i}",
                     IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
-                    constraint=constraints[i])
+                    constraint=constraints[i],
+                    splitter=ReasoningSplitter(params.reasoning) if splits and params.reasoning else None)
             for i in range(params.n)
         ]
         request = _Request(request_id, list(prompt_ids), params, sink,
                            StopMatcher(params.stop, params.include_stop_str_in_output), choices)
+        return request_id, self._queue(request)
+
+    def add_embedding(self, prompt_ids: list[int], params: PoolingParams, sink: Sink,
+                      request_id: str | None = None) -> tuple[str, Future[None]]:
+        """Queue an embedding request; its sink gets one EmbeddingOutput (see ``add_request`` for the future)."""
+        params = check_embedding_request(self.backend_name, self.capabilities, prompt_ids, params,
+                                         vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
+                                         hidden_size=self.model_config.hidden_size,
+                                         default_pooling=self.default_pooling)
+        request_id = request_id or uuid.uuid4().hex
+        choice = _Choice(0, request_id, IncrementalDetokenizer(self.tokenizer, prompt_ids, True))
+        request = _Request(request_id, list(prompt_ids), SamplingParams(max_tokens=1), sink, StopMatcher([], False),
+                           [choice], pooling=params)
+        return request_id, self._queue(request)
+
+    def _queue(self, request: _Request) -> Future[None]:
+        request_id, choices = request.request_id, request.choices
         future: Future[None] = Future()
         with self._cond:
             if self._error is not None or self._closing:
@@ -171,7 +207,7 @@ class EngineDriver:
             self._backend_ids |= backend_ids
             self._commands.append(("add", request, future))
             self._cond.notify()
-        return request_id, future
+        return future
 
     def abort(self, request_id: str) -> None:
         """Cancel at the next step boundary; the request's sink gets final ``abort`` events."""
@@ -251,6 +287,14 @@ class EngineDriver:
         added: list[str] = []
         try:
             for choice in request.choices:
+                if request.pooling is not None:
+                    if not isinstance(self.engine, EmbeddingEngine):
+                        raise UnsupportedOptionError("embeddings", self.backend_name, "it declares pooling_types "
+                                                     "without contract 2.4's add_embedding_request")
+                    self.engine.add_embedding_request(choice.backend_id, request.prompt_ids, request.pooling)
+                    added.append(choice.backend_id)
+                    self._choices[choice.backend_id] = (request, choice)
+                    continue
                 seed = request.params.seed
                 params = msgspec.structs.replace(
                     request.params, n=1, seed=None if seed is None else _wrap_int64(seed + choice.index))
@@ -298,6 +342,9 @@ class EngineDriver:
             if delta.finish_reason == "error":
                 to_abort += self._fail(request, delta.error or "the engine failed this request")
                 continue
+            if request.pooling is not None:
+                self._emit_embedding(request, choice, delta)
+                continue
             choice.token_ids.extend(delta.new_token_ids)
             if delta.logprobs is not None:
                 choice.logprobs = (choice.logprobs or []) + delta.logprobs
@@ -306,11 +353,19 @@ class EngineDriver:
                 new_text += choice.detok.flush()
                 choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_token_id
             choice.text += new_text
+            searched, num_new = choice.text, len(new_text)
+            if choice.splitter is not None:  # stop strings apply to the answer after the reasoning section
+                answer = choice.splitter.feed(new_text)[1]
+                if delta.finish_reason is not None:
+                    answer += choice.splitter.finish()[1]
+                choice.answer += answer
+                searched, num_new = choice.answer, len(answer)
             # As in vLLM, stop strings wait for min_tokens, like EOS and stop tokens in the engine.
-            checks_stop = new_text and request.stop.stops and len(choice.token_ids) >= request.params.min_tokens
-            hit = request.stop.find(choice.text, len(new_text)) if checks_stop else None
+            checks_stop = num_new and request.stop.stops and len(choice.token_ids) >= request.params.min_tokens
+            hit = request.stop.find(searched, num_new) if checks_stop else None
             if hit is not None:
-                choice.text = choice.text[:hit[0]]
+                # The answer ends the text: nothing is held back once it has begun.
+                choice.text = choice.text[:len(choice.text) - len(searched) + hit[0]]
                 if choice.finish_reason is None:
                     to_abort.append(choice.backend_id)
                 choice.finish_reason, choice.stop_reason = "stop", hit[1]
@@ -341,6 +396,23 @@ class EngineDriver:
             log.warning("dropping request %s: its consumer is gone", request.request_id)
             if not done:
                 self._abort(request)
+
+    def _emit_embedding(self, request: _Request, choice: _Choice, delta: RequestDelta) -> None:
+        if delta.embedding is None or delta.finish_reason is None:  # the engine broke its contract
+            self._fail(request, "the engine answered an embedding request without an embedding")
+            self.engine.abort([choice.backend_id])
+            return
+        choice.finish_reason = "stop"
+        self._choices.pop(choice.backend_id, None)
+        self.registry.pm.hook.pocketllm_request_finished(
+            request_id=choice.backend_id, finish_reason="stop", num_prompt_tokens=len(request.prompt_ids),
+            num_completion_tokens=0)
+        self._forget(request)
+        try:
+            request.sink(EmbeddingOutput(request_id=request.request_id, embedding=delta.embedding,
+                                         prompt_token_ids=request.prompt_ids))
+        except Exception:
+            log.warning("dropping the embedding of request %s: its consumer is gone", request.request_id)
 
     def _fail(self, request: _Request, message: str) -> list[str]:
         """End a request the engine failed: its caller gets the error; returns its other choices to abort."""

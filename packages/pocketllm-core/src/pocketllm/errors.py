@@ -43,3 +43,7 @@ class EngineDeadError(PocketLLMError, RuntimeError):
 
 class RequestFailedError(PocketLLMError, RuntimeError):
     """The engine failed this one request while running it; other requests were not affected."""
+
+
+class RequestCancelledError(PocketLLMError, RuntimeError):
+    """A request that has no partial result (an embedding) was aborted, or the engine shut down, before it ended."""

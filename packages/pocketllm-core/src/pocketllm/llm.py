@@ -12,11 +12,13 @@ from pocketllm.client import (
     Messages,
     OutputCollector,
     Prompt,
+    embedding_of,
     normalize_conversations,
     normalize_prompts,
     per_prompt_params,
 )
 from pocketllm.outputs import RequestOutput, StreamEvent
+from pocketllm.pooling import EmbeddingOutput, PoolingParams
 from pocketllm.sampling_params import SamplingParams
 
 
@@ -87,6 +89,23 @@ class _Collected:
         return self.events
 
 
+class _Embedded:
+    """An embedding request's one result, waited for by one thread."""
+
+    def __init__(self) -> None:
+        self.item: StreamEvent | EmbeddingOutput | BaseException | None = None
+        self.done = threading.Event()
+
+    def __call__(self, item: StreamEvent | EmbeddingOutput | BaseException) -> None:
+        self.item = item
+        self.done.set()
+
+    def wait(self) -> EmbeddingOutput:
+        self.done.wait()
+        assert self.item is not None
+        return embedding_of(self.item)
+
+
 class LLM(EngineClient):
     """Generate from text, token ids or chat messages; every call blocks until its requests finish.
 
@@ -110,6 +129,30 @@ class LLM(EngineClient):
         encoded = [self.render_chat(c, add_generation_prompt=add_generation_prompt, tools=tools,
                                     chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self._run_batch(encoded, per_prompt_params(sampling_params, len(encoded)), request_ids)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, *,
+              request_ids: Sequence[str] | None = None) -> list[EmbeddingOutput]:
+        """The embedding of each prompt (text or token ids), in order, run as one batch (and beside any
+        generation under way)."""
+        items = normalize_prompts(prompts)
+        params = pooling_params or PoolingParams()
+        submitted: list[tuple[str, _Embedded]] = []
+        try:
+            acceptances = []
+            for i, prompt in enumerate(items):
+                _, ids = self.encode_prompt(prompt)
+                sink = _Embedded()
+                rid, accepted = self.driver.add_embedding(ids, params, sink, request_ids[i] if request_ids else None)
+                submitted.append((rid, sink))
+                acceptances.append(accepted)
+            for accepted in acceptances:
+                accepted.result()
+            return [sink.wait() for _, sink in submitted]
+        except BaseException:
+            for rid, sink in submitted:
+                if not sink.done.is_set():
+                    self.driver.abort(rid)
+            raise
 
     def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                         request_id: str | None = None) -> RequestStream:

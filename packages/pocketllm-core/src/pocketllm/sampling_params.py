@@ -19,6 +19,7 @@ from pocketllm.limits import (
     MAX_STOP_TOKEN_IDS,
     MIN_REPETITION_PENALTY,
 )
+from pocketllm.reasoning import REASONING_PARSERS
 from pocketllm.structured import StructuredOutputs
 
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -51,6 +52,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None  # what the output must match (a grammar constrains it)
+    reasoning: str | None = None
+    """The output opens with a reasoning section in this format (:data:`pocketllm.reasoning.REASONING_PARSERS`):
+    ``structured_outputs`` constrain only what follows it, and ``stop`` strings inside it do not end the request
+    unless ``stop_in_reasoning``."""
+    stop_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,7 +71,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for name in _FLOATS:
             value = getattr(self, name)
             _check(_is_real(value) and math.isfinite(value), name, f"must be a finite number, got {value!r}")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "stop_in_reasoning"):
             _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         _check(1 <= self.n <= MAX_N, "n", f"must be between 1 and {MAX_N}, got {self.n}")
         _check(self.max_tokens is None or 1 <= self.max_tokens <= INT64_MAX, "max_tokens",
@@ -97,6 +103,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                "must be non-negative token ids")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
                "structured_outputs", "must be a StructuredOutputs")
+        _check(self.reasoning is None or self.reasoning in REASONING_PARSERS, "reasoning",
+               f"must be one of {', '.join(REASONING_PARSERS)} or None, got {self.reasoning!r}")
         _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to numbers")
         _check(all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.logit_bias), "logit_bias",
                "keys must be non-negative token ids")

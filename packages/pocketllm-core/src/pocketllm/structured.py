@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from pocketllm import reasoning as reasoning_tags
 from pocketllm.errors import ConfigError
 from pocketllm.limits import MAX_GRAMMAR_CHARS
 
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
     from pocketllm.tokenizer import Tokenizer
 
 _CACHE_SIZE = 256  # compiled grammars kept, least recently used first out
+# JSON without whitespace between tokens (a schema's "x-guidance" may ask otherwise): where any whitespace is
+# allowed, a small model sampled warm can spend its whole budget on newlines inside an array.
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -65,10 +69,10 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
         import llguidance
 
         if self.json_object:
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.json is not None:
             schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            return llguidance.LLMatcher.grammar_from_json_schema(schema)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if self.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
@@ -83,21 +87,55 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
         return llguidance.LLMatcher.grammar_from_lark(text)
 
 
+class ReasoningGate:
+    """Keeps a reply's reasoning section (see :mod:`pocketllm.reasoning`) out of its grammar's reach: the grammar
+    sees the tokens after the closing tag. In the qwen3 format the section is optional: the first token may open
+    it (its single token is allowed beside the grammar's), and any other first token starts the answer."""
+
+    def __init__(self, opens_in_prompt: bool, start_id: int | None, end_ids: list[int]) -> None:
+        self._start_id, self._end_ids = start_id, end_ids
+        self._recent: list[int] = []
+        self.state = "reasoning" if opens_in_prompt else "opening" if start_id is not None else "answer"
+
+    @property
+    def masks(self) -> bool:
+        """Whether the grammar's mask applies to the next token."""
+        return self.state != "reasoning"
+
+    @property
+    def also_allowed(self) -> int | None:
+        """A token allowed beside the grammar's: the section's opening tag, while it may still come."""
+        return self._start_id if self.state == "opening" else None
+
+    def take(self, token_id: int) -> bool:
+        """Follow one chosen token; True when it belongs to the section (the grammar must not see it)."""
+        if self.state == "opening":
+            self.state = "reasoning" if token_id == self._start_id else "answer"
+            return self.state == "reasoning"
+        if self.state == "reasoning":
+            self._recent = [*self._recent, token_id][-len(self._end_ids):]
+            if self._recent == self._end_ids:
+                self.state = "answer"
+            return True
+        return False
+
+
 class Constraint:
     """One engine request's grammar state: which tokens may come next, advanced by each token chosen."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, gate: ReasoningGate | None = None) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self._gate = gate
 
     def fill_bitmask(self, out: np.ndarray) -> None:
         """Write the allowed next tokens into ``out``, int32 [(vocab_size + 31) // 32]: bit t % 32 of word t // 32."""
-        import llguidance.numpy
-
-        llguidance.numpy.fill_next_token_bitmask(self._matcher, out.reshape(1, -1), 0)
+        fill_bitmasks([(0, self)], out.reshape(1, -1))
 
     def accept(self, token_id: int) -> None:
         """The token chosen under the mask (an end-of-sequence token once the grammar is complete)."""
+        if self._gate is not None and self._gate.take(token_id):
+            return
         if not self._matcher.is_stopped():
             self._matcher.consume_token(token_id)
 
@@ -115,7 +153,16 @@ def fill_bitmasks(rows: list[tuple[int, Constraint]], out: np.ndarray) -> None:
     one call that spreads the rows over llguidance's threads with the GIL released."""
     import llguidance.numpy
 
-    llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(c._matcher, i) for i, c in rows], out)
+    masked = [(i, c) for i, c in rows if c._gate is None or c._gate.masks]
+    for i, c in rows:
+        if c._gate is not None and not c._gate.masks:  # inside a reasoning section: every token may come
+            out[i] = -1
+    if masked:
+        llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(c._matcher, i) for i, c in masked], out)
+    for i, c in masked:
+        extra = c._gate.also_allowed if c._gate is not None else None
+        if extra is not None:
+            out[i].view(np.uint32)[extra // 32] |= np.uint32(1 << (extra % 32))
 
 
 @functools.cache
@@ -140,8 +187,10 @@ class GrammarCompiler:
         eos = list(self._tokenizer.eos_token_ids) or None
         return llguidance.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
 
-    def constraint(self, spec: StructuredOutputs) -> Constraint:
-        """A fresh constraint for one engine request; ConfigError naming structured_outputs for a bad spec."""
+    def constraint(self, spec: StructuredOutputs, reasoning: str | None = None) -> Constraint:
+        """A fresh constraint for one engine request; ConfigError naming structured_outputs for a bad spec.
+        With ``reasoning`` (a :data:`pocketllm.reasoning.REASONING_PARSERS` format) the grammar starts after
+        the reply's reasoning section."""
         import llguidance
 
         key = spec.key()
@@ -163,7 +212,13 @@ class GrammarCompiler:
                 self._cache[key] = pristine
                 while len(self._cache) > _CACHE_SIZE:
                     self._cache.popitem(last=False)
-        return Constraint(pristine.deep_copy(), self.vocab_size)
+        return Constraint(pristine.deep_copy(), self.vocab_size, self._gate(reasoning) if reasoning else None)
+
+    def _gate(self, reasoning: str) -> ReasoningGate:
+        start = self._tokenizer.encode(reasoning_tags.START, add_special_tokens=False)
+        end = self._tokenizer.encode(reasoning_tags.END, add_special_tokens=False)
+        # An optional opening is told by the first token alone: a tag that takes several tokens never opens.
+        return ReasoningGate(reasoning_tags.opens_in_prompt(reasoning), start[0] if len(start) == 1 else None, end)
 
 
 def _kind(spec: StructuredOutputs) -> str:

@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pocketllm.errors import ConfigError, PromptTooLongError, UnsupportedOptionError
+from pocketllm.pooling import POOLING_TYPES
 
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
     from pocketllm.backend import Capabilities
     from pocketllm.checkpoint import Checkpoint
+    from pocketllm.pooling import PoolingParams
     from pocketllm.sampling_params import SamplingParams
 
 
@@ -77,8 +79,7 @@ def check_request(backend: str, caps: Capabilities, prompt_ids: list[int], param
     resolved against the room left): see ``Engine.add_request`` for what the engine may then assume."""
     if not prompt_ids:
         raise ConfigError("prompt", "must not be empty")
-    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt_ids):
-        raise ConfigError("prompt", f"token ids must be integers in [0, {vocab_size})")
+    _check_prompt_ids(prompt_ids, vocab_size)
     if len(prompt_ids) >= max_model_len:
         raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len}, "
                                  "which leaves no room to generate")
@@ -98,3 +99,32 @@ def check_request(backend: str, caps: Capabilities, prompt_ids: list[int], param
         raise UnsupportedOptionError("n", backend, f"at most {caps.max_n} choices")
     room = max_model_len - len(prompt_ids)
     return msgspec.structs.replace(params, max_tokens=min(params.max_tokens or room, room))
+
+
+def check_embedding_request(backend: str, caps: Capabilities, prompt_ids: list[int], params: PoolingParams, *,
+                            vocab_size: int, max_model_len: int, hidden_size: int,
+                            default_pooling: str) -> PoolingParams:
+    """As ``check_request``, for ``EmbeddingEngine.add_embedding_request``: the parameters with the pooling
+    type resolved (the request's, else the checkpoint's ``default_pooling``)."""
+    if not caps.pooling_types:
+        raise UnsupportedOptionError("embeddings", backend, "it does not pool hidden states")
+    pooling = params.pooling_type or default_pooling
+    if pooling not in POOLING_TYPES:
+        raise ConfigError("pooling_type", f"must be one of {', '.join(POOLING_TYPES)}, got {pooling!r}")
+    if pooling not in caps.pooling_types:
+        raise UnsupportedOptionError("pooling_type", backend,
+                                     f"{pooling!r}; supported: {', '.join(caps.pooling_types)}")
+    if params.dimensions is not None and params.dimensions != hidden_size:
+        raise UnsupportedOptionError("dimensions", backend, f"the model's embeddings have {hidden_size} dimensions "
+                                     "and it is not trained for shortened (Matryoshka) ones")
+    if not prompt_ids:
+        raise ConfigError("input", "must not be empty")
+    _check_prompt_ids(prompt_ids, vocab_size)
+    if len(prompt_ids) > max_model_len:
+        raise PromptTooLongError(f"input has {len(prompt_ids)} tokens; max_model_len is {max_model_len}")
+    return msgspec.structs.replace(params, pooling_type=pooling)
+
+
+def _check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt_ids):
+        raise ConfigError("prompt", f"token ids must be integers in [0, {vocab_size})")

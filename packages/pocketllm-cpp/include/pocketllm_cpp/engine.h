@@ -15,7 +15,7 @@
 
 namespace pocketllm {
 
-enum class Finish { None, Stop, Length };
+enum class Finish { None, Stop, Length, Error };  // Error: nothing could be sampled (see Engine::set_allowed)
 
 struct Delta {
     std::string request_id;
@@ -24,6 +24,7 @@ struct Delta {
     int32_t stop_token_id;  // -1 unless a requested stop token ended the request
     bool has_logprobs;
     TokenLogprobs logprobs;
+    std::vector<float> embedding;  // an embedding request's result (it has no token)
 };
 
 struct EngineStats {
@@ -42,7 +43,13 @@ public:
 
     // Queues a request; throws std::invalid_argument for an id in use or a prompt the pool can never hold.
     void add_request(const std::string& id, std::vector<int32_t> prompt, SamplingConfig sampling);
+    // Queues a request for the pooled final hidden states of `prompt` (L2-normalized if `normalize`), reported in
+    // one Delta with `embedding` set and Finish::Stop; throws as add_request.
+    void add_embedding_request(const std::string& id, std::vector<int32_t> prompt, Pooling pool, bool normalize);
     std::vector<Delta> step();
+    // The tokens a request may sample next (a grammar's bitmask of (vocab + 31) / 32 words; empty: any), kept
+    // until replaced; throws std::invalid_argument for an unknown id or a wrong size.
+    void set_allowed(const std::string& id, std::vector<uint32_t> words);
     void abort(const std::vector<std::string>& ids);  // frees their blocks before returning; unknown ids ignored
     bool has_unfinished() const { return !waiting_.empty() || !running_.empty(); }
     EngineStats stats() const;
@@ -60,6 +67,10 @@ private:
         int64_t computed = 0;  // tokens whose keys and values are in the cache; 0 again after preemption
         std::vector<int32_t> blocks;
         BlockManager::Chain chain;  // its full blocks registered for prefix caching
+        std::vector<uint32_t> allowed;  // the grammar's mask for its next token; empty: unconstrained
+        Pooling pool = Pooling::None;  // an embedding request: nothing is sampled
+        bool normalize = true;
+        std::vector<float> pooled;  // its pooling over the prompt chunks run so far
         int64_t size() const { return static_cast<int64_t>(tokens.size()); }
         int64_t num_output() const { return static_cast<int64_t>(tokens.size() - num_prompt); }
     };
@@ -71,6 +82,10 @@ private:
     void preempt(const SeqPtr& seq);
     void finish(const SeqPtr& seq);
     Delta sample_next(const SeqPtr& seq, std::vector<float> logits);
+    void check_prompt(const std::string& id, const std::vector<int32_t>& prompt, int64_t longest) const;
+    // Folds in the pooling of a prompt chunk that started at `start`; true, with `delta` set (and the request
+    // finished), once its prompt is done.
+    bool pool_chunk(const SeqPtr& seq, int64_t start, const float* part, Delta& delta);
 
     std::shared_ptr<Model> model_;
     SchedulerConfig config_;

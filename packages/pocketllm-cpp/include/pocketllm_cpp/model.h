@@ -28,11 +28,15 @@ struct LayerWeights {
 };
 
 // One sequence's share of a batch: `num_tokens` new tokens from position `start`, its KV in `block_table`.
+// Embeddings: how a slice's final hidden states (after the last norm) are pooled.
+enum class Pooling { None, Last, Mean, Cls };
+
 struct SequenceSlice {
     int64_t start;
     int64_t num_tokens;
     std::vector<int32_t> block_table;
     bool logits;  // whether its last token's logits are wanted
+    Pooling pool = Pooling::None;
 };
 
 class Model {
@@ -46,8 +50,11 @@ public:
 
     // Runs every slice's new tokens (in slice order in `tokens`) through the model, writing their keys and
     // values to the cache; returns the logits [slices with logits, vocab] of each wanted slice's last token.
+    // With `pooled`, appends [slices that pool, hidden] to it: the sum of the slice's final hidden states (Mean),
+    // its first one (Cls; zeros unless the slice starts at 0) or its last one (Last).
     // Throws std::invalid_argument for ids, positions or blocks out of range, before touching the cache.
-    std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices);
+    std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
+                               std::vector<float>* pooled = nullptr);
     // Adds forward's share of the time (forward, matmul, lm_head, attention, wait, regions) to `into`.
     void add_profile(Profile& into) const;
     void reset_profile();

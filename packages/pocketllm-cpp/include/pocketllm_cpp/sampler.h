@@ -42,7 +42,9 @@ private:
 
 // Chooses the next token from `logits` (vocab values, modified in place) for a sequence whose `tokens` are its
 // `num_prompt` prompt tokens and then its output so far; fills `logprobs` when the config asks for them.
+// `allowed`, when not empty, is a grammar's bitmask (bit t % 32 of word t / 32 for token t), applied after every
+// other logits processor. Returns -1 when nothing may be sampled (every token masked).
 int32_t sample(std::vector<float>& logits, const SamplingConfig& config, const std::vector<int32_t>& tokens,
-               size_t num_prompt, Rng& rng, TokenLogprobs* logprobs);
+               size_t num_prompt, Rng& rng, TokenLogprobs* logprobs, const std::vector<uint32_t>& allowed = {});
 
 }  // namespace pocketllm

@@ -6,6 +6,8 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from pocketllm.backend import (
     API_VERSION,
     SAMPLING_OPTIONS,
@@ -17,11 +19,15 @@ from pocketllm.backend import (
 )
 from pocketllm.errors import ConfigError
 from pocketllm.limits import MAX_THREADS
+from pocketllm.pooling import POOLING_TYPES
+from pocketllm.structured import bitmask_words, fill_bitmasks
 
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
     from pocketllm.checkpoint import Checkpoint
+    from pocketllm.pooling import PoolingParams
     from pocketllm.sampling_params import SamplingParams
+    from pocketllm.structured import Constraint
 
 NAME = "cpp"
 BACKEND_OPTIONS = ("block_size", "exact_activations", "num_kv_blocks", "num_threads")
@@ -29,7 +35,8 @@ DEFAULT_BLOCK_SIZE = 16
 # KV-cache element types and their bytes; "auto" is float16, half the bytes attention reads per position.
 KV_CACHE_DTYPES = {"float16": 2, "float32": 4}
 KV_MEMORY_FRACTION = 0.25  # of physical RAM, as the torch backend
-_FINISH = {0: None, 1: "stop", 2: "length"}
+_FINISH = {0: None, 1: "stop", 2: "length", 3: "error"}
+_NOTHING_ALLOWED = "no token may be sampled: the grammar (with min_tokens and logit_bias) allows none"
 
 
 class CppBackend:
@@ -52,6 +59,8 @@ class CppBackend:
             quantization_formats=STORAGE_TYPES,
             sampling_options=SAMPLING_OPTIONS,
             prefix_caching=True,
+            structured_outputs=True,
+            pooling_types=POOLING_TYPES,
             devices=("cpu",),
             dtypes=("float32",),
             kv_cache_dtypes=("auto", *KV_CACHE_DTYPES),
@@ -99,8 +108,11 @@ class CppEngine:
                                  exact_activations=exact, kv_cache_dtype=kv_dtype)
         self.engine = _native.Engine(self.model, args.max_num_seqs, args.max_num_batched_tokens,
                                      args.prefill_chunk_size, args.seed, args.enable_prefix_caching)
+        self.vocab_size = config.vocab_size
+        self.constraints: dict[str, Constraint] = {}  # structured outputs: running requests' grammars
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    constraint: Constraint | None = None) -> None:
         # The core has checked the prompt and the parameters (see pocketllm.backend.Engine).
         stops = list(dict.fromkeys([*params.stop_token_ids, *(() if params.ignore_eos else self.eos)]))
         sampling: dict[str, Any] = {
@@ -112,21 +124,61 @@ class CppEngine:
             "logprobs": -1 if params.logprobs is None else params.logprobs,
         }
         self.engine.add_request(request_id, prompt_token_ids, sampling)
+        if constraint is not None:
+            self.constraints[request_id] = constraint
+            self._set_masks([request_id])
+
+    def add_embedding_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> None:
+        assert params.pooling_type is not None  # resolved by the core
+        self.engine.add_embedding_request(request_id, prompt_token_ids, params.pooling_type, params.normalize)
 
     def step(self) -> list[RequestDelta]:
         deltas = []
-        for request_id, token, finish, stop_token_id, logprobs in self.engine.step():
+        for request_id, token, finish, stop_token_id, logprobs, embedding in self.engine.step():
+            reason = _FINISH[finish]
+            if embedding is not None:
+                deltas.append(RequestDelta(request_id=request_id, new_token_ids=[], finish_reason="stop",
+                                           embedding=embedding))
+                continue
+            if reason == "error":
+                self.constraints.pop(request_id, None)
+                deltas.append(RequestDelta(request_id=request_id, new_token_ids=[], finish_reason="error",
+                                           error=_NOTHING_ALLOWED))
+                continue
+            constraint = self.constraints.get(request_id)
+            if constraint is not None:
+                constraint.accept(token)
+                if constraint.error is not None:  # the engine still runs it: stop it there too
+                    self.abort([request_id])
+                    deltas.append(RequestDelta(request_id=request_id, new_token_ids=[], finish_reason="error",
+                                               error=f"structured output: {constraint.error}"))
+                    continue
+                if reason is not None:
+                    del self.constraints[request_id]
             sampled = None
             if logprobs is not None:
                 chosen, value, rank, top = logprobs
                 sampled = [SampledLogprobs(chosen, value, rank, [TokenLogprob(i, v) for i, v in top])]
             deltas.append(RequestDelta(request_id=request_id, new_token_ids=[token], logprobs=sampled,
-                                       finish_reason=_FINISH[finish],
+                                       finish_reason=reason,
                                        stop_token_id=None if stop_token_id < 0 else stop_token_id))
+        # Each grammar moved on by its token: the masks for the next ones, in one parallel fill.
+        self._set_masks([d.request_id for d in deltas if d.finish_reason is None and d.request_id in self.constraints])
         return deltas
 
+    def _set_masks(self, request_ids: list[str]) -> None:
+        if not request_ids:
+            return
+        masks = np.full((len(request_ids), bitmask_words(self.vocab_size)), -1, dtype=np.int32)
+        fill_bitmasks([(i, self.constraints[r]) for i, r in enumerate(request_ids)], masks)
+        for request_id, words in zip(request_ids, masks.view(np.uint32), strict=True):
+            self.engine.set_allowed(request_id, words)
+
     def abort(self, request_ids: Iterable[str]) -> None:
-        self.engine.abort(list(request_ids))
+        ids = list(request_ids)
+        for request_id in ids:
+            self.constraints.pop(request_id, None)
+        self.engine.abort(ids)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()

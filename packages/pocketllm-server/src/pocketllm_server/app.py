@@ -14,13 +14,22 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pocketllm import AsyncLLM, EngineArgs, __version__
-from pocketllm_server import openai_chat, openai_completions, openai_models, routes_health, routes_tokenize
+from pocketllm.pooling import POOLING_TYPES
+from pocketllm.reasoning import REASONING_PARSERS
+from pocketllm_server import (
+    openai_chat,
+    openai_completions,
+    openai_embeddings,
+    openai_models,
+    routes_health,
+    routes_tokenize,
+)
 from pocketllm_server.errors import APIError
 from pocketllm_server.middleware import ApiKeyMiddleware, RequestBodyMiddleware, UnexpectedErrorMiddleware
 from pocketllm_server.openapi import openapi_document, openapi_json
-from pocketllm_server.reasoning import REASONING_PARSERS
 from pocketllm_server.state import ServerState, state_of
 from pocketllm_server.tool_calls import TOOL_CALL_PARSERS
+from pocketllm_server.web_ui import routes as web_ui_routes
 
 # Status for a request whose client left before the answer (nginx's convention; nobody receives it).
 _CLIENT_CLOSED_REQUEST = 499
@@ -35,7 +44,8 @@ GENERATION_CONFIG_CHOICES = ("auto", "none")
 def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str | None = None,
                max_queue_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                generation_config: str = "auto", llm: AsyncLLM | None = None,
-               reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> Starlette:
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+               pooling_type: str | None = None, web_ui: bool = True) -> Starlette:
     """Build the server. Without ``llm`` the app loads the model itself, in the background, at startup.
 
     An ``llm`` passed in is used as it is and not shut down with the app.
@@ -48,12 +58,15 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
     if tool_call_parser is not None and tool_call_parser not in ("auto", *TOOL_CALL_PARSERS):
         raise ValueError(f"tool_call_parser must be auto or one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
+    if pooling_type is not None and pooling_type not in POOLING_TYPES:
+        raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {pooling_type!r}")
     if generation_config not in GENERATION_CONFIG_CHOICES:
         raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {generation_config!r}")
     state = ServerState(engine_args, served_model_name=served_model_name, max_queue_len=max_queue_len, llm=llm,
                         generation_config=generation_config)
     state.reasoning_parser = reasoning_parser
     state.tool_call_parser = tool_call_parser
+    state.pooling_type = pooling_type
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -71,9 +84,11 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
         Route("/v1/models", openai_models.list_models, methods=["GET"]),
         Route("/v1/chat/completions", openai_chat.create_chat_completion, methods=["POST"]),
         Route("/v1/completions", openai_completions.create_completion, methods=["POST"]),
+        Route("/v1/embeddings", openai_embeddings.create_embedding, methods=["POST"]),
         Route("/tokenize", routes_tokenize.tokenize, methods=["POST"]),
         Route("/detokenize", routes_tokenize.detokenize, methods=["POST"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
+        *(web_ui_routes() if web_ui else []),
     ]
     middleware = [Middleware(RequestBodyMiddleware, max_body_bytes=max_request_bytes),
                   Middleware(UnexpectedErrorMiddleware)]

@@ -18,10 +18,11 @@ from starlette.applications import Starlette
 from pocketllm.args import DEFAULT_MODEL
 from pocketllm.cli_args import add_engine_args, engine_args_from
 from pocketllm.errors import PocketLLMError
+from pocketllm.pooling import POOLING_TYPES
+from pocketllm.reasoning import REASONING_PARSERS
 from pocketllm.supervisor import supervise
 from pocketllm.tensor_parallel import check_world, mark_ready, rank_info, run_worker, watch_parent
 from pocketllm_server.app import DEFAULT_MAX_REQUEST_BYTES, GENERATION_CONFIG_CHOICES, create_app
-from pocketllm_server.reasoning import REASONING_PARSERS
 from pocketllm_server.state import ServerState
 from pocketllm_server.tool_calls import TOOL_CALL_PARSERS
 
@@ -64,6 +65,11 @@ def build_parser(prog: str = "pocketllm-server") -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", choices=("auto", *TOOL_CALL_PARSERS), default=None,
                         help="parse tool calls out of chat replies when a request gives tools (auto: the format "
                              "the chat template shows; default: not parsed, the reply stays content)")
+    server.add_argument("--pooling-type", choices=POOLING_TYPES, default=None,
+                        help="how /v1/embeddings pools a prompt's final hidden states (default: the checkpoint's "
+                             "pooling config, else last)")
+    server.add_argument("--no-web-ui", action="store_true",
+                        help="do not serve the chat page at / (an API-only deployment)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     tp = parser.add_argument_group("tensor parallelism", "with --tensor-parallel-size N > 1, this command starts "
                                    "N local ranks and supervises them; rank 0 serves HTTP")
@@ -111,7 +117,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "pocketllm-server") -> i
     app = create_app(engine_args, served_model_name=served_model_name, api_key=ns.api_key or None,
                      max_queue_len=ns.max_queue_len, max_request_bytes=ns.max_request_bytes,
                      generation_config=ns.generation_config, reasoning_parser=ns.reasoning_parser,
-                     tool_call_parser=ns.tool_call_parser)
+                     tool_call_parser=ns.tool_call_parser, pooling_type=ns.pooling_type,
+                     web_ui=not ns.no_web_ui)
     config = Config()
     address = f"[{ns.host}]:{ns.port}" if ":" in ns.host else f"{ns.host}:{ns.port}"
     config.bind = [address]

@@ -5,7 +5,14 @@ from __future__ import annotations
 import msgspec
 from starlette.responses import Response
 
-from pocketllm.errors import ConfigError, EngineDeadError, PocketLLMError, PromptTooLongError, UnsupportedOptionError
+from pocketllm.errors import (
+    ConfigError,
+    EngineDeadError,
+    PocketLLMError,
+    PromptTooLongError,
+    RequestCancelledError,
+    UnsupportedOptionError,
+)
 
 # Seconds a client should wait before retrying a 503 (loading, overloaded, shutting down).
 RETRY_AFTER_S = 1
@@ -59,4 +66,6 @@ def from_engine_error(error: PocketLLMError, *, fields: dict[str, str] | None = 
         return APIError(400, str(error), param=fields.get("prompt", "prompt"), code="context_length_exceeded")
     if isinstance(error, EngineDeadError):
         return unavailable(str(error), "engine_dead")
+    if isinstance(error, RequestCancelledError):  # with its client still there, only a shutdown cancels
+        return unavailable(f"{error}: the server is shutting down", "request_aborted")
     return APIError(500, f"{type(error).__name__}: {error}", type="internal_server_error")

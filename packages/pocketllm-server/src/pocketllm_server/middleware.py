@@ -10,12 +10,14 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pocketllm_server.errors import APIError
+from pocketllm_server.web_ui import DEFAULTS_PATH
 
 log = logging.getLogger("pocketllm_server")
 
 
 def _is_protected(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+    # The chat page's files stay open (they hold no secret); its defaults are API data.
+    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize", DEFAULTS_PATH)
 
 
 class ApiKeyMiddleware:

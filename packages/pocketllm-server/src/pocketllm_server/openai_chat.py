@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pocketllm import PocketLLMError
+from pocketllm.reasoning import ReasoningSplitter, split_reply
 from pocketllm.structured import StructuredOutputs
 from pocketllm_server.errors import APIError, ErrorBody, from_engine_error, invalid_request
 from pocketllm_server.generation import (
@@ -40,7 +41,6 @@ from pocketllm_server.protocol import (
     UsageInfo,
     json_response,
 )
-from pocketllm_server.reasoning import ReasoningSplitter, split_reply
 from pocketllm_server.state import EngineStream, read_model_request
 from pocketllm_server.streaming import DONE, EventStreamResponse, sse
 from pocketllm_server.tool_calls import ToolCall, ToolCallStream, forcing_grammar, parser_for_template
@@ -76,6 +76,9 @@ async def create_chat_completion(request: Request) -> Response:
     if forced is not None:
         fields["structured_outputs"] = "tool_choice" if req.functions is None else "function_call"
         params = msgspec.structs.replace(params, structured_outputs=forced)
+    if state.reasoning_parser is not None:  # grammars and stop strings apply after the reasoning section
+        params = msgspec.structs.replace(params, reasoning=state.reasoning_parser,
+                                         stop_in_reasoning=req.stop_in_reasoning)
     rid = request_id(request, "chatcmpl")
     prompt = PromptRequest(text=None, ids=prompt_ids, params=params, request_id=rid)
     [stream] = await start_all(request, [prompt], fields)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -16,6 +17,7 @@ _OPERATIONS: list[tuple[str, str, str, type | None, type | None, bool]] = [
     ("post", "/v1/chat/completions", "Chat completion (OpenAI)", protocol.ChatCompletionRequest,
      protocol.ChatCompletion, True),
     ("post", "/v1/completions", "Text completion (OpenAI)", protocol.CompletionRequest, protocol.Completion, True),
+    ("post", "/v1/embeddings", "Embeddings (OpenAI)", protocol.EmbeddingRequest, protocol.EmbeddingList, False),
     ("get", "/v1/models", "The served model", None, protocol.ModelList, False),
     ("post", "/tokenize", "Tokenize a prompt or a conversation (vLLM)", protocol.TokenizeRequest,
      protocol.TokenizeResponse, False),
@@ -26,10 +28,13 @@ _OPERATIONS: list[tuple[str, str, str, type | None, type | None, bool]] = [
     ("get", "/ready", "The engine is loaded and serving", None, None, False),
     ("get", "/metrics", "Prometheus metrics", None, None, False),
     ("get", "/openapi.json", "This document", None, None, False),
+    ("get", "/", "The chat page (off with --no-web-ui)", None, None, False),
+    ("get", "/ui/defaults", "The chat page's sampling defaults", None, None, False),
+    ("get", "/ui/{path}", "The chat page's scripts and styles", None, None, False),
 ]
 _ERRORS = {"400": "Invalid request", "401": "Missing or wrong API key", "404": "Unknown model or route",
            "413": "Request body too large", "415": "Body is not JSON", "503": "Loading, overloaded or shutting down"}
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/ui/defaults")
 
 
 def openapi_document(*, title: str, version: str, api_key: bool) -> dict[str, Any]:
@@ -38,6 +43,10 @@ def openapi_document(*, title: str, version: str, api_key: bool) -> dict[str, An
     paths: dict[str, dict[str, Any]] = {}
     for method, path, summary, request, response, streams in _OPERATIONS:
         operation: dict[str, Any] = {"summary": summary, "responses": _responses(response, streams, method)}
+        parameters = re.findall(r"{(\w+)}", path)
+        if parameters:
+            operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                                       for name in parameters]
         if request is not None:
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
         if api_key and path.startswith(_PROTECTED_PREFIXES):

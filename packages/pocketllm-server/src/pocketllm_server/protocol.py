@@ -8,7 +8,7 @@ fields are ignored, as clients send fields this server has no use for.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from starlette.responses import Response
@@ -101,6 +101,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     web_search_options: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    stop_in_reasoning: bool = False  # with --reasoning-parser: stop strings also end the reasoning section
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
@@ -110,6 +111,17 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    input: str | list[str | int | list[int]]  # told apart after decoding, as CompletionRequest.prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    user: str | None = None  # accepted for compatibility; not used
+    # vLLM's extensions: keep only the last N tokens of each input; skip the L2 normalization.
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    normalize: bool = True
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -130,6 +142,26 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 # -- responses -----------------------------------------------------------------------------------------------------
+
+class Embedding(msgspec.Struct, kw_only=True):
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32s
+    object: str = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+    object: str = "list"
+
 
 class CompletionTokensDetails(msgspec.Struct, kw_only=True):
     reasoning_tokens: int

@@ -59,6 +59,7 @@ class ServerState:
         self.served_model_name = served_model_name
         self.reasoning_parser: str | None = None  # --reasoning-parser: <think> sections split from answers
         self.tool_call_parser: str | None = None  # --tool-call-parser: tool calls parsed out of replies
+        self.pooling_type: str | None = None  # --pooling-type: embeddings' pooling, else the checkpoint's
         self.max_queue_len = max_queue_len
         self.llm = llm
         self.owns_llm = llm is None  # an engine handed in by the caller is theirs to shut down
@@ -147,16 +148,21 @@ class ServerState:
 
     # -- requests ------------------------------------------------------------------------------------------------
 
+    def check_queue(self) -> AsyncLLM:
+        """The engine, if it takes another request: 503 when ``max_queue_len`` requests already wait for a slot."""
+        llm = self.require_llm()
+        if self.max_queue_len is not None and llm.stats().num_waiting >= self.max_queue_len:
+            raise unavailable(f"too many requests waiting (max_queue_len={self.max_queue_len}); retry later",
+                              "queue_full")
+        return llm
+
     async def start(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> EngineStream:
         """Admit a request and wait for its first output, so that every error it can have is raised here.
 
         Raises APIError (503) when ``max_queue_len`` requests already wait for an engine slot (running ones do
         not count), or the engine's error for a bad request.
         """
-        llm = self.require_llm()
-        if self.max_queue_len is not None and llm.stats().num_waiting >= self.max_queue_len:
-            raise unavailable(f"too many requests waiting (max_queue_len={self.max_queue_len}); retry later",
-                              "queue_full")
+        llm = self.check_queue()
         stream = EngineStream(self.metrics, llm.stream_ids(prompt_ids, params, request_id=request_id),
                               len(prompt_ids))
         await stream.pull_first()

@@ -17,6 +17,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from pocketllm.structured import JSON_OPTIONS
+
 TOOL_CALL_PARSERS = ("hermes", "qwen3_xml", "llama3_json")
 OPEN = "<tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -162,27 +164,49 @@ def _llama3(text: str) -> tuple[str, list[ToolCall]]:
 def forcing_grammar(parser: str, tools: list[dict], name: str | None, parallel: bool) -> str:
     """A Lark grammar (llguidance's, with ``%json``) whose every string is a call in ``parser``'s format: to the
     tool ``name``, or to any of ``tools`` (tool_choice "required"), arguments valid under its parameters' schema."""
-    if parser not in ("hermes", "llama3_json"):
-        raise ValueError(f"required and named tool calls are enforced in the hermes and llama3_json formats, not "
-                         f"{parser}")
     functions = [t.get("function", {}) for t in tools
                  if isinstance(t, dict) and t.get("type", "function") == "function"]
     chosen = [f for f in functions if isinstance(f, dict) and isinstance(f.get("name"), str)
               and (name is None or f["name"] == name)]
     if not chosen:
         raise ValueError(f"no tool named {name!r}" if name is not None else "tools has no function")
-    arguments_key = "arguments" if parser == "hermes" else "parameters"
     rules = []
     for i, function in enumerate(chosen):
         parameters = function.get("parameters") or {"type": "object"}
+        if parser == "qwen3_xml":
+            rules += _xml_call_rules(f"call_{i}", function["name"], parameters)
+            continue
+        arguments_key = "arguments" if parser == "hermes" else "parameters"
         schema = {"type": "object", "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
-                  "required": ["name", arguments_key], "additionalProperties": False}
+                  "required": ["name", arguments_key], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
         rules.append(f"call_{i}: %json {json.dumps(schema)}")
     call = "call: " + " | ".join(f"call_{i}" for i in range(len(chosen)))
-    if parser == "hermes":
-        block = 'block: "<tool_call>\\n" call "\\n</tool_call>"'
-        start = 'start: block ("\\n" block)*' if parallel else "start: block"
-    else:
+    if parser == "llama3_json":
         block = "block: call"
         start = 'start: block ("; " block)*' if parallel else "start: block"
+    else:
+        block = 'block: "<tool_call>\\n" call "\\n</tool_call>"'
+        start = 'start: block ("\\n" block)*' if parallel else "start: block"
     return "\n".join([start, block, call, *rules])
+
+
+def _xml_call_rules(rule: str, name: str, parameters: dict) -> list[str]:
+    """One qwen3_xml call: its declared parameters in order (the required ones always), each value as JSON under
+    its schema, which the parser reads back (a string in quotes stays a string whatever it holds)."""
+    properties = parameters.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    required = parameters.get("required")
+    required = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+    if required - set(properties):
+        raise ValueError(f"function {name!r} requires parameters its schema does not describe: "
+                         f"{sorted(required - set(properties))}")
+    parts, rules = [], []
+    for label, text in (("function", name), *(("parameter", key) for key in properties)):
+        if not re.fullmatch(r"[^<>\s]+", text):
+            raise ValueError(f"the qwen3_xml format cannot carry the {label} name {text!r}")
+    for k, (key, schema) in enumerate(properties.items()):
+        value = (schema if isinstance(schema, dict) else {}) | {"x-guidance": JSON_OPTIONS}
+        open_tag, close_tag = json.dumps(f"<parameter={key}>\n"), json.dumps("\n</parameter>\n")
+        rules.append(f"{rule}_p{k}: {open_tag} %json {json.dumps(value)} {close_tag}")
+        parts.append(f"{rule}_p{k}" if key in required else f"{rule}_p{k}?")
+    return [f"{rule}: {json.dumps(f'<function={name}>' + chr(10))} {' '.join(parts)} \"</function>\"", *rules]

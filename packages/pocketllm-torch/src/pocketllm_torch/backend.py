@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pocketllm.backend import API_VERSION, FLOAT_STORAGE_TYPES, SAMPLING_OPTIONS, Capabilities
+from pocketllm.pooling import POOLING_TYPES
 from pocketllm_torch.models import MODELS
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class TorchBackend:
             sampling_options=SAMPLING_OPTIONS,
             prefix_caching=True,
             structured_outputs=True,
+            pooling_types=POOLING_TYPES,
             tensor_parallel=True,
             devices=("cpu", "cuda"),
             dtypes=("float32", "bfloat16", "float16"),

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pocketllm.backend import BackendStats, RequestDelta
+from pocketllm.sampling_params import SamplingParams
 from pocketllm_torch.block_manager import BlockManager
 from pocketllm_torch.config import TorchConfig
 from pocketllm_torch.model_runner import ModelRunner
@@ -23,8 +24,13 @@ if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
     from pocketllm.backend import SampledLogprobs
     from pocketllm.checkpoint import Checkpoint
+    from pocketllm.pooling import PoolingParams
     from pocketllm.sampling_params import SamplingParams
     from pocketllm.structured import Constraint
+
+
+# What an embedding request's Sequence carries where a generation's parameters go: nothing samples it.
+_EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
 
 
 def join_group(args: EngineArgs, config: TorchConfig) -> Group | None:
@@ -88,6 +94,13 @@ class TorchEngine:
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
+    def add_embedding_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> None:
+        seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids),
+                       num_prompt_tokens=len(prompt_token_ids), params=_EMBEDDING_PARAMS, max_output_tokens=0,
+                       stop_token_ids=frozenset(), generator=None, pooling=params)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
     def step(self) -> list[RequestDelta]:
         batch = self.scheduler.schedule()
         if batch is None:
@@ -95,7 +108,8 @@ class TorchEngine:
         sampled = self.runner.run(batch)
         self.scheduler.mark_computed(batch)
         self.runner.save_snapshots(batch)
-        return [self._fail(seq, new.message) if isinstance(new, SamplingFailure) else self._append(seq, *new)
+        return [self._fail(seq, new.message) if isinstance(new, SamplingFailure)
+                else self._embedded(seq, new) if isinstance(new, list) else self._append(seq, *new)
                 for seq, new in zip(batch.seqs, sampled, strict=True) if new is not None]
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -136,6 +150,11 @@ class TorchEngine:
         del self.seqs[seq.request_id]
         self.scheduler.finish(seq)
         return RequestDelta(request_id=seq.request_id, new_token_ids=[], finish_reason="error", error=message)
+
+    def _embedded(self, seq: Sequence, embedding: list[float]) -> RequestDelta:
+        del self.seqs[seq.request_id]
+        self.scheduler.finish(seq)
+        return RequestDelta(request_id=seq.request_id, new_token_ids=[], finish_reason="stop", embedding=embedding)
 
     def _append(self, seq: Sequence, token_id: int, logprobs: SampledLogprobs | None) -> RequestDelta:
         if seq.constraint is not None:

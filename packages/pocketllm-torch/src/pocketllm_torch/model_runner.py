@@ -120,19 +120,23 @@ class ModelRunner:
             self.snapshots.save(key, self.state_cache.conv[:, slot], self.state_cache.recurrent[:, slot])
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[Outcome | None]:
-        """Run the batch's new tokens; sample for each sequence whose last pending token ran (None otherwise).
+    def run(self, batch: ScheduledBatch) -> list[Outcome | list[float] | None]:
+        """Run the batch's new tokens; sample for each sequence whose last pending token ran, or give an embedding
+        request whose prompt ran its embedding (None for the others).
 
         A sequence that could not be sampled gets a SamplingFailure instead of its token."""
         token_ids: list[int] = []
         starts: list[int] = []
         last_rows: list[int] = []  # row of the last token of each sequence that samples
         samplers: list[int] = []  # those sequences' indices in the batch
+        poolers: list[tuple[int, int]] = []  # embedding requests: index in the batch, first row of its chunk
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
             token_ids += seq.token_ids[start:start + n]
             starts.append(start)
-            if start + n == seq.num_tokens:
+            if seq.pooling is not None:
+                poolers.append((i, len(token_ids) - n))
+            elif start + n == seq.num_tokens:
                 last_rows.append(len(token_ids) - 1)
                 samplers.append(i)
         step = Step(token_ids, starts, list(batch.num_new_tokens), [seq.block_table for seq in batch.seqs],
@@ -151,10 +155,12 @@ class ModelRunner:
                 seq.resume_from = None
         if self.tp is not None:
             self.tp.send(step)
-        logits, ctx = self.forward(step)
+        logits, hidden, ctx = self.forward(step)
         # Filed by save_snapshots once the blocks they end have their hashes.
         self._capture_ends = [(batch.seqs[i], batch.seqs[i].num_computed_tokens + p) for i, p in ctx.captured]
-        results: list[Outcome | None] = [None] * len(batch.seqs)
+        results: list[Outcome | list[float] | None] = [None] * len(batch.seqs)
+        for i, row in poolers:
+            results[i] = self._pool(batch.seqs[i], hidden[row:row + batch.num_new_tokens[i]])
         if logits is None:
             return results
         outcomes = sample_each(logits, [batch.seqs[i] for i in samplers])
@@ -162,10 +168,31 @@ class ModelRunner:
             results[i] = outcome
         return results
 
+    def _pool(self, seq: Sequence, rows: torch.Tensor) -> list[float] | None:
+        """Fold an embedding request's chunk of final hidden states into its pooling; its embedding once its
+        prompt is done (see pocketllm.backend.EmbeddingEngine)."""
+        assert seq.pooling is not None
+        kind, start = seq.pooling.pooling_type, seq.num_computed_tokens
+        done = start + len(rows) == seq.num_tokens
+        if kind == "mean":
+            part = self.model.norm(rows).float().sum(0)
+            seq.pooled = part if start == 0 or seq.pooled is None else seq.pooled + part
+        elif kind == "cls" and start == 0:
+            seq.pooled = self.model.norm(rows[:1]).float()[0]
+        elif kind == "last" and done:
+            seq.pooled = self.model.norm(rows[-1:]).float()[0]
+        if not done:
+            return None
+        assert seq.pooled is not None
+        vector = seq.pooled / seq.num_tokens if kind == "mean" else seq.pooled
+        if seq.pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        return vector.tolist()
+
     @torch.inference_mode()
-    def forward(self, step: Step) -> tuple[torch.Tensor | None, StepContext]:
+    def forward(self, step: Step) -> tuple[torch.Tensor | None, torch.Tensor, StepContext]:
         """The step's forward pass, on every rank: the logits of ``step.last_rows`` (None where no row samples,
-        and on ranks other than 0), and the step's context."""
+        and on ranks other than 0), every row's final hidden state before the last norm, and the step's context."""
         slots = None
         if self.state_cache is not None and step.state_slots is not None:
             if self.tp is not None and self.tp.rank > 0 and self.snapshots is not None:
@@ -187,12 +214,11 @@ class ModelRunner:
             hidden = self.model(input_ids, ctx)
         self._captured = list(ctx.captured.values())
         if not step.last_rows:
-            return None, ctx
+            return None, hidden, ctx
         # Only the last token of a sequence needs logits: the lm_head is the largest matrix in small models.
-        if len(step.last_rows) < len(step.token_ids):
-            hidden = hidden[torch.tensor(step.last_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)
-        return (logits if self.tp is None or self.tp.rank == 0 else None), ctx
+        last = hidden[torch.tensor(step.last_rows, device=self.device)] if len(step.last_rows) < len(hidden) else hidden
+        logits = self.model.compute_logits(last)
+        return (logits if self.tp is None or self.tp.rank == 0 else None), hidden, ctx
 
     def serve(self) -> None:
         """A rank other than 0: run rank 0's steps until it shuts down."""

@@ -73,7 +73,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - sum(batch.num_new_tokens)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            prefix = self.block_manager.cached_prefix(seq)
+            prefix = self.block_manager.cached_prefix(seq) if seq.reuses_prefix else []
             if self.snapshots is not None:  # state layers resume only where their state was kept
                 while prefix and prefix[-1] not in self.snapshots:
                     prefix.pop()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from pocketllm.pooling import PoolingParams
     from pocketllm.sampling_params import SamplingParams
     from pocketllm.structured import Constraint
 
@@ -36,6 +37,13 @@ class Sequence:
     state_slot: int | None = None  # its slot in the state layers' caches while running (hybrid models)
     resume_from: int | None = None  # prefix hash of the state snapshot to load into that slot before it runs
     constraint: Constraint | None = None  # structured outputs: the grammar each next token must follow
+    pooling: PoolingParams | None = None  # an embedding request: its prompt's states are pooled, nothing sampled
+    pooled: torch.Tensor | None = None  # the pooling so far, over the prompt chunks that ran (float32)
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Whether cached blocks may stand in for its first tokens: not when their hidden states are pooled."""
+        return self.pooling is None or self.pooling.pooling_type == "last"
 
     @property
     def num_tokens(self) -> int:

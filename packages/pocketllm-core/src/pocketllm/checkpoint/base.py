@@ -43,6 +43,11 @@ class Checkpoint:
         ``top_k``, ``min_p``, ``repetition_penalty``, ``max_tokens``); empty when it recommends none."""
         return {}
 
+    def pooling_type(self) -> str | None:
+        """How the checkpoint says its embeddings are pooled (a :data:`pocketllm.pooling.POOLING_TYPES` name), or
+        None when it does not say."""
+        return None
+
     def tokenizer_files(self) -> dict[str, Path]:
         """Tokenizer files shipped next to the weights, by file name (``tokenizer.json``, ...)."""
         return {}

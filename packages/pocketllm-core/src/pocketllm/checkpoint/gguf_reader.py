@@ -111,6 +111,14 @@ class GGUFCheckpoint(Checkpoint):
     def sampling_defaults(self) -> dict[str, Any]:
         return sampling_fields(self._metadata, GGUF_SAMPLING_KEYS, source=str(self.path))
 
+    def pooling_type(self) -> str | None:
+        value = self._metadata.get(f"{self._metadata.get('general.architecture')}.pooling_type")
+        return _GGUF_POOLING.get(value) if isinstance(value, int) else None
+
+
+# llama.cpp's enum llama_pooling_type: 0 is "none" (a generative model), 4 "rank" (rerankers, not served).
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+
 
 def _is_mtp(name: str, config: ModelConfig) -> bool:
     match = _LAYER_ANY.fullmatch(name)

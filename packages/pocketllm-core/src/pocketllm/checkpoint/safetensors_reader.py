@@ -32,6 +32,8 @@ INDEX_FILE = "model.safetensors.index.json"
 TEXT_MODEL_PREFIX = "model.language_model."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 # Storage types of model weights: CheckpointTensor.dequantize widens BF16 and narrows F64 to float32.
+# sentence-transformers' pooling flags, by the PoolingParams.pooling_type each means.
+_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 _ITEM_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 
 
@@ -65,6 +67,24 @@ class SafetensorsCheckpoint(Checkpoint):
     def sampling_defaults(self) -> dict[str, Any]:
         # As vLLM reads generation_config.json: these keys only, max_new_tokens as the default max_tokens.
         return sampling_fields(self._generation, GENERATION_CONFIG_KEYS, source=str(self.path))
+
+    def pooling_type(self) -> str | None:
+        # sentence-transformers' layout: modules.json names the pooling module's folder, whose config flags one mode.
+        modules = self.path / "modules.json"
+        if not modules.is_file():
+            return None
+        try:
+            entries = json.loads(modules.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{modules}: cannot read: {e}") from None
+        for entry in entries if isinstance(entries, list) else []:
+            if isinstance(entry, dict) and str(entry.get("type", "")).endswith("Pooling"):
+                folder = self.path / str(entry.get("path", ""))
+                flags = read_json_object(folder / "config.json")
+                for key, name in _POOLING_MODES.items():
+                    if flags.get(key) is True:
+                        return name
+        return None
 
     def tokenizer_files(self) -> dict[str, Path]:
         return {name: self.path / name for name in TOKENIZER_FILES if (self.path / name).is_file()}

@@ -20,6 +20,7 @@ from pocketllm.backend import SAMPLING_OPTIONS, Capabilities
 from pocketllm.errors import PromptTooLongError, UnsupportedOptionError
 from pocketllm.limits import MAX_LOGPROBS, MAX_N
 from pocketllm.plugins import BackendRegistry
+from pocketllm.pooling import PoolingParams
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.structured import StructuredOutputs
 from pocketllm.testing.faults import FaultyAddBackend
@@ -420,6 +421,49 @@ class ProtocolConformance(KitBase):
             return
         [out] = llm.generate(PROMPTS[0], params)
         assert all(c.text in spec.choice and c.finish_reason == "stop" for c in out.outputs), out.outputs
+
+    def test_embeddings_are_honoured_or_refused(self, llm: Any, model_path: Path) -> None:
+        """A backend that declares pooling types gives unit vectors of the model's width for each, equal for equal
+        inputs, the same in a batch, in prompt chunks and beside a running generation as alone; one that does
+        not refuses by name."""
+        caps = self.caps(llm)
+        if not caps.pooling_types:
+            with pytest.raises(UnsupportedOptionError) as err:
+                llm.embed(PROMPTS[0])
+            assert err.value.option == "embeddings" and err.value.backend == self.backend
+            return
+        width = llm.model_config.hidden_size
+        prompts = [*PROMPTS, LONG_PROMPT]
+        chunked = self.make_llm(model_path, prefill_chunk_size=7, max_num_batched_tokens=16)
+        try:
+            for kind in caps.pooling_types:
+                params = PoolingParams(pooling_type=kind)
+                alone = [llm.embed(p, params)[0].embedding for p in prompts]
+                for vector in alone:
+                    assert len(vector) == width and abs(sum(x * x for x in vector) - 1.0) < 1e-4, kind
+                assert llm.embed(PROMPTS[0], params)[0].embedding == alone[0], f"{kind}: same input, other vector"
+                assert alone[0] != alone[1], f"{kind}: different inputs, one vector"
+                for name, got in (("batched", llm.embed(prompts, params)), ("chunked", chunked.embed(prompts, params))):
+                    for i, (out, vector) in enumerate(zip(got, alone, strict=True)):
+                        worst = max(abs(a - b) for a, b in zip(out.embedding, vector, strict=True))
+                        assert worst < 1e-4, f"{kind}: prompt {i} {name} differs from alone by {worst}"
+                raw = llm.embed(PROMPTS[1], PoolingParams(pooling_type=kind, normalize=False))[0].embedding
+                norm = sum(x * x for x in raw) ** 0.5
+                assert max(abs(a / norm - b) for a, b in zip(raw, alone[1], strict=True)) < 1e-4
+            long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+            expected = self.reference(llm, PROMPTS[3], long.max_tokens)
+            stream = llm.generate_stream(PROMPTS[3], long)
+            first = next(stream).token_ids
+            beside = llm.embed(prompts)
+            assert first + [t for e in stream for t in e.token_ids] == expected, "an embedding disturbed a generation"
+            for out, vector in zip(beside, llm.embed(prompts), strict=True):
+                assert max(abs(a - b) for a, b in zip(out.embedding, vector.embedding, strict=True)) < 1e-4
+            with pytest.raises(UnsupportedOptionError) as err:
+                llm.embed(PROMPTS[0], PoolingParams(dimensions=width + 1))
+            assert err.value.option == "dimensions"
+            self.wait_idle(chunked)
+        finally:
+            chunked.shutdown()
 
     @pytest.mark.parametrize("option", ["tensor_parallel_size", "speculative_method", "backend_options",
                                         "enable_prefix_caching", "dtype", "kv_cache_dtype", "max_num_seqs"])

@@ -1,4 +1,5 @@
-"""Reasoning parsers (``--reasoning-parser``): a reply's ``<think>...</think>`` section split from its answer.
+"""Reasoning sections: a reply's ``<think>...</think>`` section split from its answer (the server's
+``--reasoning-parser``, and ``SamplingParams.reasoning``: stop strings and grammars apply after the section).
 
 - ``qwen3``: the reply reasons only if it opens with ``<think>`` (with ``enable_thinking`` off, Qwen3's template
   puts an empty section in the prompt and the reply is all answer);
@@ -17,13 +18,18 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
 
 
+def opens_in_prompt(parser: str) -> bool:
+    """Whether the chat template opens the section, so that a reply starts inside it."""
+    return parser == "deepseek_r1"
+
+
 class ReasoningSplitter:
     """One choice's reply, fed piece by piece: each :meth:`feed` returns its (reasoning, answer) text."""
 
     def __init__(self, parser: str) -> None:
         if parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r}; choose from {', '.join(REASONING_PARSERS)}")
-        self._opens_in_prompt = parser == "deepseek_r1"
+        self._opens_in_prompt = opens_in_prompt(parser)
         self._state = "opening"  # then "reasoning", "after" (blank lines after the close) and "answer"
         self._held = ""
         self.has_section = self._opens_in_prompt  # the reply has a reasoning section (perhaps empty)

