@@ -106,4 +106,8 @@ def bench(session: nox.Session) -> None:
     """Benchmark PocketLLM against llama.cpp and transformers; not part of CI (arguments go to `pocketllm bench`)."""
     install_engine(session)
     session.install(TORCH, *BENCH_DEPS)  # the pin again, so that no peer's requirement can swap torch
+    # xgrammar, the grammar peer of pocketbench.grammar_engines: its wheel asks for triton (a GPU compiler) besides
+    # torch and transformers, none of which its CPU mask needs.
+    session.install("--no-deps", "xgrammar")
+    session.install("apache-tvm-ffi", "pydantic")
     session.run("pocketllm", "bench", *session.posargs)

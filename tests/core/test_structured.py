@@ -81,7 +81,7 @@ def test_a_reasoning_section_is_left_free_and_the_grammar_starts_after_it(compil
     for token in tokenizer.encode("think about b, not a", add_special_tokens=False):
         assert allowed(compiler, gated) == free | allowed(compiler, gated)  # nothing masked
         gated.accept(token)
-    for token in tokenizer.encode("</think>", add_special_tokens=False):
+    for token in tokenizer.encode("so</think>", add_special_tokens=False):  # the tag in whatever tokens
         gated.accept(token)
     assert allowed(compiler, gated) == constrained
     gated.accept(tokenizer.encode("a", add_special_tokens=False)[0])
@@ -97,8 +97,11 @@ def test_an_optional_section_opens_only_on_the_first_token(compiler: GrammarComp
     name = compiler._tokenizer.decode([7], skip_special_tokens=False)
     grammar_first = allowed(compiler, compiler.constraint(spec))
 
+    def decode(ids: list[int]) -> str:
+        return "".join({8: "</th", 9: "ink>"}.get(t, "x") for t in ids)
+
     def gated() -> Constraint:
-        return Constraint(compiler.constraint(spec)._matcher, compiler.vocab_size, ReasoningGate(False, 7, [8, 9]))
+        return Constraint(compiler.constraint(spec)._matcher, compiler.vocab_size, ReasoningGate(False, 7, decode))
 
     opening = gated()
     assert allowed(compiler, opening) == grammar_first | {name}
@@ -111,3 +114,12 @@ def test_an_optional_section_opens_only_on_the_first_token(compiler: GrammarComp
     answering.accept(compiler._tokenizer.encode("a", add_special_tokens=False)[0])
     assert name not in allowed(compiler, answering) or "b" in name
     assert all(set(t) <= {"b"} for t in allowed(compiler, answering))
+
+
+def test_pooling_params_are_checked_at_the_boundary() -> None:
+    from pocketllm.pooling import PoolingParams
+
+    for fields in ({"pooling_type": "max"}, {"normalize": "yes"}, {"dimensions": 0}, {"dimensions": True},
+                   {"dimensions": 1.5}):
+        with pytest.raises(ConfigError, match=next(iter(fields))):
+            PoolingParams(**fields)

@@ -57,3 +57,20 @@ def test_a_grammar_that_leaves_no_token_fails_that_request_alone(llm) -> None:
     [out] = llm.generate("Say yes.", SamplingParams(temperature=0.0, max_tokens=20,
                                                     structured_outputs=StructuredOutputs(choice=["yes", "no"])))
     assert out.outputs[0].text in ("yes", "no")
+
+
+def test_embeddings_with_prefix_caching_equal_those_without(llm) -> None:
+    """A last-token pooling after a cached prefix starts in the prompt's middle; mean and cls run it all."""
+    cached = LLM(DEFAULT_MODEL, backend="cpp", backend_options={"exact_activations": True}, kv_cache_dtype="float32",
+                 enable_prefix_caching=True)
+    try:
+        text = " ".join(TEXTS * 4)  # several full blocks
+        for kind in ("last", "mean", "cls"):
+            params = PoolingParams(pooling_type=kind)
+            expected = llm.embed(text, params)[0].embedding
+            for _ in range(2):  # the second time, the first blocks are cached
+                got = cached.embed(text, params)[0].embedding
+                assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-5, kind
+        assert cached.stats().num_prefix_cache_hits > 0
+    finally:
+        cached.shutdown()

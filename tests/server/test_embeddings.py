@@ -88,3 +88,12 @@ def test_openai_sdk(torch_server, http: httpx.Client) -> None:
     assert len(result.data) == 2 and result.usage.prompt_tokens > 0
     assert max(abs(a - b) for a, b in zip(result.data[0].embedding, floats.data[0].embedding, strict=True)) < 1e-6
     assert floats.data[0].embedding == embed(http, input="hello").json()["data"][0]["embedding"]
+
+
+def test_a_batch_larger_than_the_queue_allows_is_a_503(serve_app, torch_llm) -> None:
+    from pocketllm_server import create_app
+
+    with serve_app(create_app(torch_llm.args, served_model_name=MODEL_NAME, llm=torch_llm, max_queue_len=2)) as server:
+        response = httpx.post(f"{server.url}/v1/embeddings", json={"input": ["a", "b", "c"]}, timeout=30)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
+        assert httpx.post(f"{server.url}/v1/embeddings", json={"input": ["a", "b"]}, timeout=30).status_code == 200

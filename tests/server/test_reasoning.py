@@ -92,3 +92,9 @@ def test_stop_strings_inside_the_reasoning_section_do_not_end_the_reply(serve_ap
         assert message["message"]["content"] == "done "
         asked = client.post("/v1/chat/completions", json=body | {"stop_in_reasoning": True}).json()["choices"][0]
         assert asked["message"]["reasoning_content"].endswith("plan ") and not asked["message"]["content"]
+
+
+def test_stop_in_reasoning_without_a_reasoning_parser_is_refused(client: httpx.Client) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "stop_in_reasoning": True}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stop_in_reasoning"

@@ -99,3 +99,11 @@ def test_calls_over_http(serve_app, tiny_args, echo_llm: AsyncLLM) -> None:
         assert finish == reply["finish_reason"] and finish in ("tool_calls", "length")
         assert client.post("/v1/chat/completions", json=body | {"tool_choice": "required"}).status_code == 400
         assert client.post("/v1/chat/completions", json=legacy | {"function_call": {"name": "x"}}).status_code == 400
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json"])
+def test_a_forcing_grammar_refuses_parameters_that_are_no_schema(parser: str) -> None:
+    from pocketllm_server.tool_calls import forcing_grammar
+
+    with pytest.raises(ValueError, match="parameters must be a JSON schema object"):
+        forcing_grammar(parser, [{"type": "function", "function": {"name": "f", "parameters": "x"}}], None, False)

@@ -188,13 +188,15 @@ def test_markup_in_a_reply_renders_as_text(browser, echo_server: str) -> None:
     browser.find_element(By.ID, "new-chat").click()
     set_field(browser, "temperature", "0")
     markup = ('<script>window.pwned = 1</script> <img src=x onerror="window.pwned = 2"> '
-              '[link](javascript:window.pwned=3) **bold**')
+              '[link](javascript:window.pwned=3) **bold** `<b>code</b>` ' + "`" * 40)
     ask(browser, markup)
     reply = finished_reply(browser)
     content = reply.find_element(By.CSS_SELECTOR, ".content")
     assert "<script>window.pwned = 1</script>" in content.text and "<img src=x onerror=" in content.text
     assert not content.find_elements(By.CSS_SELECTOR, "script, img, a[href^='javascript']")
-    assert content.find_elements(By.CSS_SELECTOR, "strong")  # Markdown still renders
+    assert content.find_elements(By.CSS_SELECTOR, "strong"), reply.get_attribute("data-raw")  # Markdown renders
+    codes = {c.text for c in content.find_elements(By.CSS_SELECTOR, "code")}  # the echo may replay it twice
+    assert codes == {"<b>code</b>"}
     assert browser.execute_script("return window.pwned") is None
 
 
@@ -211,18 +213,32 @@ def test_a_bad_request_shows_the_400_and_the_turn_can_be_asked_again(browser, ec
     assert finished_reply(browser).get_attribute("data-finish") == "length"
 
 
-def test_reasoning_shows_collapsed(browser, pocketllm_tiny_llama: Path) -> None:
-    """With --reasoning-parser deepseek_r1 the echo backend's reply reasons until the </think> the user typed."""
+def test_reasoning_shows_collapsed_and_tool_calls_as_such(browser, pocketllm_tiny_llama: Path) -> None:
+    """With --reasoning-parser deepseek_r1 the echo backend's reply reasons until the </think> the user typed, then
+    holds the tool call the user typed, which --tool-call-parser hermes finds since the request has tools."""
     with server_process(["--model", str(pocketllm_tiny_llama), "--backend", "echo", "--reasoning-parser",
-                         "deepseek_r1", "--log-level", "warning"], env={"POCKETLLM_PLUGINS": "echo"}) as (_, url):
+                         "deepseek_r1", "--tool-call-parser", "hermes", "--log-level", "warning"],
+                        env={"POCKETLLM_PLUGINS": "echo"}) as (_, url):
         open_page(browser, url)
+        assert "(default)" in browser.find_element(By.ID, "top_p").get_attribute("placeholder")
         set_field(browser, "temperature", "0")
-        ask(browser, "weighing it</think>The answer.")
+        set_field(browser, "tools", '[{"type": "function", "function": {"name": "get_weather", "parameters": '
+                                    '{"type": "object", "properties": {"city": {"type": "string"}}}}}]')
+        ask(browser, 'weighing it</think>Let me look. <tool_call>{"name": "get_weather", "arguments": '
+                     '{"city": "Paris"}}</tool_call>')
         reply = finished_reply(browser)
         reasoning = reply.find_element(By.CSS_SELECTOR, "details.reasoning")
         assert reasoning.is_displayed() and reasoning.get_attribute("open") is None
         assert "weighing it" in reasoning.get_attribute("textContent")
-        assert reply.find_element(By.CSS_SELECTOR, ".content").text.startswith("The answer.")
+        assert reply.find_element(By.CSS_SELECTOR, ".content").text.startswith("Let me look.")
+        call = reply.find_element(By.CSS_SELECTOR, ".tool-call").text
+        assert call.startswith("tool call: get_weather(") and '"city": "Paris"' in call
+        set_field(browser, "tools", "[not json")
+        ask_failed = len(browser.find_elements(By.CSS_SELECTOR, "article.error"))
+        browser.find_element(By.ID, "prompt").send_keys("again")
+        browser.find_element(By.ID, "send").click()
+        error = wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, "article.error")[ask_failed:])[0]
+        assert "Tools must be a JSON list" in error.text
 
 
 def test_the_page_can_be_turned_off(pocketllm_tiny_llama: Path) -> None:

@@ -138,3 +138,21 @@ def test_checkpoint_pooling_config_is_the_default(pocketllm_tiny_llama: Path, tm
     (model / "modules.json").write_text("[{")
     with pytest.raises(CheckpointError, match=r"modules\.json"):
         load_checkpoint(str(model)).pooling_type()
+    # A broken pooling config fails the embeddings that rely on it, not the model's loading or generation.
+    llm = LLM(str(model), backend="torch", dtype="float32", show_progress=False)
+    try:
+        with pytest.raises(CheckpointError, match=r"modules\.json"):
+            llm.embed("hello")
+        assert llm.embed("hello", PoolingParams(pooling_type="mean"))[0].embedding
+        assert llm.generate("hello", SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+    pooling = {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
+    (model / "modules.json").write_text(json.dumps([pooling]))
+    (model / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    llm = LLM(str(model), backend="torch", dtype="float32", show_progress=False)
+    try:
+        with pytest.raises(ValueError, match="the checkpoint pools with 'max'"):
+            llm.embed("hello")
+    finally:
+        llm.shutdown()

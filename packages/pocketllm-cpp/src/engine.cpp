@@ -54,7 +54,9 @@ void Engine::add_embedding_request(const std::string& id, std::vector<int32_t> p
 
 bool Engine::pool_chunk(const SeqPtr& seq, int64_t start, const float* part, Delta& delta) {
     const size_t hidden = static_cast<size_t>(model_->config().hidden_size);
-    if (start == 0) seq->pooled.assign(hidden, 0.0f);  // a preempted request pools its recomputed prompt again
+    // A fresh pooling where the prompt starts (a preempted request pools its recomputed prompt again), and where its
+    // first chunk starts after a cached prefix (Last alone reuses one).
+    if (start == 0 || seq->pooled.size() != hidden) seq->pooled.assign(hidden, 0.0f);
     if (seq->pool == Pooling::Last) {
         std::copy(part, part + hidden, seq->pooled.begin());
     } else if (seq->pool == Pooling::Mean || start == 0) {  // Cls: the first chunk holds the first token

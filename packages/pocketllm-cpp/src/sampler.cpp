@@ -59,11 +59,22 @@ int32_t sample(std::vector<float>& logits, const SamplingConfig& c, const std::v
         }
     }
     if (!allowed.empty()) {
-        for (int64_t t = 0; t < vocab; ++t) {
-            if (!((allowed[static_cast<size_t>(t >> 5)] >> (t & 31)) & 1u)) logits[static_cast<size_t>(t)] = neg_inf;
+        bool any = false;  // a token both allowed and not already ruled out (min_tokens)
+        for (int64_t word = 0, base = 0; base < vocab; ++word, base += 32) {
+            const uint32_t bits = allowed[static_cast<size_t>(word)];
+            const int64_t end = std::min<int64_t>(base + 32, vocab);
+            if (bits == 0) {  // most words, deep in a grammar: nothing of theirs may come
+                std::fill(logits.begin() + base, logits.begin() + end, neg_inf);
+                continue;
+            }
+            for (int64_t t = base; t < end; ++t) {
+                float& v = logits[static_cast<size_t>(t)];
+                if (!((bits >> (t - base)) & 1u)) v = neg_inf;
+                else any = any || v != neg_inf;
+            }
         }
+        if (!any) return -1;
     }
-    if (*std::max_element(logits.begin(), logits.end()) == neg_inf) return -1;
     int32_t token;
     if (c.greedy()) {
         token = argmax(logits);

@@ -29,7 +29,7 @@ from pocketllm.backend import (
 )
 from pocketllm.checkpoint import Checkpoint, load_checkpoint
 from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
-from pocketllm.errors import ConfigError, EngineDeadError, RequestFailedError, UnsupportedOptionError
+from pocketllm.errors import CheckpointError, ConfigError, EngineDeadError, RequestFailedError, UnsupportedOptionError
 from pocketllm.limits import MAX_MODEL_LEN_CAP
 from pocketllm.model_config import ModelConfig
 from pocketllm.outputs import StreamEvent, Usage
@@ -98,7 +98,7 @@ class EngineDriver:
             self.model_config = checkpoint.config
             self.checkpoint_path = checkpoint.path
             self.sampling_defaults = checkpoint.sampling_defaults()
-            self.default_pooling = checkpoint.pooling_type() or DEFAULT_POOLING_TYPE
+            self.default_pooling = _pooling_of(checkpoint)
             self.tokenizer = Tokenizer.from_checkpoint(checkpoint)
         # After the checkpoint: "auto" picks among the backends that can serve this model with these options.
         with progress.stage("finding a backend" if args.backend == "auto" else f"starting backend {args.backend}"):
@@ -184,10 +184,12 @@ class EngineDriver:
     def add_embedding(self, prompt_ids: list[int], params: PoolingParams, sink: Sink,
                       request_id: str | None = None) -> tuple[str, Future[None]]:
         """Queue an embedding request; its sink gets one EmbeddingOutput (see ``add_request`` for the future)."""
+        if params.pooling_type is None and isinstance(self.default_pooling, CheckpointError):
+            raise self.default_pooling
         params = check_embedding_request(self.backend_name, self.capabilities, prompt_ids, params,
                                          vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
                                          hidden_size=self.model_config.hidden_size,
-                                         default_pooling=self.default_pooling)
+                                         default_pooling=str(self.default_pooling))
         request_id = request_id or uuid.uuid4().hex
         choice = _Choice(0, request_id, IncrementalDetokenizer(self.tokenizer, prompt_ids, True))
         request = _Request(request_id, list(prompt_ids), SamplingParams(max_tokens=1), sink, StopMatcher([], False),
@@ -448,6 +450,16 @@ class EngineDriver:
                 request.sink(dead)
             except Exception:
                 log.warning("could not tell request %s that the engine died", request.request_id)
+
+
+def _pooling_of(checkpoint: Checkpoint) -> str | CheckpointError:
+    """The checkpoint's pooling for embeddings that name none; a broken pooling config is kept to be raised by
+    those embeddings, not by loading a model that may only generate."""
+    try:
+        return checkpoint.pooling_type() or DEFAULT_POOLING_TYPE
+    except CheckpointError as e:
+        log.warning("%s: embeddings must name their pooling_type", e)
+        return e
 
 
 def resolve_max_model_len(args: EngineArgs, config: ModelConfig) -> int:

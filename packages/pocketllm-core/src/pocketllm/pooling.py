@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from pocketllm.errors import ConfigError
+
 POOLING_TYPES = ("last", "mean", "cls")
 """``last``: the last prompt token's state (what a causal model has seen the whole prompt by); ``mean``: the
 average over every prompt token; ``cls``: the first token's (checkpoints trained that way say so)."""
@@ -23,6 +25,15 @@ class PoolingParams(msgspec.Struct, frozen=True, kw_only=True):
     normalize: bool = True
     """L2-normalize the vector (as vLLM and sentence-transformers do for embedding models)."""
     dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ConfigError("pooling_type", f"must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if not isinstance(self.normalize, bool):
+            raise ConfigError("normalize", f"must be true or false, got {self.normalize!r}")
+        if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
+                                            or self.dimensions < 1):
+            raise ConfigError("dimensions", f"must be a positive integer, got {self.dimensions!r}")
 
 
 class EmbeddingOutput(msgspec.Struct, kw_only=True):

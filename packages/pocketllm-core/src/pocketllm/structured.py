@@ -17,6 +17,7 @@ import functools
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -90,10 +91,13 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
 class ReasoningGate:
     """Keeps a reply's reasoning section (see :mod:`pocketllm.reasoning`) out of its grammar's reach: the grammar
     sees the tokens after the closing tag. In the qwen3 format the section is optional: the first token may open
-    it (its single token is allowed beside the grammar's), and any other first token starts the answer."""
+    it (its single token is allowed beside the grammar's), and any other first token starts the answer. The close
+    is found in the text of the latest tokens, however the model spelled the tag in tokens."""
 
-    def __init__(self, opens_in_prompt: bool, start_id: int | None, end_ids: list[int]) -> None:
-        self._start_id, self._end_ids = start_id, end_ids
+    _TAIL = 16  # tokens decoded to look for the closing tag: more than any spelling of it takes
+
+    def __init__(self, opens_in_prompt: bool, start_id: int | None, decode: Callable[[list[int]], str]) -> None:
+        self._start_id, self._decode = start_id, decode
         self._recent: list[int] = []
         self.state = "reasoning" if opens_in_prompt else "opening" if start_id is not None else "answer"
 
@@ -113,8 +117,8 @@ class ReasoningGate:
             self.state = "reasoning" if token_id == self._start_id else "answer"
             return self.state == "reasoning"
         if self.state == "reasoning":
-            self._recent = [*self._recent, token_id][-len(self._end_ids):]
-            if self._recent == self._end_ids:
+            self._recent = [*self._recent, token_id][-self._TAIL:]
+            if reasoning_tags.END in self._decode(self._recent):
                 self.state = "answer"
             return True
         return False
@@ -143,6 +147,11 @@ class Constraint:
     def error(self) -> str | None:
         return self._matcher.get_error() or None
 
+    @property
+    def masks_next(self) -> bool:
+        """Whether the next token is constrained at all (not inside a reasoning section)."""
+        return self._gate is None or self._gate.masks
+
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
@@ -153,11 +162,11 @@ def fill_bitmasks(rows: list[tuple[int, Constraint]], out: np.ndarray) -> None:
     one call that spreads the rows over llguidance's threads with the GIL released."""
     import llguidance.numpy
 
-    masked = [(i, c) for i, c in rows if c._gate is None or c._gate.masks]
+    masked = [(i, c) for i, c in rows if c.masks_next]
     for i, c in rows:
-        if c._gate is not None and not c._gate.masks:  # inside a reasoning section: every token may come
+        if not c.masks_next:  # inside a reasoning section: every token may come
             out[i] = -1
-    if masked:
+    if masked:  # (the parallel fill splits even one row's vocabulary: 2x faster than the serial one here)
         llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(c._matcher, i) for i, c in masked], out)
     for i, c in masked:
         extra = c._gate.also_allowed if c._gate is not None else None
@@ -216,9 +225,9 @@ class GrammarCompiler:
 
     def _gate(self, reasoning: str) -> ReasoningGate:
         start = self._tokenizer.encode(reasoning_tags.START, add_special_tokens=False)
-        end = self._tokenizer.encode(reasoning_tags.END, add_special_tokens=False)
         # An optional opening is told by the first token alone: a tag that takes several tokens never opens.
-        return ReasoningGate(reasoning_tags.opens_in_prompt(reasoning), start[0] if len(start) == 1 else None, end)
+        return ReasoningGate(reasoning_tags.opens_in_prompt(reasoning), start[0] if len(start) == 1 else None,
+                             lambda ids: self._tokenizer.decode(ids, skip_special_tokens=False))
 
 
 def _kind(spec: StructuredOutputs) -> str:

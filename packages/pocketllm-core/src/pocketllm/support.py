@@ -109,8 +109,9 @@ def check_embedding_request(backend: str, caps: Capabilities, prompt_ids: list[i
     if not caps.pooling_types:
         raise UnsupportedOptionError("embeddings", backend, "it does not pool hidden states")
     pooling = params.pooling_type or default_pooling
-    if pooling not in POOLING_TYPES:
-        raise ConfigError("pooling_type", f"must be one of {', '.join(POOLING_TYPES)}, got {pooling!r}")
+    if pooling not in POOLING_TYPES:  # PoolingParams checks its own: this is the checkpoint's
+        raise ConfigError("pooling_type", f"the checkpoint pools with {pooling!r}, which is not one of "
+                                          f"{', '.join(POOLING_TYPES)}: name one")
     if pooling not in caps.pooling_types:
         raise UnsupportedOptionError("pooling_type", backend,
                                      f"{pooling!r}; supported: {', '.join(caps.pooling_types)}")

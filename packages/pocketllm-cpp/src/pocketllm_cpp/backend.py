@@ -36,6 +36,7 @@ DEFAULT_BLOCK_SIZE = 16
 KV_CACHE_DTYPES = {"float16": 2, "float32": 4}
 KV_MEMORY_FRACTION = 0.25  # of physical RAM, as the torch backend
 _FINISH = {0: None, 1: "stop", 2: "length", 3: "error"}
+_NO_MASK = np.zeros(0, np.uint32)
 _NOTHING_ALLOWED = "no token may be sampled: the grammar (with min_tokens and logit_bias) allows none"
 
 
@@ -126,7 +127,11 @@ class CppEngine:
         self.engine.add_request(request_id, prompt_token_ids, sampling)
         if constraint is not None:
             self.constraints[request_id] = constraint
-            self._set_masks([request_id])
+            try:
+                self._set_masks([request_id])
+            except BaseException:  # nothing is queued when add_request raises
+                self.abort([request_id])
+                raise
 
     def add_embedding_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> None:
         assert params.pooling_type is not None  # resolved by the core
@@ -167,11 +172,16 @@ class CppEngine:
         return deltas
 
     def _set_masks(self, request_ids: list[str]) -> None:
-        if not request_ids:
+        # A reply still in its reasoning section may take any token: no mask for the sampler to apply.
+        for request_id in request_ids:
+            if not self.constraints[request_id].masks_next:
+                self.engine.set_allowed(request_id, _NO_MASK)
+        masked = [r for r in request_ids if self.constraints[r].masks_next]
+        if not masked:
             return
-        masks = np.full((len(request_ids), bitmask_words(self.vocab_size)), -1, dtype=np.int32)
-        fill_bitmasks([(i, self.constraints[r]) for i, r in enumerate(request_ids)], masks)
-        for request_id, words in zip(request_ids, masks.view(np.uint32), strict=True):
+        masks = np.empty((len(masked), bitmask_words(self.vocab_size)), dtype=np.int32)
+        fill_bitmasks([(i, self.constraints[r]) for i, r in enumerate(masked)], masks)
+        for request_id, words in zip(masked, masks.view(np.uint32), strict=True):
             self.engine.set_allowed(request_id, words)
 
     def abort(self, request_ids: Iterable[str]) -> None:

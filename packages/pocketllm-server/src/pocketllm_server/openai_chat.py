@@ -76,6 +76,9 @@ async def create_chat_completion(request: Request) -> Response:
     if forced is not None:
         fields["structured_outputs"] = "tool_choice" if req.functions is None else "function_call"
         params = msgspec.structs.replace(params, structured_outputs=forced)
+    if req.stop_in_reasoning and state.reasoning_parser is None:
+        raise APIError(400, "stop_in_reasoning needs the server started with --reasoning-parser",
+                       param="stop_in_reasoning", code="unsupported_option")
     if state.reasoning_parser is not None:  # grammars and stop strings apply after the reasoning section
         params = msgspec.structs.replace(params, reasoning=state.reasoning_parser,
                                          stop_in_reasoning=req.stop_in_reasoning)

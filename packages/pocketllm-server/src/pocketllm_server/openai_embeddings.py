@@ -30,8 +30,7 @@ async def create_embedding(request: Request) -> Response:
         prompts = await asyncio.to_thread(_inputs, req.input, llm)  # tokenizing grows with the input
         if req.truncate_prompt_tokens is not None:  # as vLLM: the last tokens are kept
             prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
-        state.check_queue()
-        started = time.monotonic()
+        state.check_queue(len(prompts))  # each input is an engine request
         outputs = await cancel_on_disconnect(request.receive, all_or_nothing([
             llm.embed_ids(ids, params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}")
             for i, ids in enumerate(prompts)]))
@@ -39,7 +38,6 @@ async def create_embedding(request: Request) -> Response:
         raise from_engine_error(e, fields=_FIELDS) from None
     num_tokens = sum(len(ids) for ids in prompts)
     state.metrics.prompt_tokens.inc(num_tokens)
-    state.metrics.e2e_request_latency.observe(time.monotonic() - started)
     data = [Embedding(index=i, embedding=_encoded(o.embedding, req.encoding_format)) for i, o in enumerate(outputs)]
     body = EmbeddingList(id=rid, created=int(time.time()), model=state.served_model_name, data=data,
                          usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))

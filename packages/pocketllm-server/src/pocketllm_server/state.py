@@ -148,10 +148,11 @@ class ServerState:
 
     # -- requests ------------------------------------------------------------------------------------------------
 
-    def check_queue(self) -> AsyncLLM:
-        """The engine, if it takes another request: 503 when ``max_queue_len`` requests already wait for a slot."""
+    def check_queue(self, count: int = 1) -> AsyncLLM:
+        """The engine, if it takes ``count`` more requests: 503 when they would make more than ``max_queue_len``
+        requests wait for a slot."""
         llm = self.require_llm()
-        if self.max_queue_len is not None and llm.stats().num_waiting >= self.max_queue_len:
+        if self.max_queue_len is not None and llm.stats().num_waiting + count > self.max_queue_len:
             raise unavailable(f"too many requests waiting (max_queue_len={self.max_queue_len}); retry later",
                               "queue_full")
         return llm

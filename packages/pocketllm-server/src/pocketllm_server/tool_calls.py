@@ -173,6 +173,8 @@ def forcing_grammar(parser: str, tools: list[dict], name: str | None, parallel: 
     rules = []
     for i, function in enumerate(chosen):
         parameters = function.get("parameters") or {"type": "object"}
+        if not isinstance(parameters, dict):
+            raise ValueError(f"function {function['name']!r}: parameters must be a JSON schema object")
         if parser == "qwen3_xml":
             rules += _xml_call_rules(f"call_{i}", function["name"], parameters)
             continue

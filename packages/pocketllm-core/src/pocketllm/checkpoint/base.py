@@ -44,8 +44,8 @@ class Checkpoint:
         return {}
 
     def pooling_type(self) -> str | None:
-        """How the checkpoint says its embeddings are pooled (a :data:`pocketllm.pooling.POOLING_TYPES` name), or
-        None when it does not say."""
+        """How the checkpoint says its embeddings are pooled (a :data:`pocketllm.pooling.POOLING_TYPES` name, or
+        the name of another mode, which embeddings then refuse), or None when it does not say."""
         return None
 
     def tokenizer_files(self) -> dict[str, Path]:

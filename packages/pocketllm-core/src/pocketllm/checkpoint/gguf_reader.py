@@ -117,7 +117,7 @@ class GGUFCheckpoint(Checkpoint):
 
 
 # llama.cpp's enum llama_pooling_type: 0 is "none" (a generative model), 4 "rank" (rerankers, not served).
-_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 
 def _is_mtp(name: str, config: ModelConfig) -> bool:

@@ -32,8 +32,10 @@ INDEX_FILE = "model.safetensors.index.json"
 TEXT_MODEL_PREFIX = "model.language_model."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 # Storage types of model weights: CheckpointTensor.dequantize widens BF16 and narrows F64 to float32.
-# sentence-transformers' pooling flags, by the PoolingParams.pooling_type each means.
-_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+# sentence-transformers' pooling flags, by the name of the mode (PoolingParams.pooling_type for those served).
+_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+                  "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+                  "pooling_mode_weightedmean_tokens": "weightedmean"}
 _ITEM_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 
 

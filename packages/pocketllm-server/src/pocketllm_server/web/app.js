@@ -167,6 +167,14 @@ function settings() {
     const raw = $(name).value.trim();
     if (raw !== "") values[name] = Number(raw);
   }
+  const tools = $("tools").value.trim();
+  if (tools) {
+    try {
+      values.tools = JSON.parse(tools);
+    } catch (error) {
+      throw new ApiError(0, `Tools must be a JSON list of tool definitions: ${error.message}`);
+    }
+  }
   return values;
 }
 
@@ -179,8 +187,14 @@ function setBusy(busy) {
 async function complete() {
   const system = $("system").value.trim();
   const messages = [...(system ? [{role: "system", content: system}] : []), ...state.messages];
-  const body = {model: $("model").value || undefined, messages, stream: true, stream_options: {include_usage: true},
-                ...settings()};
+  let body;
+  try {
+    body = {model: $("model").value || undefined, messages, stream: true, stream_options: {include_usage: true},
+            ...settings()};
+  } catch (error) {
+    showError(describe(error));
+    return;
+  }
   const reply = new Reply();
   const controller = new AbortController();
   state.controller = controller;
@@ -202,6 +216,7 @@ async function complete() {
       }
     }
   } catch (error) {
+    if (state.controller !== controller) return;  // "New chat" dropped this conversation
     if (error.name === "AbortError") {
       finishReason = "stopped";
     } else {  // the user's turn stays: Regenerate asks again
@@ -210,8 +225,10 @@ async function complete() {
       return;
     }
   } finally {
-    state.controller = null;
-    setBusy(false);
+    if (state.controller === controller) {
+      state.controller = null;
+      setBusy(false);
+    }
   }
   reply.finish({finishReason: finishReason || "unknown", tokens, started, firstAt, endedAt: performance.now()});
   const turn = {role: "assistant", content: reply.content};
@@ -241,7 +258,9 @@ async function regenerate() {
 }
 
 function newChat() {
-  state.controller?.abort();
+  const running = state.controller;
+  state.controller = null;  // its reply, when the abort lands, belongs to no conversation
+  running?.abort();
   state.messages = [];
   conversation.replaceChildren();
   setBusy(false);
@@ -265,7 +284,10 @@ async function loadServer() {
 
 $("composer").addEventListener("submit", send);
 $("prompt").addEventListener("keydown", (event) => {
-  if (event.key === "Enter" && !event.shiftKey) $("composer").requestSubmit();
+  if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+    event.preventDefault();
+    $("composer").requestSubmit();
+  }
 });
 $("stop").addEventListener("click", () => state.controller?.abort());
 $("regenerate").addEventListener("click", regenerate);

@@ -6,7 +6,7 @@ const FENCE = /^\s*(```+|~~~+)\s*([\w+#.-]*)\s*$/;
 const HEADING = /^(#{1,6})\s+(.*)$/;
 const ITEM = /^\s*([-*+]|\d+[.)])\s+(.*)$/;
 const QUOTE = /^\s*>\s?(.*)$/;
-const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\*\*(?=\S)([\s\S]*?\S)\*\*|(?<![\w*])[*_](?=\S)([^*_\n]*?\S)[*_](?![\w*])|\[([^\]\n]+)\]\(([^)\s]+)\)/g;
+const INLINE = /\*\*(?=\S)([^\n]*?\S)\*\*|(?<![\w*])[*_](?=\S)([^*_\n]*?\S)[*_](?![\w*])|\[([^\]\n]+)\]\(([^)\s]+)\)/g;
 
 function element(tag, parent, className) {
   const node = document.createElement(tag);
@@ -24,17 +24,40 @@ function safeUrl(href) {
   }
 }
 
+// Inline code first, by a linear scan (a run of n backticks closes at the next run of exactly n; an unclosed run
+// is text), then emphasis and links in what lies between.
 export function renderInline(text, parent) {
+  let last = 0;
+  for (let at = text.indexOf("`"); at >= 0; at = text.indexOf("`", at)) {
+    let end = at;
+    while (text[end] === "`") end += 1;
+    const run = text.slice(at, end);
+    let close = text.indexOf(run, end);
+    while (close >= 0 && text[close + run.length] === "`") {  // a longer run is no match: skip past it
+      let past = close;
+      while (text[past] === "`") past += 1;
+      close = text.indexOf(run, past);
+    }
+    if (close < 0) {
+      at = end;
+      continue;
+    }
+    renderSpans(text.slice(last, at), parent);
+    element("code", parent).textContent = text.slice(end, close);
+    last = at = close + run.length;
+  }
+  renderSpans(text.slice(last), parent);
+}
+
+function renderSpans(text, parent) {
   let last = 0;
   for (const match of text.matchAll(INLINE)) {
     parent.append(text.slice(last, match.index));
-    const [whole, , code, bold, italic, label, href] = match;
-    if (code !== undefined) {
-      element("code", parent).textContent = code;
-    } else if (bold !== undefined) {
-      renderInline(bold, element("strong", parent));
+    const [whole, bold, italic, label, href] = match;
+    if (bold !== undefined) {
+      renderSpans(bold, element("strong", parent));
     } else if (italic !== undefined) {
-      renderInline(italic, element("em", parent));
+      renderSpans(italic, element("em", parent));
     } else {
       const url = safeUrl(href);
       if (url === null) {
