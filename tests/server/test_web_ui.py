@@ -66,10 +66,19 @@ def open_page(browser, url: str) -> None:
 
 
 def open_with_key(browser, url: str) -> None:
-    """The page on a server with --api-key, as after the user gave the key once in this tab."""
+    """The page on a server with --api-key, as after the user gave the key once in this tab (and no conversation
+    kept from an earlier test)."""
     browser.get(f"{url}/")
-    browser.execute_script("sessionStorage.setItem('pocketllm-api-key', arguments[0])", KEY)
+    browser.execute_script("sessionStorage.clear(); sessionStorage.setItem('pocketllm-api-key', arguments[0])", KEY)
     open_page(browser, url)
+
+
+def new_chat(browser, url: str, **settings: str) -> None:
+    """The page, a new conversation, and these settings fields filled in."""
+    open_page(browser, url)
+    browser.find_element(By.ID, "new-chat").click()
+    for name, value in settings.items():
+        set_field(browser, name, value)
 
 
 def set_field(browser, name: str, value: str) -> None:
@@ -109,9 +118,7 @@ def screenshot(browser, name: str) -> None:
 @requires_default_model
 def test_a_streamed_answer_equals_the_sdk_s_greedy_one(browser, smol_server: str) -> None:
     openai = pytest.importorskip("openai")
-    open_page(browser, smol_server)
-    set_field(browser, "temperature", "0")
-    set_field(browser, "max_tokens", "48")
+    new_chat(browser, smol_server, temperature="0", max_tokens="48")
     question = "What is the capital of France?"
     ask(browser, question)
     streaming = replies(browser)[-1]
@@ -129,28 +136,28 @@ def test_a_streamed_answer_equals_the_sdk_s_greedy_one(browser, smol_server: str
     finished_reply(browser)
     screenshot(browser, "web-ui-conversation.png")
     assert len(browser.find_elements(By.CSS_SELECTOR, "article.user")) == 2
+    answers = [r.get_attribute("data-raw") for r in replies(browser)]
+    browser.refresh()  # the tab keeps its conversation
+    wait(browser, lambda: [r.get_attribute("data-raw") for r in replies(browser)] == answers)
+    assert len(browser.find_elements(By.CSS_SELECTOR, "article.user")) == 2
 
 
 @requires_default_model
 def test_eight_tokens_at_temperature_zero_end_with_length(browser, smol_server: str) -> None:
-    open_page(browser, smol_server)
-    browser.find_element(By.ID, "new-chat").click()
-    set_field(browser, "temperature", "0")
-    set_field(browser, "max_tokens", "8")
+    new_chat(browser, smol_server, temperature="0", max_tokens="8")
     ask(browser, "Tell me a long story about a dragon.")
     reply = finished_reply(browser)
     assert reply.get_attribute("data-tokens") == "8" and reply.get_attribute("data-finish") == "length"
     assert "8 tokens" in reply.text and "finish: length" in reply.text
+    first = reply.get_attribute("data-raw")
     browser.find_element(By.ID, "regenerate").click()  # the same greedy reply again, in place of the first
     wait(browser, lambda: len(replies(browser)) == 1 and replies(browser)[0].get_attribute("data-finish"))
+    assert replies(browser)[0].get_attribute("data-raw") == first
 
 
 @requires_default_model
 def test_stop_aborts_and_the_server_frees_the_request(browser, smol_server: str) -> None:
-    open_page(browser, smol_server)
-    browser.find_element(By.ID, "new-chat").click()
-    set_field(browser, "max_tokens", "1500")
-    set_field(browser, "temperature", "0.8")
+    new_chat(browser, smol_server, max_tokens="1500", temperature="0.8")
     ask(browser, "Write a very long essay about the history of every country in the world.")
     streaming = replies(browser)[-1]
     wait(browser, lambda: len(streaming.get_attribute("data-raw") or "") > 20)
@@ -162,6 +169,22 @@ def test_stop_aborts_and_the_server_frees_the_request(browser, smol_server: str)
         time.sleep(0.05)
     assert running(smol_server) == 0
     assert browser.find_element(By.ID, "send").is_enabled()
+
+
+@requires_default_model
+def test_new_chat_during_a_stream_drops_it_everywhere(browser, smol_server: str) -> None:
+    new_chat(browser, smol_server, max_tokens="1500", temperature="0.8")
+    ask(browser, "Write a very long essay about oceans.")
+    streaming = replies(browser)[-1]
+    wait(browser, lambda: len(streaming.get_attribute("data-raw") or "") > 20)
+    browser.find_element(By.ID, "new-chat").click()
+    wait(browser, lambda: running(smol_server) == 0, timeout=10)
+    time.sleep(0.3)  # the aborted stream's last callbacks have run
+    assert not browser.find_elements(By.CSS_SELECTOR, "#conversation article")
+    assert browser.find_element(By.ID, "send").is_enabled()
+    assert not browser.find_element(By.ID, "regenerate").is_enabled()
+    ask(browser, "Hi")  # the new conversation has this one turn only
+    assert finished_reply(browser) and len(browser.find_elements(By.CSS_SELECTOR, "article.user")) == 1
 
 
 def test_a_wrong_key_shows_the_401_and_the_right_one_works(browser, echo_server: str) -> None:
@@ -239,6 +262,25 @@ def test_reasoning_shows_collapsed_and_tool_calls_as_such(browser, pocketllm_tin
         browser.find_element(By.ID, "send").click()
         error = wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, "article.error")[ask_failed:])[0]
         assert "Tools must be a JSON list" in error.text
+
+
+def test_the_page_waits_for_a_loading_model(browser, serve_app, tiny_args, monkeypatch) -> None:
+    import pocketllm_server.state
+    from pocketllm_server import create_app
+
+    real_load = pocketllm_server.state.load_engine
+
+    def slow_load(args):
+        time.sleep(2)
+        return real_load(args)
+
+    monkeypatch.setattr(pocketllm_server.state, "load_engine", slow_load)
+    with serve_app(create_app(tiny_args, served_model_name="tiny")) as server:
+        browser.get(f"{server.url}/")
+        notice = wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, "article.error"))[0]
+        assert "503" in notice.text and "loading" in notice.text
+        wait(browser, lambda: browser.find_element(By.ID, "model").get_attribute("value") == "tiny", timeout=30)
+        wait(browser, lambda: not browser.find_elements(By.CSS_SELECTOR, "article.error"))
 
 
 def test_the_page_can_be_turned_off(pocketllm_tiny_llama: Path) -> None:

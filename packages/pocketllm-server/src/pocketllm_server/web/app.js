@@ -2,6 +2,7 @@
 import { renderMarkdown } from "/ui/markdown.js";
 
 const KEY_STORAGE = "pocketllm-api-key";
+const CHAT_STORAGE = "pocketllm-conversation";  // this tab's conversation, kept across reloads
 const $ = (id) => document.getElementById(id);
 const conversation = $("conversation");
 const SETTINGS = ["temperature", "top_p", "max_tokens", "seed"];
@@ -9,6 +10,7 @@ const SETTINGS = ["temperature", "top_p", "max_tokens", "seed"];
 const state = {
   messages: [],  // {role, content} sent back to the server; assistant turns as the server gave them
   controller: null,  // the running request's AbortController
+  conversationId: 0,  // bumped by "New chat": a reply still arriving for an older one is dropped
   key: sessionStorage.getItem(KEY_STORAGE) || "",
 };
 
@@ -196,6 +198,7 @@ async function complete() {
     return;
   }
   const reply = new Reply();
+  const conversationId = state.conversationId;
   const controller = new AbortController();
   state.controller = controller;
   setBusy(true);
@@ -216,7 +219,7 @@ async function complete() {
       }
     }
   } catch (error) {
-    if (state.controller !== controller) return;  // "New chat" dropped this conversation
+    if (state.conversationId !== conversationId) return;
     if (error.name === "AbortError") {
       finishReason = "stopped";
     } else {  // the user's turn stays: Regenerate asks again
@@ -230,10 +233,12 @@ async function complete() {
       setBusy(false);
     }
   }
+  if (state.conversationId !== conversationId) return;  // "New chat" dropped this conversation meanwhile
   reply.finish({finishReason: finishReason || "unknown", tokens, started, firstAt, endedAt: performance.now()});
   const turn = {role: "assistant", content: reply.content};
   if (reply.toolCalls.length) turn.tool_calls = reply.toolCalls.filter(Boolean);
   state.messages.push(turn);
+  saveConversation();
   setBusy(false);
 }
 
@@ -243,6 +248,7 @@ async function send(event) {
   if (!text || state.controller) return;
   $("prompt").value = "";
   state.messages.push({role: "user", content: text});
+  saveConversation();
   showUser(text);
   await complete();
 }
@@ -257,14 +263,44 @@ async function regenerate() {
   await complete();
 }
 
+function saveConversation() {
+  sessionStorage.setItem(CHAT_STORAGE, JSON.stringify(state.messages));
+}
+
+function restoreConversation() {
+  try {
+    const saved = JSON.parse(sessionStorage.getItem(CHAT_STORAGE) || "[]");
+    if (!Array.isArray(saved)) return;
+    state.messages = saved.filter((m) => m && (m.role === "user" || m.role === "assistant") &&
+                                         typeof m.content === "string");
+  } catch {
+    return;  // not ours, or from an older page: start afresh
+  }
+  for (const message of state.messages) {
+    if (message.role === "user") {
+      showUser(message.content);
+    } else {
+      const reply = new Reply();
+      reply.content = message.content;
+      reply.toolCalls = Array.isArray(message.tool_calls) ? message.tool_calls.filter((c) => c?.function) : [];
+      reply.render();
+    }
+  }
+  setBusy(false);
+}
+
 function newChat() {
   const running = state.controller;
-  state.controller = null;  // its reply, when the abort lands, belongs to no conversation
+  state.conversationId += 1;  // the running reply, when its abort lands, belongs to no conversation
+  state.controller = null;
   running?.abort();
   state.messages = [];
+  saveConversation();
   conversation.replaceChildren();
   setBusy(false);
 }
+
+let loadingNotice = null;  // the "still loading" message, while the page waits for the model
 
 async function loadServer() {
   try {
@@ -277,7 +313,17 @@ async function loadServer() {
       $(name).placeholder = value === null || value === undefined ? "server default" : `${value} (default)`;
     }
     if (defaults.sampling.max_tokens === null) $("max_tokens").placeholder = `rest of ${defaults.max_model_len}`;
+    loadingNotice?.remove();
+    loadingNotice = null;
   } catch (error) {
+    if (error.status === 503 && error.code === "model_loading") {  // ask again until the model is up
+      if (!loadingNotice) {
+        showError(describe(error));
+        loadingNotice = conversation.lastElementChild;
+      }
+      setTimeout(loadServer, 1000);
+      return;
+    }
     showError(describe(error));
   }
 }
@@ -301,6 +347,8 @@ $("key-form").addEventListener("submit", () => {
   state.key = $("key").value.trim();
   sessionStorage.setItem(KEY_STORAGE, state.key);
   conversation.querySelectorAll("article.error").forEach((e) => e.remove());
-  loadServer();
+  restoreConversation();
+loadServer();
 });
+restoreConversation();
 loadServer();
