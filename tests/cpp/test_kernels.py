@@ -175,11 +175,14 @@ def test_bad_activations_and_alignment_raise_value_error() -> None:
 
 def test_matmul_releases_the_gil() -> None:
     raw, _ = _weight("Q4_0", 2048, 2048)
-    x = np.random.default_rng(5).standard_normal((16, 2048)).astype(np.float32)
+    x = np.random.default_rng(5).standard_normal((256, 2048)).astype(np.float32)  # tens of ms per product
     ticks, done = [0], threading.Event()
 
     def work() -> None:
-        for _ in range(3):
+        # Long enough to tell, however fast the machine's kernels: a GIL held through each product would let the
+        # main thread tick about once per product, far below once per 5 ms.
+        deadline = time.perf_counter() + 0.3
+        while time.perf_counter() < deadline:
             kernels._native.matmul(raw, "Q4_0", 2048, 2048, x)
         done.set()
 
