@@ -24,6 +24,10 @@ def embed(http: httpx.Client, **body) -> httpx.Response:
     return http.post("/v1/embeddings", json={"model": MODEL_NAME, **body})
 
 
+def close(a: list[float], b: list[float]) -> bool:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
+
+
 def test_every_input_form_gives_unit_vectors_and_usage(http: httpx.Client) -> None:
     ids = http.post("/tokenize", json={"prompt": "the cat sat"}).json()["tokens"]
     one = embed(http, input="the cat sat").json()
@@ -34,10 +38,11 @@ def test_every_input_form_gives_unit_vectors_and_usage(http: httpx.Client) -> No
     assert one["usage"] == {"prompt_tokens": len(ids), "total_tokens": len(ids)}
     many = embed(http, input=["the cat sat", "a dog ran far away"]).json()
     assert [d["index"] for d in many["data"]] == [0, 1]
-    assert many["data"][0]["embedding"] == item["embedding"] != many["data"][1]["embedding"]
+    # Beside other inputs within rounding (the batch a request shares a step with is up to timing); alone, exact.
+    assert close(many["data"][0]["embedding"], item["embedding"]) and item["embedding"] != many["data"][1]["embedding"]
     assert embed(http, input=ids).json()["data"][0]["embedding"] == item["embedding"]
     both = embed(http, input=[ids, ids[:2]]).json()
-    assert both["data"][0]["embedding"] == item["embedding"] and both["usage"]["prompt_tokens"] == len(ids) + 2
+    assert close(both["data"][0]["embedding"], item["embedding"]) and both["usage"]["prompt_tokens"] == len(ids) + 2
     truncated = embed(http, input=ids, truncate_prompt_tokens=2).json()
     assert truncated["data"][0]["embedding"] == embed(http, input=ids[-2:]).json()["data"][0]["embedding"]
     raw = embed(http, input="the cat sat", normalize=False).json()["data"][0]["embedding"]

@@ -43,8 +43,11 @@ def test_default_model_embeddings_equal_transformers_pooling() -> None:
             for out in outs:
                 assert len(out.embedding) == llm.model_config.hidden_size
                 assert_close(out.embedding, reference(hf, out.prompt_token_ids, kind))
-            assert outs[0].embedding == outs[2].embedding  # identical inputs, one batch
+            # Identical inputs: bit for bit when they run alone; within rounding when the batch around them differs
+            # (which requests share a step depends on when each reached the engine thread).
             alone = llm.embed(TEXTS[1], PoolingParams(pooling_type=kind))[0].embedding
+            assert llm.embed(TEXTS[1], PoolingParams(pooling_type=kind))[0].embedding == alone
+            assert_close(outs[2].embedding, torch.tensor(outs[0].embedding), 1e-5)
             assert_close(alone, torch.tensor(outs[1].embedding), 1e-5)
         # The model's default: a GGUF without pooling_type pools the last token, as vLLM does for decoder models.
         assert llm.embed(TEXTS[0])[0].embedding == llm.embed(TEXTS[0], PoolingParams(pooling_type="last"))[0].embedding
