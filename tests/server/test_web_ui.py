@@ -105,6 +105,14 @@ def finished_reply(browser):
     return wait(browser, lambda: (r := replies(browser)) and r[-1].get_attribute("data-finish") and r[-1])
 
 
+def start_long_reply(browser, url: str, question: str) -> None:
+    """A new conversation whose reply is streaming, with some of it shown, and far from its end."""
+    new_chat(browser, url, max_tokens="1500", temperature="0.8")
+    ask(browser, question)
+    streaming = replies(browser)[-1]
+    wait(browser, lambda: len(streaming.get_attribute("data-raw") or "") > 20)
+
+
 def running(url: str) -> float:
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     return float(re.search(r"^pocketllm:num_requests_running\{[^}]*\} (\S+)$", metrics, re.M).group(1))
@@ -157,26 +165,17 @@ def test_eight_tokens_at_temperature_zero_end_with_length(browser, smol_server: 
 
 @requires_default_model
 def test_stop_aborts_and_the_server_frees_the_request(browser, smol_server: str) -> None:
-    new_chat(browser, smol_server, max_tokens="1500", temperature="0.8")
-    ask(browser, "Write a very long essay about the history of every country in the world.")
-    streaming = replies(browser)[-1]
-    wait(browser, lambda: len(streaming.get_attribute("data-raw") or "") > 20)
+    start_long_reply(browser, smol_server, "Write a very long essay about the history of every country.")
     assert running(smol_server) == 1
     browser.find_element(By.ID, "stop").click()
     assert finished_reply(browser).get_attribute("data-finish") == "stopped"
-    deadline = time.monotonic() + 10
-    while running(smol_server) != 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert running(smol_server) == 0
+    wait(browser, lambda: running(smol_server) == 0, timeout=10)
     assert browser.find_element(By.ID, "send").is_enabled()
 
 
 @requires_default_model
 def test_new_chat_during_a_stream_drops_it_everywhere(browser, smol_server: str) -> None:
-    new_chat(browser, smol_server, max_tokens="1500", temperature="0.8")
-    ask(browser, "Write a very long essay about oceans.")
-    streaming = replies(browser)[-1]
-    wait(browser, lambda: len(streaming.get_attribute("data-raw") or "") > 20)
+    start_long_reply(browser, smol_server, "Write a very long essay about oceans.")
     browser.find_element(By.ID, "new-chat").click()
     wait(browser, lambda: running(smol_server) == 0, timeout=10)
     time.sleep(0.3)  # the aborted stream's last callbacks have run

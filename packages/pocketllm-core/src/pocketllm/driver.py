@@ -169,12 +169,13 @@ class EngineDriver:
         # Compiled here, on the caller's thread: a large schema must not stall the engine's steps.
         constraints = ([self.grammars.constraint(params.structured_outputs, params.reasoning) for _ in range(params.n)]
                        if params.structured_outputs is not None else [None] * params.n)
-        splits = params.reasoning is not None and not params.stop_in_reasoning and bool(params.stop)
+        # Stop strings look past the reasoning section unless asked not to.
+        splits = None if params.stop_in_reasoning or not params.stop else params.reasoning
         choices = [
             _Choice(i, request_id if params.n == 1 else f"{request_id}-{i}",
                     IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
                     constraint=constraints[i],
-                    splitter=ReasoningSplitter(params.reasoning) if splits and params.reasoning else None)
+                    splitter=ReasoningSplitter(splits) if splits else None)
             for i in range(params.n)
         ]
         request = _Request(request_id, list(prompt_ids), params, sink,

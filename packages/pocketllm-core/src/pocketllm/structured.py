@@ -223,10 +223,15 @@ class GrammarCompiler:
                     self._cache.popitem(last=False)
         return Constraint(pristine.deep_copy(), self.vocab_size, self._gate(reasoning) if reasoning else None)
 
-    def _gate(self, reasoning: str) -> ReasoningGate:
+    @functools.cached_property
+    def _start_id(self) -> int | None:
+        """The opening tag's token; an optional opening is told by the first token alone, so a tag that takes
+        several tokens never opens."""
         start = self._tokenizer.encode(reasoning_tags.START, add_special_tokens=False)
-        # An optional opening is told by the first token alone: a tag that takes several tokens never opens.
-        return ReasoningGate(reasoning_tags.opens_in_prompt(reasoning), start[0] if len(start) == 1 else None,
+        return start[0] if len(start) == 1 else None
+
+    def _gate(self, reasoning: str) -> ReasoningGate:
+        return ReasoningGate(reasoning_tags.opens_in_prompt(reasoning), self._start_id,
                              lambda ids: self._tokenizer.decode(ids, skip_special_tokens=False))
 
 

@@ -119,7 +119,7 @@ def check_embedding_request(backend: str, caps: Capabilities, prompt_ids: list[i
         raise UnsupportedOptionError("dimensions", backend, f"the model's embeddings have {hidden_size} dimensions "
                                      "and it is not trained for shortened (Matryoshka) ones")
     if not prompt_ids:
-        raise ConfigError("input", "must not be empty")
+        raise ConfigError("prompt", "must not be empty")
     _check_prompt_ids(prompt_ids, vocab_size)
     if len(prompt_ids) > max_model_len:
         raise PromptTooLongError(f"input has {len(prompt_ids)} tokens; max_model_len is {max_model_len}")

@@ -172,11 +172,12 @@ class CppEngine:
         return deltas
 
     def _set_masks(self, request_ids: list[str]) -> None:
-        # A reply still in its reasoning section may take any token: no mask for the sampler to apply.
+        masked = []
         for request_id in request_ids:
-            if not self.constraints[request_id].masks_next:
+            if self.constraints[request_id].masks_next:
+                masked.append(request_id)
+            else:  # a reply still in its reasoning section may take any token: no mask for the sampler
                 self.engine.set_allowed(request_id, _NO_MASK)
-        masked = [r for r in request_ids if self.constraints[r].masks_next]
         if not masked:
             return
         masks = np.empty((len(masked), bitmask_words(self.vocab_size)), dtype=np.int32)
