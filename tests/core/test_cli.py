@@ -11,7 +11,7 @@ def test_backends_lists_name_distribution_score_and_failures(capsys: pytest.Capt
     assert main(["backends"]) == 0
     out = capsys.readouterr().out
     assert "echo  (pocketllm-echo 0.1.0, score 1)" in out
-    assert "broken  (pocketllm-broken, FAILED TO LOAD: ModuleNotFoundError" in out
+    assert "broken  (pocketllm-broken 0.1.0, FAILED TO LOAD: ModuleNotFoundError" in out
     assert "architectures: llama" in out
 
 

@@ -132,3 +132,97 @@ def test_unsupported_option_names_option_and_backend(pocketllm_tiny_llama: Path)
         LLM(str(pocketllm_tiny_llama), backend="echo", dtype="bfloat16")
     assert (err.value.option, err.value.backend) == ("dtype", "echo")
     assert "dtype" in str(err.value) and "echo" in str(err.value)
+
+
+# A plugin written against contract 1.x that imports API_VERSION (so it declares the current contract) and still
+# passes 1.x's `batching=` to Capabilities; and one whose selection hook raises. Both would win `auto` if they
+# were not skipped.
+_OLD_PLUGIN = '''
+from pocketllm import API_VERSION, Capabilities, hookimpl
+
+
+class OldBackend:
+    name = "old"
+    api_version = API_VERSION
+
+    def probe(self):
+        return 50
+
+    def capabilities(self):
+        return Capabilities(architectures=("llama",), batching=True)
+
+    def create_engine(self, args, checkpoint):
+        raise AssertionError("a broken backend must never be asked for an engine")
+
+
+@hookimpl
+def pocketllm_register_backends(register):
+    register(OldBackend())
+
+
+@hookimpl
+def pocketllm_select_backend(args, scores):
+    raise RuntimeError("selector crashed")
+'''
+
+
+@pytest.fixture
+def old_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The plugin above installed as the distribution pocketllm-old 0.3.0 (a module and its dist-info on sys.path),
+    next to the echo backend (POCKETLLM_PLUGINS keeps the others out)."""
+    (tmp_path / "pocketllm_old.py").write_text(_OLD_PLUGIN)
+    info = tmp_path / "pocketllm_old-0.3.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pocketllm-old\nVersion: 0.3.0\n")
+    (info / "entry_points.txt").write_text("[pocketllm.backends]\nold = pocketllm_old\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("POCKETLLM_PLUGINS", "old,echo")
+    return tmp_path
+
+
+def test_backends_command_lists_a_plugin_whose_hooks_raise_as_broken(old_plugin: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from pocketllm import cli
+
+    assert cli.main(["backends"]) == 0
+    out = capsys.readouterr().out
+    [line] = [line for line in out.splitlines() if line.startswith("old:old")]
+    assert "pocketllm-old 0.3.0" in line and "BROKEN" in line and "TypeError" in line and "batching" in line
+    assert f"declares contract {API_VERSION[0]}.{API_VERSION[1]}" in line
+    assert "echo  (pocketllm-echo" in out
+
+
+def test_auto_skips_a_broken_plugin_and_naming_it_is_a_typed_error(old_plugin: Path,
+                                                                    pocketllm_tiny_llama: Path) -> None:
+    from pocketllm import LLM
+    from pocketllm.errors import BrokenBackendError
+
+    llm = LLM(str(pocketllm_tiny_llama), backend="auto")
+    try:
+        assert llm.backend_name == "echo"  # not the broken one's 50, and its raising selector was skipped
+    finally:
+        llm.shutdown()
+    with pytest.raises(BrokenBackendError) as err:
+        LLM(str(pocketllm_tiny_llama), backend="old")
+    assert (err.value.backend, err.value.distribution) == ("old", "pocketllm-old")
+    assert "capabilities() raised TypeError" in str(err.value)
+    assert f"declares contract {API_VERSION[0]}.{API_VERSION[1]}" in str(err.value)
+    registry = BackendRegistry()
+    assert registry.names() == ["echo", "old"] and [e.name for e in registry.entries()] == ["echo"]
+    assert {(f.entry_point, f.broken) for f in registry.failures} == {("old:old", True)}
+
+
+def test_a_registration_hook_that_raises_is_a_failure_without_backends() -> None:
+    registry = BackendRegistry(load_entry_points=False)
+
+    class Plugin:
+        @staticmethod
+        def pocketllm_register_backends(register):
+            register(_Fake("half", 5))
+            raise ValueError("registration crashed")
+
+    registry.register_plugin(Plugin(), name="crashing", distribution="crash-dist", version="1.0")
+    assert registry.names() == []
+    [failure] = registry.failures
+    assert (failure.entry_point, failure.distribution, failure.version) == ("crashing", "crash-dist", "1.0")
+    assert "registration crashed" in failure.error

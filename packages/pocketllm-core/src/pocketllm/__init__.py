@@ -9,6 +9,7 @@ from pocketllm.args import EngineArgs
 from pocketllm.backend import API_VERSION, BackendStats, Capabilities, RequestDelta, SampledLogprobs, TokenLogprob
 from pocketllm.errors import (
     BackendNotFoundError,
+    BrokenBackendError,
     CheckpointError,
     ConfigError,
     EngineDeadError,
@@ -38,7 +39,8 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "API_VERSION", "AsyncLLM", "BackendNotFoundError", "BackendStats", "Capabilities", "CheckpointError",
+    "API_VERSION", "AsyncLLM", "BackendNotFoundError", "BackendStats", "BrokenBackendError", "Capabilities",
+    "CheckpointError",
     "CompletionOutput", "ConfigError", "EmbeddingOutput", "EngineArgs", "EngineDeadError", "LLM", "PocketLLMError",
     "PoolingParams", "PromptTooLongError", "RequestCancelledError", "RequestDelta", "RequestFailedError",
     "RequestOutput", "SampledLogprobs", "SamplingParams", "StreamEvent", "TokenLogprob", "UnsupportedOptionError",

@@ -86,7 +86,8 @@ def _backends() -> int:
     from pocketllm.plugins import BackendRegistry
 
     registry = BackendRegistry()
-    for entry in registry.entries():
+    entries = registry.entries()  # a backend whose hooks raise here is listed with the failures below
+    for entry in entries:
         caps = entry.capabilities
         state = f"score {entry.score}" if entry.score > 0 else f"unavailable here: {entry.unavailable or 'probe 0'}"
         print(f"{entry.name}  ({entry.distribution} {entry.version}, {state})")
@@ -97,8 +98,9 @@ def _backends() -> int:
         print(f"    sampling: greedy, {', '.join(caps.sampling_options) or '-'}; storage types: "
               f"{', '.join(caps.quantization_formats)}")
     for failure in registry.failures:
-        print(f"{failure.entry_point}  ({failure.distribution}, FAILED TO LOAD: {failure.error})")
-    if not registry.entries() and not registry.failures:
+        state = "BROKEN" if failure.broken else "FAILED TO LOAD"
+        print(f"{failure.entry_point}  ({failure.distribution} {failure.version}, {state}: {failure.error})")
+    if not entries and not registry.failures:
         print("no backends installed; try `pip install pocketllm-torch`")
     return 0
 

@@ -29,6 +29,16 @@ class BackendNotFoundError(PocketLLMError, LookupError):
     """No registered backend matches the name asked for, or none is available."""
 
 
+class BrokenBackendError(BackendNotFoundError):
+    """A registered backend failed when the core called it (its ``capabilities()`` raised, say): the message names
+    the backend, its distribution and the contract version it declared."""
+
+    def __init__(self, message: str, backend: str, distribution: str) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.distribution = distribution
+
+
 class CheckpointError(PocketLLMError, ValueError):
     """A checkpoint could not be found, parsed, or is corrupt."""
 
