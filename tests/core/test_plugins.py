@@ -8,6 +8,7 @@ import pytest
 
 from pocketllm import API_VERSION, BackendNotFoundError, Capabilities, EngineArgs, UnsupportedOptionError
 from pocketllm.plugins import BackendRegistry
+from tests.conftest import requires_default_model
 
 
 def test_third_party_backend_is_discovered_from_its_entry_point() -> None:
@@ -123,6 +124,20 @@ def test_import_pocketllm_does_not_import_torch_or_a_backend() -> None:
             "print([m for m in ('torch', 'transformers') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["[]", "[]"]
+
+
+@requires_default_model
+def test_auto_imports_only_the_chosen_backend_s_runtime() -> None:
+    """Probing scores torch from files: a start on the default model that cpp wins never imports torch (2.6-4.4 s
+    of every start, before)."""
+    pytest.importorskip("pocketllm_cpp")
+    code = ("import sys; from pocketllm import LLM; llm = LLM(backend='auto', max_model_len=256); "
+            "print(llm.backend_name, 'torch' in sys.modules); llm.shutdown()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    backend, torch_imported = out.split()
+    if backend != "cpp":
+        pytest.skip(f"auto chose {backend} here (cpp wins on x86 CPUs with AVX2)")
+    assert torch_imported == "False"
 
 
 def test_unsupported_option_names_option_and_backend(pocketllm_tiny_llama: Path) -> None:

@@ -27,7 +27,10 @@ Semantics a backend implements
   an engine on an accelerator it has to itself. ``auto`` takes the highest
   score; a tie goes to the backend whose name sorts first. A probe that cannot
   run here may raise instead of returning 0: its message is the reason
-  ``pocketllm backends`` shows.
+  ``pocketllm backends`` shows. Every backend is probed on each ``auto`` start,
+  so a probe answers from cheap facts (``importlib.util.find_spec``, files,
+  device nodes) and never imports a heavy runtime: only the chosen backend's
+  ``create_engine`` does.
 * **Stop tokens.** A request ends with ``finish_reason="stop"`` when it samples
   an EOS id of the model (unless ``ignore_eos``) or one of
   ``params.stop_token_ids``. The token is part of ``new_token_ids``.
