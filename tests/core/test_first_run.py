@@ -93,3 +93,30 @@ def test_testing_kit_without_pytest_says_what_to_install() -> None:
     code = "import sys; sys.modules['pytest'] = None; import pocketllm.testing"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode != 0 and "pip install 'pocketllm-core[testing]'" in result.stderr
+
+
+def test_help_texts_are_plain_text_and_every_server_flag_has_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "The pocketllm command" in out and "``" not in out
+    server_cli = pytest.importorskip("pocketllm_server.cli")
+    parser = server_cli.build_parser()
+    for action in parser._actions:
+        assert action.help and "``" not in action.help, action.option_strings
+    log_level = next(a for a in parser._actions if a.dest == "log_level")
+    assert "(default: %(default)s)" in log_level.help
+
+
+def test_backends_command_lists_each_backend_s_option_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    """--backend-options' help sends people to `pocketllm backends` for the keys."""
+    from pocketllm.plugins import BackendRegistry
+
+    assert main(["backends"]) == 0
+    blocks = capsys.readouterr().out.split("\n")
+    for entry in BackendRegistry().entries():
+        start = next(i for i, line in enumerate(blocks) if line.startswith(f"{entry.name}  ("))
+        [options] = [line for line in blocks[start + 1:start + 6] if "backend options" in line]
+        assert options.endswith(": " + (", ".join(entry.capabilities.backend_options) or "none")), options
+    assert "keys: see `pocketllm backends`" in next(
+        f.metadata["help"] for f in dataclasses.fields(EngineArgs) if f.name == "backend_options")

@@ -1,4 +1,4 @@
-"""The ``pocketllm`` command: list backends, generate once, chat, serve, or benchmark."""
+"""The pocketllm command: list backends, generate once, chat, serve, or benchmark."""
 
 from __future__ import annotations
 
@@ -97,6 +97,7 @@ def _backends() -> int:
               f"tensor parallel: {caps.tensor_parallel}; speculative: {', '.join(caps.speculative_methods) or '-'}")
         print(f"    sampling: greedy, {', '.join(caps.sampling_options) or '-'}; storage types: "
               f"{', '.join(caps.quantization_formats)}")
+        print(f"    backend options (--backend-options JSON keys): {', '.join(caps.backend_options) or 'none'}")
     for failure in registry.failures:
         state = "BROKEN" if failure.broken else "FAILED TO LOAD"
         print(f"{failure.entry_point}  ({failure.distribution} {failure.version}, {state}: {failure.error})")

@@ -70,7 +70,9 @@ def build_parser(prog: str = "pocketllm-server") -> argparse.ArgumentParser:
                              "pooling config, else last)")
     server.add_argument("--no-web-ui", action="store_true",
                         help="do not serve the chat page at / (an API-only deployment)")
-    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="least severe log messages shown on stderr: debug adds the engine's and plugins' "
+                             "details, warning and error only problems (default: %(default)s)")
     tp = parser.add_argument_group("tensor parallelism", "with --tensor-parallel-size N > 1, this command starts "
                                    "N local ranks and supervises them; rank 0 serves HTTP")
     tp.add_argument("--no-tensor-parallel-supervisor", action="store_true",
