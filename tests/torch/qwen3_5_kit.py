@@ -17,8 +17,10 @@ HIDDEN = 64
 
 def hf_config(moe: bool, layers: int) -> Any:
     transformers = __import__("transformers")
+    # Only what the config class takes: the file save_pretrained writes is then exactly the class's (the MoE one
+    # has no intermediate_size, as published Qwen3.5 MoE configs have none).
     common = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
         layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)],
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         # Hv > Hk: each key head serves two value heads.
@@ -31,7 +33,7 @@ def hf_config(moe: bool, layers: int) -> Any:
     if moe:
         return transformers.Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                                  shared_expert_intermediate_size=48, **common)
-    return transformers.Qwen3_5TextConfig(**common)
+    return transformers.Qwen3_5TextConfig(intermediate_size=128, **common)
 
 
 def tiny_qwen3_5(path: Path, *, moe: bool = False, wrapped: bool = False, layers: int = 4,
@@ -58,16 +60,20 @@ def tiny_qwen3_5(path: Path, *, moe: bool = False, wrapped: bool = False, layers
                 param.normal_(0, 0.15)
     model.save_pretrained(path)
     if wrapped:
-        _wrap(path, "qwen3_5_moe" if moe else "qwen3_5")
+        _wrap(path, moe)
     return model, path
 
 
-def _wrap(path: Path, model_type: str) -> None:
+def _wrap(path: Path, moe: bool) -> None:
+    """The multimodal release's layout, its config.json written by the wrapper's own config class."""
+    transformers = __import__("transformers")
     text = json.loads((path / "config.json").read_text())
-    wrapper = {"model_type": model_type, "architectures": ["Qwen3_5ForConditionalGeneration"],
-               "tie_word_embeddings": text.pop("tie_word_embeddings"), "text_config": text,
-               "vision_config": {"model_type": f"{model_type}_vision", "hidden_size": 8}}
-    (path / "config.json").write_text(json.dumps(wrapper))
+    for model_level in ("architectures", "dtype", "transformers_version"):  # the wrapper's, not the text model's
+        text.pop(model_level)
+    wrapper = (transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config)(
+        text_config=text, vision_config={"hidden_size": 8}, tie_word_embeddings=text["tie_word_embeddings"])
+    wrapper.architectures = ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"]
+    wrapper.save_pretrained(path)
     weights = load_file(path / "model.safetensors")
     renamed = {name if name == "lm_head.weight" else name.replace("model.", "model.language_model.", 1): w
                for name, w in weights.items()}
@@ -99,7 +105,8 @@ def to_gguf(hf: Any, path: Path, *, matrices: str = "F32", mtp_layers: int = 0) 
     writer.add_vocab_size(c.vocab_size)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
+    if not moe:  # as the converter writes it: only where the config has an intermediate_size
+        writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_key_length(c.head_dim)

@@ -302,3 +302,19 @@ def test_auto_serves_a_qwen3_5_gguf_on_torch_and_cpp_refuses_it_by_name(tmp_path
     pytest.importorskip("pocketllm_cpp")
     with pytest.raises(UnsupportedOptionError, match="qwen3_5_text"):
         LLM(path, backend="cpp")
+
+
+def test_kit_configs_are_exactly_what_the_config_classes_write(qwen) -> None:
+    """No key by hand: the MoE text config has no intermediate_size, as Qwen3_5MoeTextConfig writes it."""
+    import json
+
+    from tests.core.test_checkpoint_configs import MODEL_WRITTEN, PUBLISHED_FIELDS
+
+    _, checkpoint, _ = qwen
+    written = json.loads((checkpoint.path / "config.json").read_text())
+    moe = checkpoint.config.architecture == "qwen3_5_moe_text"
+    fields = PUBLISHED_FIELDS["Qwen3_5MoeTextConfig" if moe else "Qwen3_5TextConfig"]
+    if "text_config" in written:  # the wrapper class writes the version once, at its top level
+        written, fields = written["text_config"], fields - {"transformers_version"}
+    assert set(written) - MODEL_WRITTEN == fields
+    assert checkpoint.config.intermediate_size == (0 if moe else 128)

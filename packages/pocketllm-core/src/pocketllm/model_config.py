@@ -17,11 +17,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     architecture: str
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+    # The dense MLP's width; 0 for a model without one (Qwen3.5 MoE: every layer is a mixture of experts, sized
+    # by extra's moe_intermediate_size, and transformers' config class has no intermediate_size).
+    intermediate_size: int = 0
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None

@@ -145,25 +145,37 @@ def _qwen3_5_layers(w: Callable[..., np.ndarray]) -> dict[str, np.ndarray]:
     return tensors
 
 
+# What config.json says for each kit architecture: the config class, its model class, and the fields of its own
+# beyond those every architecture writes (tests/core/test_checkpoint_configs.py checks both against transformers).
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM")}
+HF_WRITER_VERSION = "5.24.0"  # the transformers whose save_pretrained these configs reproduce
+
+
 def hf_config(arch: str, max_positions: int = MAX_POSITIONS) -> dict:
-    config = {
-        "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"], "model_type": arch,
-        "vocab_size": len(_vocab()), "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": max_positions,
-        "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": EOS_TOKEN_ID, "torch_dtype": "float32",
-        "hidden_act": "silu", "attention_bias": False,
+    """config.json exactly as transformers writes it for the kit model (``XForCausalLM(XConfig(...))
+    .save_pretrained``): every field its config class writes, and no other key."""
+    rope = {"rope_theta": 10000.0, "rope_type": "default"}
+    config: dict[str, Any] = {
+        "architectures": [HF_CLASSES[arch][1]], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": None, "dtype": "float32", "eos_token_id": EOS_TOKEN_ID, "head_dim": HIDDEN // HEADS,
+        "hidden_act": "silu", "hidden_size": HIDDEN, "initializer_range": 0.02, "intermediate_size": INTERMEDIATE,
+        "max_position_embeddings": max_positions, "model_type": arch, "num_attention_heads": HEADS,
+        "num_hidden_layers": LAYERS, "num_key_value_heads": KV_HEADS, "pad_token_id": None, "rms_norm_eps": 1e-6,
+        "rope_parameters": rope, "tie_word_embeddings": False, "transformers_version": HF_WRITER_VERSION,
+        "use_cache": True, "vocab_size": len(_vocab()),
     }
-    if arch in ("qwen3", "qwen3_5"):
-        config["head_dim"] = QWEN3_HEAD_DIM
-    if arch == "qwen3_5":
-        config |= {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-                   "num_hidden_layers": len(QWEN3_5_LAYER_TYPES), "layer_types": QWEN3_5_LAYER_TYPES,
-                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                       "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-                   **QWEN3_5_LINEAR}
-        del config["rope_theta"]  # in rope_parameters, as transformers 5 writes it
-    return config
+    if arch == "llama":
+        return config | {"mlp_bias": False, "pretraining_tp": 1}
+    if arch == "qwen3":
+        return config | {"head_dim": QWEN3_HEAD_DIM, "layer_types": ["full_attention"] * LAYERS,
+                         "max_window_layers": 28, "sliding_window": None, "use_sliding_window": False}
+    return config | {
+        "model_type": "qwen3_5_text", "head_dim": QWEN3_HEAD_DIM, "num_hidden_layers": len(QWEN3_5_LAYER_TYPES),
+        "layer_types": QWEN3_5_LAYER_TYPES, **QWEN3_5_LINEAR,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                            "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    }
 
 
 def _write_safetensors(path: Path, arch: str, *, seed: int, max_positions: int = MAX_POSITIONS) -> Path:
@@ -171,7 +183,7 @@ def _write_safetensors(path: Path, arch: str, *, seed: int, max_positions: int =
 
     path.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(path)
-    (path / "config.json").write_text(json.dumps(hf_config(arch, max_positions), indent=2))
+    (path / "config.json").write_text(json.dumps(hf_config(arch, max_positions), indent=2, sort_keys=True) + "\n")
     save_file(tiny_weights(arch, seed), str(path / "model.safetensors"))
     return path
 
