@@ -512,3 +512,34 @@ def test_gguf_architecture_mapping(arch: str, model_type: str, gguf_name: str, h
     assert config.architecture == model_type
     assert config.extra["num_experts"] == 8
     assert hf_name(gguf_name, model_type) == hf
+
+
+_QWEN35_META = {"general.architecture": "qwen35", "qwen35.block_count": 6, "qwen35.nextn_predict_layers": 1,
+                "qwen35.embedding_length": 64, "qwen35.attention.head_count": 4, "qwen35.vocab_size": 32}
+
+
+def test_gguf_hybrid_layer_mix_comes_from_recurrent_layers_then_the_interval() -> None:
+    """llama.cpp's reading: the per-layer flags (the MTP layer's included) first, full_attention_interval after."""
+    from pocketllm.checkpoint.configs import config_from_gguf
+
+    flags = [True, False, True, True, False, False]  # five layers and the MTP layer
+    config = config_from_gguf(_QWEN35_META | {"qwen35.attention.recurrent_layers": flags,
+                                              "qwen35.full_attention_interval": 4}, source="x.gguf", tensor_names=set())
+    assert config.num_hidden_layers == 5
+    assert config.extra["layer_types"] == ["linear_attention", "full_attention", "linear_attention",
+                                           "linear_attention", "full_attention"]
+    config = config_from_gguf(_QWEN35_META | {"qwen35.full_attention_interval": 2}, source="x.gguf",
+                              tensor_names=set())
+    assert config.extra["layer_types"] == ["linear_attention", "full_attention"] * 2 + ["linear_attention"]
+
+
+@pytest.mark.parametrize(("extra", "key"), [
+    ({"qwen35.attention.recurrent_layers": [True, False]}, "qwen35.attention.recurrent_layers"),
+    ({"qwen35.attention.recurrent_layers": [1, 0, 1, 1, 0, 0]}, "qwen35.attention.recurrent_layers"),
+    ({"qwen35.full_attention_interval": 0}, "qwen35.full_attention_interval"),
+])
+def test_gguf_hybrid_layer_mix_that_cannot_be_read_is_a_checkpoint_error(extra: dict, key: str) -> None:
+    from pocketllm.checkpoint.configs import config_from_gguf
+
+    with pytest.raises(CheckpointError, match=rf"x\.gguf: {key}"):
+        config_from_gguf(_QWEN35_META | extra, source="x.gguf", tensor_names=set())

@@ -15,13 +15,13 @@ from tests.torch.torch_testkit import EOS, VOCAB
 HIDDEN = 64
 
 
-def hf_config(moe: bool, layers: int) -> Any:
+def hf_config(moe: bool, layers: int, layer_types: list[str] | None = None) -> Any:
     transformers = __import__("transformers")
     # Only what the config class takes: the file save_pretrained writes is then exactly the class's (the MoE one
     # has no intermediate_size, as published Qwen3.5 MoE configs have none).
     common = dict(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
-        layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)],
+        layer_types=layer_types or ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)],
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         # Hv > Hk: each key head serves two value heads.
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -37,8 +37,9 @@ def hf_config(moe: bool, layers: int) -> Any:
 
 
 def tiny_qwen3_5(path: Path, *, moe: bool = False, wrapped: bool = False, layers: int = 4,
-                 seed: int = 0) -> tuple[Any, Path]:
-    """A random fp32 transformers model and its checkpoint directory.
+                 layer_types: list[str] | None = None, seed: int = 0) -> tuple[Any, Path]:
+    """A random fp32 transformers model and its checkpoint directory (``layers`` of them, every 4th full attention,
+    or one per entry of ``layer_types``).
 
     Weights are drawn larger than transformers' init so that greedy decoding does not collapse into one token;
     zero-centred norms (weight w, applied as 1 + w) get small w. ``wrapped`` rewrites the checkpoint in the
@@ -46,7 +47,7 @@ def tiny_qwen3_5(path: Path, *, moe: bool = False, wrapped: bool = False, layers
     ``model.language_model.``, a vision tower beside them).
     """
     transformers = __import__("transformers")
-    config = hf_config(moe, layers)
+    config = hf_config(moe, len(layer_types) if layer_types else layers, layer_types)
     model_cls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -121,6 +122,10 @@ def to_gguf(hf: Any, path: Path, *, matrices: str = "F32", mtp_layers: int = 0) 
     writer.add_ssm_group_count(hk)
     writer.add_ssm_time_step_rank(hv)
     writer.add_ssm_inner_size(dv * hv)
+    # One flag per layer, True for linear attention (the MTP layers' False), beside the interval, which llama.cpp
+    # reads only where the flags are missing.
+    writer.add_array(f"{arch}.attention.recurrent_layers",
+                     [kind == "linear_attention" for kind in c.layer_types] + [False] * mtp_layers)
     writer.add_full_attention_interval(4)
     if moe:
         writer.add_expert_count(c.num_experts)
@@ -210,3 +215,72 @@ def to_gguf(hf: Any, path: Path, *, matrices: str = "F32", mtp_layers: int = 0) 
                else "F32")
         for name, t in tensors.items()})
     return path
+
+
+# A hybrid layer mix that is not "every 4th layer full attention" (what full_attention_interval says).
+IRREGULAR_LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
+LLAMA_CPP_SDIST = "POCKETLLM_LLAMA_CPP_SDIST"
+# llama.cpp's convert_hf_to_gguf.py as it is, but for its tokenizer check: it refuses a pre-tokenizer whose hash it
+# does not list, which a test tokenizer's is not; the file says qwen35, as Qwen3.5's own tokenizer's would.
+_CONVERT = """
+import runpy, sys
+root = sys.argv.pop(1)
+sys.path[:0] = [root, root + "/gguf-py"]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
+sys.argv[0] = root + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def llama_cpp_converter(unpack_to: Path) -> Path | None:
+    """The llama.cpp folder (vendor/llama.cpp) of the llama-cpp-python sdist that $POCKETLLM_LLAMA_CPP_SDIST names
+    (the .tar.gz, unpacked under ``unpack_to``, or the folder it unpacks to); None when it names none."""
+    import os
+    import tarfile
+
+    source = os.environ.get(LLAMA_CPP_SDIST)
+    if not source:
+        return None
+    path = Path(source)
+    if path.is_file():
+        with tarfile.open(path) as tar:
+            wanted = ("conversion/", "gguf-py/", "convert_hf_to_gguf.py")
+            members = [m for m in tar.getmembers()
+                       if any(f"/vendor/llama.cpp/{part}" in m.name for part in wanted)]
+            tar.extractall(unpack_to, members=members, filter="data")
+        path = unpack_to
+    found = sorted(path.glob("**/vendor/llama.cpp/conversion")) or sorted(path.glob("conversion"))
+    if not found:
+        raise AssertionError(f"${LLAMA_CPP_SDIST}={source} holds no llama.cpp converter (vendor/llama.cpp/conversion)")
+    return found[0].parent
+
+
+def convert_with_llama_cpp(llama_cpp: Path, model: Path, out: Path) -> Path:
+    """``model`` (a tiny_qwen3_5 directory) converted to an F32 GGUF by llama.cpp's own convert_hf_to_gguf.py, with
+    the kit's tokenizer and a multi-token-prediction layer added first, as the published checkpoints have."""
+    import subprocess
+    import sys
+
+    from pocketllm.testing.checkpoints import _write_tokenizer
+
+    _write_tokenizer(model)
+    _add_mtp_layer(model)
+    subprocess.run([sys.executable, "-c", _CONVERT, str(llama_cpp), str(model), "--outfile", str(out), "--outtype",
+                    "f32"], check=True, capture_output=True, timeout=300)
+    return out
+
+
+def _add_mtp_layer(path: Path) -> None:
+    """mtp.* tensors as a Qwen3.5 release ships them: one full-attention layer (a copy of the model's first) and the
+    head's projection and norms."""
+    weights = load_file(path / "model.safetensors")
+    types = json.loads((path / "config.json").read_text())["layer_types"]
+    full = f"model.layers.{types.index('full_attention')}."
+    for name, t in list(weights.items()):
+        if name.startswith(full):
+            weights["mtp.layers.0." + name.removeprefix(full)] = t.clone()
+    weights["mtp.fc.weight"] = torch.zeros(HIDDEN, 2 * HIDDEN)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        weights[f"mtp.{norm}.weight"] = torch.zeros(HIDDEN)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})

@@ -15,7 +15,7 @@ from pocketllm_torch.cache_spec import AttentionSpec, StateSpec
 from pocketllm_torch.context import StepContext
 from pocketllm_torch.models import model_class
 from pocketllm_torch.state_cache import StateCache
-from tests.torch.qwen3_5_kit import tiny_qwen3_5, to_gguf
+from tests.torch.qwen3_5_kit import IRREGULAR_LAYERS, tiny_qwen3_5, to_gguf
 from tests.torch.torch_testkit import add, greedy, hf_greedy, make_engine, prompt, run_to_completion
 
 CPU = torch.device("cpu")
@@ -202,16 +202,42 @@ def test_absurd_linear_attention_sizes_are_checkpoint_errors(tmp_path, value) ->
         make_engine(load_checkpoint(str(path)))
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_gguf_files_of_llama_cpp_s_converter_match_transformers(tmp_path, moe: bool) -> None:
+@pytest.mark.parametrize(("moe", "layer_types"), [(False, None), (True, None), (False, IRREGULAR_LAYERS),
+                                                  (True, IRREGULAR_LAYERS)],
+                         ids=["dense", "moe", "dense-irregular", "moe-irregular"])
+def test_gguf_files_of_llama_cpp_s_converter_match_transformers(tmp_path, moe: bool, layer_types) -> None:
     """A GGUF written as llama.cpp's converter writes Qwen3.5 (norms as 1 + w, -exp(A_log), value heads tiled,
-    experts split; multi-token-prediction layers after the model's) generates transformers' greedy ids."""
-    hf, _ = tiny_qwen3_5(tmp_path / "hf", moe=moe)
+    experts split; multi-token-prediction layers after the model's; the layer mix in attention.recurrent_layers,
+    full_attention_interval 4 beside it whatever the mix) generates transformers' greedy ids."""
+    hf, _ = tiny_qwen3_5(tmp_path / "hf", moe=moe, layer_types=layer_types)
     checkpoint = load_checkpoint(str(to_gguf(hf, tmp_path / "model.gguf", mtp_layers=1)))
     config = checkpoint.config
-    assert (config.architecture, config.num_hidden_layers) == ("qwen3_5_moe_text" if moe else "qwen3_5_text", 4)
+    layers = len(layer_types or "1234")
+    assert (config.architecture, config.num_hidden_layers) == ("qwen3_5_moe_text" if moe else "qwen3_5_text", layers)
+    assert config.extra["layer_types"] == hf.config.layer_types
     assert (config.extra["linear_value_head_dim"], config.extra["partial_rotary_factor"]) == (16, 0.25)
-    assert not any(t.file_name.startswith("blk.4.") for t in checkpoint.tensors())
+    assert not any(t.file_name.startswith(f"blk.{layers}.") for t in checkpoint.tensors())
+    requests = {str(n): (prompt(n, offset=n), greedy(32)) for n in (3, 70)}
+    expected = {rid: hf_greedy(hf, ids, 32) for rid, (ids, _) in requests.items()}
+    assert run_to_completion(make_engine(checkpoint, max_model_len=256, prefill_chunk_size=16), requests) == expected
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gguf_files_of_llama_cpp_s_own_converter_match_transformers(tmp_path, moe: bool) -> None:
+    """Files made by convert_hf_to_gguf.py itself (the llama-cpp-python sdist's vendor/llama.cpp), an irregular
+    layer mix and a multi-token-prediction layer in them, generate transformers' greedy ids."""
+    from tests.torch.qwen3_5_kit import LLAMA_CPP_SDIST, convert_with_llama_cpp, llama_cpp_converter
+
+    llama_cpp = llama_cpp_converter(tmp_path / "llama.cpp")
+    if llama_cpp is None:
+        pytest.skip(f"${LLAMA_CPP_SDIST} names no llama-cpp-python sdist (pip download --no-deps --no-binary :all: "
+                    "llama-cpp-python)")
+    hf, path = tiny_qwen3_5(tmp_path / "hf", moe=moe, layer_types=IRREGULAR_LAYERS)
+    checkpoint = load_checkpoint(str(convert_with_llama_cpp(llama_cpp, path, tmp_path / "model.gguf")))
+    config = checkpoint.config
+    assert checkpoint.gguf_metadata[f"{'qwen35moe' if moe else 'qwen35'}.attention.recurrent_layers"] == [
+        kind == "linear_attention" for kind in IRREGULAR_LAYERS] + [False]
+    assert (config.num_hidden_layers, config.extra["layer_types"]) == (5, IRREGULAR_LAYERS)
     requests = {str(n): (prompt(n, offset=n), greedy(32)) for n in (3, 70)}
     expected = {rid: hf_greedy(hf, ids, 32) for rid, (ids, _) in requests.items()}
     assert run_to_completion(make_engine(checkpoint, max_model_len=256, prefill_chunk_size=16), requests) == expected

@@ -158,7 +158,39 @@ def config_from_gguf(meta: Mapping[str, Any], *, source: str, tensor_names: set[
         nextn = fields["extra"].get("nextn_predict_layers")
         if _positive(nextn) and _positive(fields.get("num_hidden_layers")) and nextn < fields["num_hidden_layers"]:
             fields["num_hidden_layers"] -= nextn
+        if fields["architecture"] in _HYBRID:
+            fields["extra"]["layer_types"] = _gguf_layer_types(meta, prefix, fields.get("num_hidden_layers"), source)
     return _build(fields, source)
+
+
+# Mapped architectures that mix linear-attention (recurrent) layers with full-attention ones.
+_HYBRID = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+
+
+def _gguf_layer_types(meta: Mapping[str, Any], prefix: str, layers: object, source: str) -> list[str]:
+    """Hugging Face's layer_types of a hybrid model, as llama.cpp reads them: ``attention.recurrent_layers`` (one
+    flag per layer, the multi-token-prediction layers after the model's included), else every
+    ``full_attention_interval``-th layer (4 by default) full attention."""
+    if not _positive(layers):
+        raise CheckpointError(f"{source}: {prefix}block_count must be a positive integer, got {layers!r}")
+    key = prefix + "attention.recurrent_layers"
+    flags = meta.get(key)
+    if flags is not None:
+        total = meta.get(prefix + "block_count")
+        if not isinstance(flags, list) or len(flags) != total or not all(isinstance(f, bool) for f in flags):
+            raise CheckpointError(f"{source}: {key} must hold one true/false flag for each of the {total} layers "
+                                  f"({prefix}block_count), got {_shorten(flags)}")
+        return ["linear_attention" if recurrent else "full_attention" for recurrent in flags[:layers]]
+    interval = meta.get(prefix + "full_attention_interval", 4)
+    if not _positive(interval):
+        raise CheckpointError(f"{source}: {prefix}full_attention_interval must be a positive integer, got "
+                              f"{interval!r}")
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+
+
+def _shorten(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _derived_extras(fields: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -203,6 +235,8 @@ def gguf_key_of(field: str, meta: Mapping[str, Any]) -> str:
     if prefix + "attention.head_count_kv" not in meta:
         keys["num_key_value_heads"] = keys["num_attention_heads"]
     keys["partial_rotary_factor"] = f"{prefix}rope.dimension_count / {keys['head_dim']}"
+    keys["layer_types"] = (f"{prefix}attention.recurrent_layers" if f"{prefix}attention.recurrent_layers" in meta
+                           else f"{prefix}full_attention_interval")
     return keys.get(field, field)
 
 
