@@ -232,3 +232,19 @@ def test_openapi_describes_every_route(client: httpx.Client, server: LiveServer)
     post = document["paths"]["/v1/completions"]["post"]
     assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/CompletionRequest")
     assert post["responses"]["413"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+
+
+@pytest.mark.parametrize(("method", "path", "location"), [
+    ("GET", "/ui", "/ui/"),
+    ("GET", "/ui?next=1", "/ui/?next=1"),
+    ("GET", "/health/", "/health"),
+    ("GET", "/v1/models/", "/v1/models"),
+    ("POST", "/v1/completions/", "/v1/completions"),
+])
+def test_redirects_never_name_the_host_the_client_sent(client: httpx.Client, method: str, path: str,
+                                                       location: str) -> None:
+    """Starlette's trailing-slash redirects used to be absolute URLs built from the Host header: any host."""
+    response = client.request(method, path, headers={"host": "evil.example"}, json={"prompt": "x", "max_tokens": 1})
+    assert response.status_code == 307 and response.headers["location"] == location
+    followed = client.request(method, path, json={"prompt": "x", "max_tokens": 1}, follow_redirects=True)
+    assert followed.url.host == "127.0.0.1" and followed.url.path == location.split("?")[0]

@@ -25,7 +25,12 @@ from pocketllm_server import (
     routes_tokenize,
 )
 from pocketllm_server.errors import APIError
-from pocketllm_server.middleware import ApiKeyMiddleware, RequestBodyMiddleware, UnexpectedErrorMiddleware
+from pocketllm_server.middleware import (
+    ApiKeyMiddleware,
+    RelativeRedirectMiddleware,
+    RequestBodyMiddleware,
+    UnexpectedErrorMiddleware,
+)
 from pocketllm_server.openapi import openapi_document, openapi_json
 from pocketllm_server.state import ServerState, state_of
 from pocketllm_server.tool_calls import TOOL_CALL_PARSERS
@@ -91,7 +96,7 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
         *(web_ui_routes() if web_ui else []),
     ]
     middleware = [Middleware(RequestBodyMiddleware, max_body_bytes=max_request_bytes),
-                  Middleware(UnexpectedErrorMiddleware)]
+                  Middleware(UnexpectedErrorMiddleware), Middleware(RelativeRedirectMiddleware)]
     if api_key is not None:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=api_key))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers={

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from urllib.parse import urlsplit, urlunsplit
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -68,6 +69,38 @@ class UnexpectedErrorMiddleware:
                 error = APIError(500, f"The server had an error while processing the request ({type(e).__name__}).",
                                  type="internal_server_error")
                 await error.response()(scope, receive, send)
+
+
+class RelativeRedirectMiddleware:
+    """Makes every redirect's ``Location`` a path on this server.
+
+    Starlette writes absolute ones (its trailing-slash redirects: ``/ui`` to ``/ui/``) from the request's Host
+    header, which the client chose: echoed, it would send a browser on to any host. A path is resolved against
+    the URL the client asked for, so it stays on whatever host and scheme that was.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def relative_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and 300 <= message["status"] < 400:
+                headers = [(name, _path_only(value) if name.lower() == b"location" else value)
+                           for name, value in message.get("headers", [])]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, relative_send)
+
+
+def _path_only(location: bytes) -> bytes:
+    url = urlsplit(location)
+    # One leading slash: "//host/..." would name a host again.
+    return urlunsplit((b"", b"", b"/" + url.path.lstrip(b"/"), url.query, url.fragment))
 
 
 class BodyTooLarge(APIError):
