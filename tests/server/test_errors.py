@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
-import time
+import threading
 from typing import Any
 
 import httpx
@@ -187,23 +188,45 @@ def test_engine_prompt_too_long_error_is_a_400(client: httpx.Client, echo_llm: A
     assert_error(client.post(CHAT, json=chat()), 400, "messages", code="context_length_exceeded")
 
 
-def test_duplicate_request_id_in_flight_is_a_400(client: httpx.Client, echo_llm: AsyncLLM,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    step = echo_llm.driver.engine.step
+def test_clients_may_send_the_same_request_id_at_once(client: httpx.Client, echo_llm: AsyncLLM,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """40 requests in flight together, 34 with X-Request-Id "coll" (3 of them two-prompt batches, whose engine
+    requests were once "coll-0" and "coll-1") and 6 with "coll-1": all 200, each with its own body id and the
+    client's id in its header. The engine used to be keyed by the client's ids: 35 of 40 were refused."""
+    sent = [("coll", completion())] * 31 + [("coll", completion(prompt=["a", "b"]))] * 3
+    sent += [("coll-1", completion())] * 6
+    engine_ids: list[str] = []
+    all_added, released = threading.Event(), threading.Event()
+    add_request, step = echo_llm.driver.add_request, echo_llm.driver.engine.step
 
-    def slow_step() -> Any:
-        time.sleep(0.005)
+    def counting_add_request(*args: Any, **kwargs: Any) -> Any:
+        added = add_request(*args, **kwargs)
+        engine_ids.append(added[0])
+        if len(engine_ids) == len(sent) + 3:
+            all_added.set()
+        return added
+
+    def held_step() -> Any:  # no request ends before every one of them is in the engine
+        released.wait(30)
         return step()
 
-    monkeypatch.setattr(echo_llm.driver.engine, "step", slow_step)
-    headers = {"X-Request-Id": "dup"}
-    with client.stream("POST", COMPLETIONS, json=completion(stream=True, max_tokens=400, ignore_eos=True,
-                                                            prompt=[5] * 10), headers=headers) as first:
-        assert first.status_code == 200
-        lines = first.iter_lines()  # kept: dropping a half-read iterator closes the connection
-        next(lines)
-        second = client.post(COMPLETIONS, json=completion(), headers=headers)
-        assert_error(second, 400, "request_id")
+    monkeypatch.setattr(echo_llm.driver, "add_request", counting_add_request)
+    monkeypatch.setattr(echo_llm.driver.engine, "step", held_step)
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=client.base_url, timeout=60,
+                                     limits=httpx.Limits(max_connections=64)) as http:
+            requests = asyncio.gather(*(http.post(COMPLETIONS, json=body, headers={"X-Request-Id": client_id})
+                                        for client_id, body in sent))
+            try:
+                assert await asyncio.to_thread(all_added.wait, 30), f"{len(engine_ids)} of {len(sent) + 3} added"
+            finally:
+                released.set()
+            return await requests
+
+    responses = asyncio.run(main())
+    assert [(r.status_code, r.headers["x-request-id"]) for r in responses] == [(200, i) for i, _ in sent]
+    assert len({r.json()["id"] for r in responses}) == len(sent) and len(set(engine_ids)) == len(engine_ids)
 
 
 def test_routing_errors_use_the_error_shape(client: httpx.Client) -> None:
@@ -212,14 +235,18 @@ def test_routing_errors_use_the_error_shape(client: httpx.Client) -> None:
 
 
 def test_request_id_header(client: httpx.Client) -> None:
+    """The client's X-Request-Id comes back in the header, errors included; the body's id is the server's own."""
     response = client.post(CHAT, json=chat(), headers={"X-Request-Id": "my-request-1"})
-    assert response.headers["x-request-id"] == "my-request-1" and response.json()["id"] == "my-request-1"
+    assert response.headers["x-request-id"] == "my-request-1" and response.json()["id"].startswith("chatcmpl-")
     generated = client.post(COMPLETIONS, json=completion())
     assert generated.headers["x-request-id"] == generated.json()["id"]
     assert generated.json()["id"].startswith("cmpl-")
     with client.stream("POST", CHAT, json=chat(stream=True), headers={"X-Request-Id": "stream-1"}) as streamed:
         assert streamed.headers["x-request-id"] == "stream-1"
-        assert '"id":"stream-1"' in streamed.read().decode()
+        assert '"id":"chatcmpl-' in streamed.read().decode()
+    for refused in (client.post(CHAT, json=chat(temperature=-1), headers={"X-Request-Id": "bad-1"}),
+                    client.get("/nope", headers={"X-Request-Id": "bad-1"})):
+        assert refused.status_code in (400, 404) and refused.headers["x-request-id"] == "bad-1"
 
 
 def test_unexpected_exception_is_a_contained_500(client: httpx.Client, echo_llm: AsyncLLM,

@@ -27,6 +27,7 @@ from pocketllm_server import (
 from pocketllm_server.errors import APIError
 from pocketllm_server.middleware import (
     ApiKeyMiddleware,
+    ClientRequestIdMiddleware,
     RelativeRedirectMiddleware,
     RequestBodyMiddleware,
     UnexpectedErrorMiddleware,
@@ -95,7 +96,8 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
         Route("/openapi.json", openapi_json, methods=["GET"]),
         *(web_ui_routes() if web_ui else []),
     ]
-    middleware = [Middleware(RequestBodyMiddleware, max_body_bytes=max_request_bytes),
+    middleware = [Middleware(ClientRequestIdMiddleware),
+                  Middleware(RequestBodyMiddleware, max_body_bytes=max_request_bytes),
                   Middleware(UnexpectedErrorMiddleware), Middleware(RelativeRedirectMiddleware)]
     if api_key is not None:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=api_key))

@@ -35,8 +35,13 @@ class PromptRequest:
 
 
 def request_id(request: Request, prefix: str) -> str:
-    """The client's X-Request-Id if it sent one, so its logs and ours (and the engine's) share an id."""
-    return request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+    """A new id, unique on this server: the response's ``id`` and the key of its engine requests.
+
+    Never the client's X-Request-Id: clients choose theirs independently, and two in flight at once (or one's
+    ``x`` beside the ``x-1`` a batch derives from another's) would refuse each other. Theirs comes back in the
+    X-Request-Id header (see ``middleware.ClientRequestIdMiddleware``).
+    """
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, *, prompt_len: int, max_model_len: int,

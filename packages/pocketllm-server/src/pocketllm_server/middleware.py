@@ -71,6 +71,39 @@ class UnexpectedErrorMiddleware:
                 await error.response()(scope, receive, send)
 
 
+class ClientRequestIdMiddleware:
+    """Sends a client's X-Request-Id back on every response to it, errors included.
+
+    It replaces the server's own id in that header; the server's id, unique where clients' ids need not be,
+    stays the body's ``id`` and keys the engine requests (see ``generation.request_id``).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        client_id = client_request_id(scope) if scope["type"] == "http" else None
+        if client_id is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def echoing_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(name, value) for name, value in message.get("headers", []) if name != _REQUEST_ID]
+                message = {**message, "headers": [*headers, (_REQUEST_ID, client_id)]}
+            await send(message)
+
+        await self.app(scope, receive, echoing_send)
+
+
+_REQUEST_ID = b"x-request-id"
+
+
+def client_request_id(scope: Scope) -> bytes | None:
+    """The X-Request-Id the client sent, as sent (ASGI gives header names in lower case)."""
+    return next((value for name, value in scope["headers"] if name == _REQUEST_ID and value), None)
+
+
 class RelativeRedirectMiddleware:
     """Makes every redirect's ``Location`` a path on this server.
 
