@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from typing import Any
 
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from pocketllm import AsyncLLM, PromptTooLongError
+from pocketllm_server import create_app
 
 MODEL = "tiny"
 CHAT = "/v1/chat/completions"
@@ -269,3 +271,37 @@ def test_unexpected_exception_is_a_contained_500(client: httpx.Client, echo_llm:
         assert "POST /v1/chat/completions" in record.getMessage() and "a bug" in str(record.exc_info)
         assert [f.result().status_code for f in good] == [200, 200]
     assert client.post(CHAT, json=chat()).status_code == 200
+
+
+def test_every_refusal_is_logged_with_the_request_s_ids_and_never_its_text(
+        client: httpx.Client, serve_app, echo_llm: AsyncLLM, caplog: pytest.LogCaptureFixture) -> None:
+    """Refusals used to show only as access-log lines: now one info line each says why (status, type, code,
+    param, message) under the client's X-Request-Id and, once the route made one, the server's id."""
+    caplog.set_level(logging.INFO, logger="pocketllm_server")
+    secret = "the-secret-prompt-text"
+    url = str(client.base_url)
+    json_type = {"content-type": "application/json"}
+    said = [{"role": "user", "content": secret}]
+    refusals: dict[str, tuple[str, str, dict[str, Any]]] = {
+        "temperature": ("POST", f"{url}{COMPLETIONS}", {"json": completion(prompt=secret, temperature=5)}),
+        "context": ("POST", f"{url}{COMPLETIONS}", {"json": completion(prompt=secret, max_tokens=10**6)}),
+        "model": ("POST", f"{url}{CHAT}", {"json": chat(model="gpt-9", messages=said)}),
+        "json": ("POST", f"{url}{CHAT}", {"content": f'{{"messages": "{secret}', "headers": json_type}),
+        "media": ("POST", f"{url}{COMPLETIONS}", {"content": secret, "headers": {"content-type": "text/plain"}}),
+        "route": ("POST", f"{url}/v1/nope", {"json": {"prompt": secret}}),
+    }
+    with serve_app(create_app(echo_llm.args, served_model_name=MODEL, llm=echo_llm, api_key="k")) as keyed:
+        refusals["key"] = ("POST", f"{keyed.url}{COMPLETIONS}", {"json": completion(prompt=secret)})
+        for why, (method, target, kwargs) in refusals.items():
+            headers = {**kwargs.pop("headers", {}), "X-Request-Id": f"why-{why}"}
+            response = httpx.request(method, target, headers=headers, timeout=30, **kwargs)
+            assert 400 <= response.status_code < 500, (why, response.text)
+            error = response.json()["error"]
+            lines = [r for r in caplog.records if r.name == "pocketllm_server" and f"'why-{why}'" in r.getMessage()]
+            assert len(lines) == 1 and lines[0].levelname == "INFO", (why, [r.getMessage() for r in lines])
+            line = lines[0].getMessage()
+            assert f"{method} {httpx.URL(target).path}" in line and f" {response.status_code} {error['type']}" in line
+            assert error["message"] in line and (error["param"] is None or f"param {error['param']}" in line), line
+    context_line = next(r.getMessage() for r in caplog.records if "'why-context'" in r.getMessage())
+    assert " cmpl-" in context_line  # refused after the route made its id: both ids are named
+    assert not [r.getMessage() for r in caplog.records if secret in r.getMessage()]

@@ -31,6 +31,7 @@ from pocketllm_server.middleware import (
     RelativeRedirectMiddleware,
     RequestBodyMiddleware,
     UnexpectedErrorMiddleware,
+    log_error_answer,
 )
 from pocketllm_server.openapi import openapi_document, openapi_json
 from pocketllm_server.state import ServerState, state_of
@@ -111,6 +112,7 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
+    log_error_answer(request.scope, exc)
     return exc.response()
 
 
@@ -118,7 +120,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     """Routing errors (unknown path, wrong method) in the same JSON shape as every other error."""
     assert isinstance(exc, HTTPException)
     message = f"{exc.detail} ({request.method} {request.url.path})"
-    return APIError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+    return await _api_error(request, APIError(exc.status_code, message, headers=dict(exc.headers or {})))
 
 
 async def _client_disconnected(request: Request, exc: Exception) -> Response:

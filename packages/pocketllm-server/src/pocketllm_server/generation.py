@@ -39,9 +39,10 @@ def request_id(request: Request, prefix: str) -> str:
 
     Never the client's X-Request-Id: clients choose theirs independently, and two in flight at once (or one's
     ``x`` beside the ``x-1`` a batch derives from another's) would refuse each other. Theirs comes back in the
-    X-Request-Id header (see ``middleware.ClientRequestIdMiddleware``).
+    X-Request-Id header (see ``middleware.ClientRequestIdMiddleware``), and log lines name both.
     """
-    return f"{prefix}-{uuid.uuid4().hex}"
+    rid = request.state.request_id = f"{prefix}-{uuid.uuid4().hex}"  # see middleware.describe
+    return rid
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, *, prompt_len: int, max_model_len: int,

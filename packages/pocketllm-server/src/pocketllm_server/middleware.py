@@ -35,6 +35,7 @@ class ApiKeyMiddleware:
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
                 error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                log_error_answer(scope, error)
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -64,7 +65,7 @@ class UnexpectedErrorMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as e:
-            log.exception("unexpected error handling %s %s", scope["method"], scope["path"])
+            log.exception("unexpected error handling %s", describe(scope))
             if not started:  # once headers are out, closing the connection is all that is left
                 error = APIError(500, f"The server had an error while processing the request ({type(e).__name__}).",
                                  type="internal_server_error")
@@ -102,6 +103,33 @@ _REQUEST_ID = b"x-request-id"
 def client_request_id(scope: Scope) -> bytes | None:
     """The X-Request-Id the client sent, as sent (ASGI gives header names in lower case)."""
     return next((value for name, value in scope["headers"] if name == _REQUEST_ID and value), None)
+
+
+_LOGGED_ID_CHARS = 128
+_LOGGED_MESSAGE_CHARS = 500  # messages name fields and limits; a grammar's compile error may quote some of it
+
+
+def describe(scope: Scope) -> str:
+    """A request as the log names it: method, path, the server's id once a route made one, and the client's
+    X-Request-Id, so that either side's id finds it."""
+    parts = [scope["method"], scope["path"]]
+    server_id = scope.get("state", {}).get("request_id")
+    if server_id is not None:
+        parts.append(server_id)
+    client_id = client_request_id(scope)
+    if client_id is not None:
+        parts.append(f"X-Request-Id {client_id.decode('latin-1')[:_LOGGED_ID_CHARS]!r}")
+    return " ".join(parts)
+
+
+def log_error_answer(scope: Scope, error: APIError) -> None:
+    """Say in the log why a request was answered with ``error``, at info for a refusal (a 4xx, or a 503 for load):
+    the status, type, code, param and message, never the request's text."""
+    info = error.info
+    details = "".join(f", {name} {value}" for name, value in (("code", info.code), ("param", info.param)) if value)
+    level = logging.WARNING if error.status >= 500 and error.status != 503 else logging.INFO
+    log.log(level, "answered %s with %d %s%s: %s", describe(scope), error.status, info.type, details,
+            info.message[:_LOGGED_MESSAGE_CHARS])
 
 
 class RelativeRedirectMiddleware:
@@ -183,6 +211,7 @@ class RequestBodyMiddleware:
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             error = BodyTooLarge(self.max_body_bytes) if declared.isdigit() else APIError(
                 400, f"invalid Content-Length header {declared[:40]!r}")
+            log_error_answer(scope, error)
             await error.response()(scope, receive, closing_send)
             return
         await self.app(scope, counting_receive, closing_send)
