@@ -1,16 +1,22 @@
 """Tool-call parsers over scripted replies (calls split across pieces, several calls, malformed calls kept as
-content, streams reassembling to the whole reply's parse), and over HTTP with the echo backend."""
+content, streams reassembling to the whole reply's parse), over HTTP with the echo backend, and forcing grammars
+(what they admit, matched by llguidance; forced calls of the default model)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import httpx
+import openai
+import pydantic
 import pytest
 
-from pocketllm import AsyncLLM
+from pocketllm import AsyncLLM, EngineArgs
 from pocketllm_server import create_app
 from pocketllm_server.tool_calls import ToolCallStream, parse, parser_for_template
+
+jsonschema = pytest.importorskip("jsonschema")
 
 HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
           '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}\n</tool_call>')
@@ -107,3 +113,88 @@ def test_a_forcing_grammar_refuses_parameters_that_are_no_schema(parser: str) ->
 
     with pytest.raises(ValueError, match="parameters must be a JSON schema object"):
         forcing_grammar(parser, [{"type": "function", "function": {"name": "f", "parameters": "x"}}], None, False)
+
+
+@pytest.fixture(scope="module")
+def smol() -> Iterator[tuple[EngineArgs, AsyncLLM]]:
+    """The default model on the cpp backend (what ``auto`` picks on x86 CPUs), which has grammars."""
+    pytest.importorskip("pocketllm_cpp")
+    args = EngineArgs(model="smollm2-135m-instruct", backend="cpp")
+    llm = AsyncLLM(engine_args=args)
+    yield args, llm
+    llm.shutdown()
+
+
+class Address(pydantic.BaseModel):
+    street: str = pydantic.Field(max_length=30)
+    city: str = pydantic.Field(max_length=20)
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    address: Address
+    pets: list[Address] = pydantic.Field(max_length=2)
+
+
+class Node(pydantic.BaseModel):  # recursive: pydantic writes {"$defs": {"Node": ...}, "$ref": "#/$defs/Node"}
+    model_config = pydantic.ConfigDict(extra="forbid")
+    label: str = pydantic.Field(max_length=10)
+    children: list[Node] = pydantic.Field(default=[], max_length=1)
+
+
+PYDANTIC_TOOLS = [openai.pydantic_function_tool(Person, name="add_person"),
+                  {"type": "function", "function": {"name": "add_tree", "parameters": Node.model_json_schema()}}]
+
+
+def admits(llm: AsyncLLM, grammar: str, text: str) -> bool:
+    """Whether ``grammar`` takes the whole of ``text`` (as llguidance matches a reply's tokens under it)."""
+    import llguidance
+
+    tokenizer = llguidance.LLTokenizer(llm.tokenizer.backend.to_str(), eos_token=list(llm.tokenizer.eos_token_ids))
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
+    matcher.consume_tokens(tokenizer.tokenize_str(text))
+    return not matcher.is_error() and matcher.is_accepting()
+
+
+def one_call(parser: str, name: str, arguments: dict) -> str:
+    """A call as each forcing grammar spells it (JSON without whitespace inside the arguments)."""
+    compact = {key: json.dumps(value, separators=(",", ":")) for key, value in arguments.items()}
+    if parser == "qwen3_xml":
+        parameters = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in compact.items())
+        return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    call = f'{{"name": "{name}", "{key}": {json.dumps(arguments, separators=(",", ":"))}}}'
+    return call if parser == "llama3_json" else f"<tool_call>\n{call}\n</tool_call>"
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json"])
+def test_forcing_grammars_follow_references(echo_llm: AsyncLLM, parser: str) -> None:
+    """References resolve against the parameters schema's root, as the client wrote them: into $defs, and from a
+    reference at the root (a recursive model); what they describe is enforced, not skipped."""
+    from pocketllm_server.tool_calls import forcing_grammar
+
+    person = forcing_grammar(parser, PYDANTIC_TOOLS, "add_person", False)
+    ann = {"name": "Ann", "address": {"street": "1 Main St", "city": "Paris"}, "pets": []}
+    assert admits(echo_llm, person, one_call(parser, "add_person", ann))
+    assert not admits(echo_llm, person, one_call(parser, "add_person", ann | {"address": {"street": "1 Main St"}}))
+    tree = forcing_grammar(parser, PYDANTIC_TOOLS, "add_tree", False)
+    assert admits(echo_llm, tree, one_call(parser, "add_tree", {"label": "a", "children": [
+        {"label": "b", "children": [{"label": "c"}]}]}))
+    assert not admits(echo_llm, tree, one_call(parser, "add_tree", {"label": "a", "children": [{"label": 1}]}))
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json"])
+def test_forced_calls_take_pydantic_schemas(serve_app, smol, parser: str) -> None:
+    """The openai SDK's pydantic_function_tool (as instructor, LangChain and the Agents SDK) writes nested models
+    as $defs with #/$defs/X references: the default model's forced call follows them."""
+    schema = PYDANTIC_TOOLS[0]["function"]["parameters"]
+    with serve_app(create_app(smol[0], served_model_name="smol", llm=smol[1], tool_call_parser=parser)) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as sdk:
+        for seed in range(2):
+            reply = sdk.chat.completions.create(
+                model="smol", messages=[{"role": "user", "content": "Add Ann, who lives at 1 Main St in Paris."}],
+                tools=PYDANTIC_TOOLS, tool_choice={"type": "function", "function": {"name": "add_person"}},
+                temperature=0.8, seed=seed, max_tokens=200, parallel_tool_calls=False)
+            [call] = reply.choices[0].message.tool_calls
+            assert call.function.name == "add_person" and reply.choices[0].finish_reason == "tool_calls", reply
+            jsonschema.validate(json.loads(call.function.arguments), schema)

@@ -25,6 +25,14 @@ PYTHON_TAG = "<|python_tag|>"
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 _FUNCTION = re.compile(r"^\s*<function=([^>\s]+)>(.*?)(?:</function>\s*)?$", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+_ARGUMENTS_KEY = {"hermes": "arguments", "llama3_json": "parameters"}
+_PARAMETERS_COPY = "pocketllm_parameters"  # where a qwen3_xml value's schema keeps the parameters it refers into
+# JSON schema keywords whose value is a map of schemas, and those whose value is a schema or a list of schemas.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                          "dependencies"})
+_SCHEMA_VALUES = frozenset({"items", "prefixItems", "additionalItems", "additionalProperties", "unevaluatedItems",
+                            "unevaluatedProperties", "allOf", "anyOf", "oneOf", "not", "if", "then", "else",
+                            "contains", "propertyNames"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,10 +186,7 @@ def forcing_grammar(parser: str, tools: list[dict], name: str | None, parallel: 
         if parser == "qwen3_xml":
             rules += _xml_call_rules(f"call_{i}", function["name"], parameters)
             continue
-        arguments_key = "arguments" if parser == "hermes" else "parameters"
-        schema = {"type": "object", "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
-                  "required": ["name", arguments_key], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
-        rules.append(f"call_{i}: %json {json.dumps(schema)}")
+        rules.append(f"call_{i}: {_json_call(parser, function['name'], parameters)}")
     call = "call: " + " | ".join(f"call_{i}" for i in range(len(chosen)))
     if parser == "llama3_json":
         block = "block: call"
@@ -192,12 +197,20 @@ def forcing_grammar(parser: str, tools: list[dict], name: str | None, parallel: 
     return "\n".join([start, block, call, *rules])
 
 
+def _json_call(parser: str, name: str, parameters: dict) -> str:
+    """One call in a JSON format: fixed text around the arguments, a ``%json`` whose root is the parameters schema
+    itself, so that its references (``#/$defs/X``, as pydantic writes them) resolve as the client meant them."""
+    head = json.dumps({"name": name}, ensure_ascii=False)[:-1] + f', "{_ARGUMENTS_KEY[parser]}": '
+    return f"{json.dumps(head)} %json {json.dumps(parameters | {'x-guidance': JSON_OPTIONS})} \"}}\""
+
+
 def _xml_call_rules(rule: str, name: str, parameters: dict) -> list[str]:
     """One qwen3_xml call: its declared parameters in order (the required ones always), each value as JSON under
     its schema, which the parser reads back (a string in quotes stays a string whatever it holds)."""
-    properties = parameters.get("properties")
+    arguments = _arguments_schema(parameters)
+    properties = arguments.get("properties")
     properties = properties if isinstance(properties, dict) else {}
-    required = parameters.get("required")
+    required = arguments.get("required")
     required = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
     if required - set(properties):
         raise ValueError(f"function {name!r} requires parameters its schema does not describe: "
@@ -206,9 +219,66 @@ def _xml_call_rules(rule: str, name: str, parameters: dict) -> list[str]:
     for label, text in (("function", name), *(("parameter", key) for key in properties)):
         if not re.fullmatch(r"[^<>\s]+", text):
             raise ValueError(f"the qwen3_xml format cannot carry the {label} name {text!r}")
+    # Each value's schema becomes the root of its own %json: its references, written against the parameters
+    # schema's root, are moved to point into a copy of that schema kept under the value's $defs.
+    base = f"/$defs/{_PARAMETERS_COPY}"
+    copy = _rebased(parameters, base)
     for k, (key, schema) in enumerate(properties.items()):
-        value = (schema if isinstance(schema, dict) else {}) | {"x-guidance": JSON_OPTIONS}
+        value = _rebased(schema, base) if isinstance(schema, dict) else {}
+        if '"$ref"' in json.dumps(value):
+            value = value | {"$defs": {_PARAMETERS_COPY: copy}}
+        value |= {"x-guidance": JSON_OPTIONS}
         open_tag, close_tag = json.dumps(f"<parameter={key}>\n"), json.dumps("\n</parameter>\n")
         rules.append(f"{rule}_p{k}: {open_tag} %json {json.dumps(value)} {close_tag}")
         parts.append(f"{rule}_p{k}" if key in required else f"{rule}_p{k}?")
     return [f"{rule}: {json.dumps(f'<function={name}>' + chr(10))} {' '.join(parts)} \"</function>\"", *rules]
+
+
+def _arguments_schema(parameters: dict) -> dict:
+    """The schema whose properties are the arguments: ``parameters``, or the schema it only refers to (pydantic
+    writes a recursive model as ``{"$defs": {...}, "$ref": "#/$defs/Model"}``)."""
+    schema, seen = parameters, set()
+    while "properties" not in schema and isinstance(ref := schema.get("$ref"), str) and ref not in seen:
+        seen.add(ref)
+        target = _pointer(parameters, ref)
+        if not isinstance(target, dict):
+            break
+        schema = target
+    return schema
+
+
+def _pointer(document: object, ref: str) -> object:
+    """What a local reference (``#/a/b``, a JSON pointer) names in ``document``, or None."""
+    if not ref.startswith("#/"):
+        return None
+    node = document
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _rebased(schema: object, base: str) -> object:
+    """``schema`` with its local references (``#`` and ``#/...``) moved under the JSON pointer ``base``: the
+    schema as it reads once its document sits at ``base`` in another. Only keywords that hold schemas are
+    walked, so a ``$ref`` key inside ``const``, ``enum`` or ``default`` data stays as written."""
+    if isinstance(schema, list):
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = "#" + base + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased(s, base) for name, s in value.items()}
+        elif key in _SCHEMA_VALUES:
+            out[key] = _rebased(value, base)
+        else:
+            out[key] = value
+    return out
