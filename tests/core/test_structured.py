@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -27,6 +32,70 @@ def test_a_schema_nested_ten_thousand_deep_is_a_config_error() -> None:
         inner = inner["items"]
     with pytest.raises(ConfigError, match=r"structured_outputs.*nested too deeply"):
         StructuredOutputs(json=schema)
+
+
+# Compiles each shape of tests/core/grammar_shapes.py, printing "name: ok" or "name: <error>"; a stack overflow in
+# llguidance kills this process, which is why it is one.
+_COMPILE_SHAPES = """
+import sys
+from pocketllm.checkpoint import load_checkpoint
+from pocketllm.structured import GrammarCompiler, StructuredOutputs
+from pocketllm.tokenizer import Tokenizer
+from tests.core.grammar_shapes import AT_THE_BOUNDS, PAST_THE_BOUNDS
+
+checkpoint = load_checkpoint(sys.argv[1])
+compiler = GrammarCompiler(Tokenizer.from_checkpoint(checkpoint), checkpoint.config.vocab_size)
+for name, fields, *_ in AT_THE_BOUNDS + PAST_THE_BOUNDS:
+    try:
+        compiler.constraint(StructuredOutputs(**fields))
+        print(f"{name}: ok", flush=True)
+    except Exception as e:
+        print(f"{name}: {e}", flush=True)
+"""
+
+
+def test_deep_but_flat_grammars_compile_or_are_refused_and_never_crash(tmp_path: Path) -> None:
+    """Issue 31, item 1: $ref chains of 1,000 links and 3,000 chained Lark rules overflowed the compiling thread's
+    stack (SIGSEGV). Every shape just inside the bounds compiles; the issue's shapes and ten times each bound are
+    ConfigErrors naming the limit."""
+    from tests.core.grammar_shapes import AT_THE_BOUNDS, PAST_THE_BOUNDS
+
+    tiny = make_tiny_llama(tmp_path / "tiny")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SHAPES, str(tiny)], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+    results = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    for name, _ in AT_THE_BOUNDS:
+        assert results[name] == "ok", name
+    for name, _, limit in PAST_THE_BOUNDS:
+        assert results[name].startswith("structured_outputs: ") and limit in results[name], (name, results[name])
+
+
+@pytest.mark.parametrize(("fields", "limit"), [
+    ({"json": {"$ref": "#"}}, "$ref cycle"),
+    ({"json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}},
+               "$ref": "#/$defs/a"}}, "$ref cycle"),
+    ({"regex": "(a{1000}){1000}"}, "repetition count of 1000000"),
+    ({"grammar": 'root ::= "a"{1000000}'}, "repetition count of 1000000"),
+    ({"grammar": 'start: ("a" ~ 200){100}'}, "repetition count of 20000"),
+    ({"json": {"type": "string", "pattern": "[a-z]{100000}"}}, "repetition count of 100000"),
+    ({"grammar": "start: " + " | ".join(f'"a{i}"' for i in range(2001))}, "more than 2000 alternatives"),
+    ({"grammar": "start: (" + " | ".join(f'"a{i}"' for i in range(2001)) + ")"}, "more than 2000 alternatives"),
+])
+def test_grammars_past_a_bound_are_refused_before_compiling(compiler: GrammarCompiler, fields: dict,
+                                                             limit: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(limit)):
+        compiler.constraint(StructuredOutputs(**fields))
+
+
+def test_recursive_schemas_and_wide_grammars_within_the_bounds_compile(compiler: GrammarCompiler) -> None:
+    tree = {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"}}}}
+    linked = {"$defs": {"node": {"type": "object", "properties": {
+        "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}}}, "$ref": "#/$defs/node"}
+    for fields in ({"json": tree}, {"json": linked}, {"regex": "(ab){5}[0-9]{1,3}(x{10}){100}"},
+                   {"grammar": "start: (" + " | ".join(f'"a{i}"' for i in range(1999)) + ")"},
+                   {"grammar": 'root ::= [a-z]{3,5} ("x" | "y"){2,}'}):
+        compiler.constraint(StructuredOutputs(**fields))
 
 
 @pytest.fixture(scope="module")

@@ -246,6 +246,7 @@ class EngineDriver:
         with self._cond:
             self._closing = True
             self._cond.notify()
+        self.grammars.close()
         if self._thread is not threading.current_thread():
             self._thread.join()
             if self._ranks is not None:  # the engine's shutdown ended their loops

@@ -29,5 +29,35 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_GRAMMAR_CHARS = 1 << 20
 """A structured-output spec (JSON schema, regex, grammar) is compiled per distinct spec: 1 MiB of text at most."""
 
+MAX_SCHEMA_DEPTH = 512
+"""Deepest nesting of JSON objects in a JSON schema, each ``$ref`` counted as the depth of what it points to (a
+reference back into its own path is a recursive schema, which adds nothing). llguidance compiles a schema by
+recursion, 3-5 KB of stack per level: a ``$defs`` chain of 1,000 ``$ref`` links (3,000 levels) overflowed an
+8 MiB thread stack and killed the process."""
+
+MAX_GRAMMAR_RULES = 1000
+"""Most rules in a Lark or GBNF grammar, each bracketed group counted as the rule it becomes. llguidance walks a
+chain of rules by recursion, 2-5 KB of stack per rule: 3,000 chained rules overflowed an 8 MiB thread stack."""
+
+MAX_GRAMMAR_ALTERNATIVES = 2000
+"""Most alternatives in one rule or group of a grammar, and most options of a ``choice``: llguidance's parser
+holds a rule's alternatives in one row of at most this many items (its ``max_items_in_row``), and a request whose
+grammar passes it fails after its first token."""
+
+MAX_GRAMMAR_REPEAT = 10_000
+"""Largest repetition count (``{n}``, ``{n,m}``) in a regex or grammar, nested counts multiplied: llguidance
+expands a counted repetition, a forced one of 10,000 costs ~10 ms of mask per token (a decode step's worth), and
+one of 40,000 (GBNF's ``"a"{1000000}`` all the more) fails after the first token."""
+
+GRAMMAR_COMPILE_STACK_BYTES = 64 << 20
+"""Stack of each thread that compiles grammars. Every shape tried at the bounds above (1,000 chained rules, 512
+levels of $ref chains through properties, items, prefixItems or anyOf, and a 995-rule chain ending in such a
+%json) compiled within 4 MiB and overflowed 2 MiB: this leaves a sixteenfold margin. Only touched pages are
+committed."""
+
+GRAMMAR_COMPILE_THREADS = 2
+"""Threads that compile grammars, per engine: a compile keeps a core busy (llguidance releases the GIL), and more
+at once would slow the engine's steps."""
+
 MAX_THREADS = 1024
 """Most compute threads a backend option may ask for: a typo of 10**6 must be an error, not a million threads."""

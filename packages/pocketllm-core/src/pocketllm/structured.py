@@ -23,9 +23,16 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from pocketllm import grammar_bounds
 from pocketllm import reasoning as reasoning_tags
 from pocketllm.errors import ConfigError
-from pocketllm.limits import MAX_GRAMMAR_CHARS
+from pocketllm.grammar_pool import CompilePool
+from pocketllm.limits import (
+    GRAMMAR_COMPILE_STACK_BYTES,
+    GRAMMAR_COMPILE_THREADS,
+    MAX_GRAMMAR_ALTERNATIVES,
+    MAX_GRAMMAR_CHARS,
+)
 
 if TYPE_CHECKING:
     import llguidance
@@ -55,6 +62,9 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
                                                     f"grammar, got {', '.join(kinds) or 'none'}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ConfigError("structured_outputs", "choice must be a non-empty list of non-empty strings")
+        if self.choice is not None and len(self.choice) > MAX_GRAMMAR_ALTERNATIVES:
+            raise ConfigError("structured_outputs", f"choice has {len(self.choice)} options, more than "
+                                                    f"{MAX_GRAMMAR_ALTERNATIVES} (the limit)")
         try:
             size = len(self.key())
         except RecursionError:  # a schema nested thousands deep: refused here, not in a compiler's recursion
@@ -66,15 +76,18 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
         return msgspec.json.encode(self).decode()
 
     def grammar_text(self) -> str:
-        """llguidance's grammar for this spec (its errors are the caller's to name)."""
+        """llguidance's grammar for this spec, once it is within the bounds of :mod:`pocketllm.grammar_bounds`
+        (a ConfigError otherwise; llguidance's own errors are the caller's to name)."""
         import llguidance
 
         if self.json_object:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.json is not None:
             schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            grammar_bounds.check_schema(schema)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if self.regex is not None:
+            grammar_bounds.check_regex(self.regex)
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
             return llguidance.LLMatcher.grammar_from_lark(
@@ -84,7 +97,8 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
         if "::=" in text:  # GBNF
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
-            text = gbnf_to_lark(text)
+            text = gbnf_to_lark(grammar_bounds.gbnf_in_dependency_order(text))
+        grammar_bounds.check_lark(text)
         return llguidance.LLMatcher.grammar_from_lark(text)
 
 
@@ -188,6 +202,8 @@ class GrammarCompiler:
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        # Compiles recurse as deep as a grammar's chains: only on threads whose stack the bounds were sized for.
+        self._pool = CompilePool(GRAMMAR_COMPILE_THREADS, GRAMMAR_COMPILE_STACK_BYTES)
 
     @functools.cached_property
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -200,28 +216,39 @@ class GrammarCompiler:
         """A fresh constraint for one engine request; ConfigError naming structured_outputs for a bad spec.
         With ``reasoning`` (a :data:`pocketllm.reasoning.REASONING_PARSERS` format) the grammar starts after
         the reply's reasoning section."""
-        import llguidance
-
         key = spec.key()
         with self._lock:
             pristine = self._cache.get(key)
             if pristine is not None:
                 self._cache.move_to_end(key)
         if pristine is None:
-            try:
-                grammar = spec.grammar_text()
-            except Exception as e:  # llguidance's parsers raise ValueError, RuntimeError and their own types
-                raise ConfigError("structured_outputs", f"invalid {_kind(spec)}: {e}") from None
-            with self._lock:
-                tokenizer = self._ll_tokenizer
-            pristine = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-            if pristine.is_error():
-                raise ConfigError("structured_outputs", f"invalid {_kind(spec)}: {pristine.get_error()}")
+            pristine = self._pool.submit(lambda: self._compile(spec)).result()
             with self._lock:
                 self._cache[key] = pristine
                 while len(self._cache) > _CACHE_SIZE:
                     self._cache.popitem(last=False)
         return Constraint(pristine.deep_copy(), self.vocab_size, self._gate(reasoning) if reasoning else None)
+
+    def close(self) -> None:
+        """Let the compile threads end."""
+        self._pool.shutdown()
+
+    def _compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
+        """On a compile thread: the spec's pristine matcher, or a ConfigError naming structured_outputs."""
+        import llguidance
+
+        try:
+            grammar = spec.grammar_text()
+        except ConfigError:
+            raise
+        except Exception as e:  # llguidance's parsers raise ValueError, RuntimeError and their own types
+            raise ConfigError("structured_outputs", f"invalid {_kind(spec)}: {e}") from None
+        with self._lock:
+            tokenizer = self._ll_tokenizer
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ConfigError("structured_outputs", f"invalid {_kind(spec)}: {matcher.get_error()}")
+        return matcher
 
     @functools.cached_property
     def _start_id(self) -> int | None:
