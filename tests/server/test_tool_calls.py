@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -146,25 +147,33 @@ PYDANTIC_TOOLS = [openai.pydantic_function_tool(Person, name="add_person"),
                   {"type": "function", "function": {"name": "add_tree", "parameters": Node.model_json_schema()}}]
 
 
-def admits(llm: AsyncLLM, grammar: str, text: str) -> bool:
-    """Whether ``grammar`` takes the whole of ``text`` (as llguidance matches a reply's tokens under it)."""
+def matched(llm: AsyncLLM, grammar: str, text: str) -> Any:
+    """llguidance's matcher for ``grammar`` once it has taken ``text``'s tokens, as it takes a reply's."""
     import llguidance
 
     tokenizer = llguidance.LLTokenizer(llm.tokenizer.backend.to_str(), eos_token=list(llm.tokenizer.eos_token_ids))
     matcher = llguidance.LLMatcher(tokenizer, grammar)
     matcher.consume_tokens(tokenizer.tokenize_str(text))
+    return matcher
+
+
+def admits(llm: AsyncLLM, grammar: str, text: str) -> bool:
+    """Whether ``grammar`` takes the whole of ``text``."""
+    matcher = matched(llm, grammar, text)
     return not matcher.is_error() and matcher.is_accepting()
 
 
-def one_call(parser: str, name: str, arguments: dict) -> str:
-    """A call as each forcing grammar spells it (JSON without whitespace inside the arguments)."""
+def spelled(parser: str, name: str, arguments: dict, times: int = 1) -> str:
+    """A reply of ``times`` calls as each forcing grammar spells them (no whitespace inside the arguments)."""
     compact = {key: json.dumps(value, separators=(",", ":")) for key, value in arguments.items()}
     if parser == "qwen3_xml":
         parameters = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in compact.items())
-        return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+        return "\n".join([f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"] * times)
     key = "parameters" if parser == "llama3_json" else "arguments"
     call = f'{{"name": "{name}", "{key}": {json.dumps(arguments, separators=(",", ":"))}}}'
-    return call if parser == "llama3_json" else f"<tool_call>\n{call}\n</tool_call>"
+    if parser == "llama3_json":
+        return "; ".join([call] * times)
+    return "\n".join([f"<tool_call>\n{call}\n</tool_call>"] * times)
 
 
 @pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json"])
@@ -175,12 +184,12 @@ def test_forcing_grammars_follow_references(echo_llm: AsyncLLM, parser: str) -> 
 
     person = forcing_grammar(parser, PYDANTIC_TOOLS, "add_person", False)
     ann = {"name": "Ann", "address": {"street": "1 Main St", "city": "Paris"}, "pets": []}
-    assert admits(echo_llm, person, one_call(parser, "add_person", ann))
-    assert not admits(echo_llm, person, one_call(parser, "add_person", ann | {"address": {"street": "1 Main St"}}))
+    assert admits(echo_llm, person, spelled(parser, "add_person", ann))
+    assert not admits(echo_llm, person, spelled(parser, "add_person", ann | {"address": {"street": "1 Main St"}}))
     tree = forcing_grammar(parser, PYDANTIC_TOOLS, "add_tree", False)
-    assert admits(echo_llm, tree, one_call(parser, "add_tree", {"label": "a", "children": [
+    assert admits(echo_llm, tree, spelled(parser, "add_tree", {"label": "a", "children": [
         {"label": "b", "children": [{"label": "c"}]}]}))
-    assert not admits(echo_llm, tree, one_call(parser, "add_tree", {"label": "a", "children": [{"label": 1}]}))
+    assert not admits(echo_llm, tree, spelled(parser, "add_tree", {"label": "a", "children": [{"label": 1}]}))
 
 
 @pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json"])
@@ -198,3 +207,43 @@ def test_forced_calls_take_pydantic_schemas(serve_app, smol, parser: str) -> Non
             [call] = reply.choices[0].message.tool_calls
             assert call.function.name == "add_person" and reply.choices[0].finish_reason == "tool_calls", reply
             jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json"])
+def test_a_forcing_grammar_admits_one_call_unless_parallel(echo_llm: AsyncLLM, parser: str) -> None:
+    from pocketllm_server.tool_calls import forcing_grammar
+
+    one_only, several = (forcing_grammar(parser, TOOLS, "get_weather", parallel) for parallel in (False, True))
+    assert admits(echo_llm, one_only, spelled(parser, "get_weather", {"city": "Paris"}))
+    assert matched(echo_llm, one_only, spelled(parser, "get_weather", {"city": "Paris"})).is_stopped()  # EOS only
+    for times in (2, 3):
+        assert not admits(echo_llm, one_only, spelled(parser, "get_weather", {"city": "Paris"}, times))
+    for times in (1, 3):
+        assert admits(echo_llm, several, spelled(parser, "get_weather", {"city": "Paris"}, times))
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_without_parallel_tool_calls_is_one_call(serve_app, smol, stream: bool) -> None:
+    """A named tool_choice and no parallel_tool_calls (the SDK sends none): one call, then the reply ends. The
+    default model used to call again and again (3 and 6 calls at these seeds)."""
+    with serve_app(create_app(smol[0], served_model_name="smol", llm=smol[1], tool_call_parser="hermes")) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as sdk:
+        for seed in range(2):
+            fields = {"model": "smol", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                      "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                      "temperature": 0.8, "seed": seed, "max_tokens": 200}
+            if stream:
+                chunks = list(sdk.chat.completions.create(**fields, stream=True))
+                deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+                assert {d.index for d in deltas} == {0} and chunks[-1].choices[0].finish_reason == "tool_calls"
+                continue
+            reply = sdk.chat.completions.create(**fields)
+            [call] = reply.choices[0].message.tool_calls
+            assert call.function.name == "get_weather" and reply.choices[0].finish_reason == "tool_calls", reply
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])

@@ -73,6 +73,8 @@ async def create_chat_completion(request: Request) -> Response:
     params = sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                              fields=fields, defaults=state.sampling_defaults)
     forced = _forced_calls(req, tools, tool_choice, tool_parser)
+    # Without parallel_tool_calls, a forced reply is exactly one call, as vLLM's; a free-form one may hold several.
+    parallel = req.parallel_tool_calls is True if forced is not None else req.parallel_tool_calls is not False
     if forced is not None:
         fields["structured_outputs"] = "tool_choice" if req.functions is None else "function_call"
         params = msgspec.structs.replace(params, structured_outputs=forced)
@@ -96,7 +98,7 @@ async def create_chat_completion(request: Request) -> Response:
         chunks = _chunks(stream, rid=rid, model=state.served_model_name, created=created, n=req.n,
                          logprobs=req.logprobs, include_usage=include_usage, text_of=text_of,
                          reasoning_parser=state.reasoning_parser, decode=decode, tool_parser=tool_parser,
-                         parallel_tool_calls=req.parallel_tool_calls)
+                         parallel_tool_calls=parallel)
         return EventStreamResponse(chunks, headers={"X-Request-Id": rid},
                                    on_disconnect=state.metrics.client_disconnects.inc)
 
@@ -110,7 +112,7 @@ async def create_chat_completion(request: Request) -> Response:
         calls: list[ToolCall] = []
         if tool_parser is not None:
             answer, calls = parse_tool_calls(tool_parser, answer)
-            calls = calls if req.parallel_tool_calls else calls[:1]
+            calls = calls if parallel else calls[:1]
         message = AssistantMessage(content=answer if answer.strip() or not calls else None, tool_calls=[
             ToolCallOut(id=call.id, type="function", function=FunctionCall(name=call.name, arguments=call.arguments))
             for call in calls], reasoning_content=reasoning, reasoning=reasoning)
@@ -161,7 +163,7 @@ def _forced_calls(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None
     if req.response_format is not None and req.response_format.type != "text":
         raise invalid_request(f"{param} {tool_choice!r} and response_format cannot both constrain the reply", param)
     try:
-        return StructuredOutputs(grammar=forcing_grammar(parser, tools, name, req.parallel_tool_calls))
+        return StructuredOutputs(grammar=forcing_grammar(parser, tools, name, req.parallel_tool_calls is True))
     except ValueError as e:
         raise APIError(400, f"{param}: {e}", param=param, code="unsupported_option") from None
 

@@ -91,7 +91,8 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
+    # Absent: free-form replies may hold several calls (OpenAI's default); a forced reply is one call (vLLM's).
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None  # the legacy form of tools
     function_call: str | dict[str, Any] | None = None  # the legacy form of tool_choice
     # OpenAI features this server does not have: refused when asked for (see openai_chat._check_options).
