@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,6 +25,13 @@ from pocketllm import AsyncLLM, EngineArgs
 from pocketllm_server import create_app
 
 MODEL_NAME = "tiny"
+# A chat template in the hermes layout (Qwen2.5's, made small): it shows the tools and the assistant's calls.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for tool in tools %}{{ tool.function.name }} {% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 class LiveServer:
@@ -108,6 +116,24 @@ def wait_for() -> Callable[..., bool]:
 @pytest.fixture(scope="session")
 def tiny_args(pocketllm_tiny_llama: Path) -> EngineArgs:
     return EngineArgs(model=str(pocketllm_tiny_llama), backend="echo")
+
+
+@pytest.fixture(scope="session")
+def tiny_with_template(pocketllm_tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_with_template(template)``: a copy of the tiny checkpoint whose chat template is ``template``."""
+    def make(template: str) -> Path:
+        path = tmp_path_factory.mktemp("template") / "tiny"
+        shutil.copytree(pocketllm_tiny_llama, path)
+        (path / "chat_template.jinja").write_text(template, encoding="utf-8")
+        return path
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_hermes(tiny_with_template: Callable[[str], Path]) -> Path:
+    """The tiny checkpoint with a template that renders tools in the hermes format (the kit's ignores them)."""
+    return tiny_with_template(HERMES_TEMPLATE)
 
 
 @pytest.fixture(scope="session")

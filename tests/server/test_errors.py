@@ -115,7 +115,7 @@ def test_bad_values_are_400s_naming_the_field(client: httpx.Client, path: str, b
 
 @pytest.mark.parametrize(("path", "body", "param"), [
     (CHAT, chat(response_format={"type": "json_object"}), "response_format"),
-    # Forced calls need a tool-call parser (this server has none) and a backend with grammars (echo has none).
+    # Forced calls need a backend with grammars (echo has none).
     (CHAT, chat(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
     (CHAT, chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
     (CHAT, chat(modalities=["text", "audio"]), "modalities"),

@@ -1,15 +1,19 @@
-"""The official openai SDK against a real hypercorn server: echo backend for protocol shape, torch for sampling."""
+"""The official openai SDK against a real hypercorn server: echo backend for protocol shape, torch for sampling, the
+default model with default flags for tools."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import defaultdict
 from collections.abc import Iterator
 
 import openai
 import pytest
 
-from pocketllm import AsyncLLM, SamplingParams
+from pocketllm import AsyncLLM, EngineArgs, SamplingParams
+from pocketllm_server import create_app
+from tests.server.conftest import running
 
 MODEL = "tiny"
 GREEDY = {"temperature": 0.0}
@@ -254,3 +258,45 @@ def test_sampling_fields_reach_the_engine(torch_sdk: openai.OpenAI, torch_llm: A
         presence_penalty=0.5, frequency_penalty=0.5, seed=7,
         extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 2})
     assert response.choices[0].text == "sh" * 4
+
+
+# -- tools, as a client sends them without knowing the server's flags: the default model, default flags ------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 10}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def smol_sdk() -> Iterator[openai.OpenAI]:
+    """A server started with default flags on the default model (cpp, what ``auto`` picks on x86 CPUs)."""
+    pytest.importorskip("pocketllm_cpp")
+    args = EngineArgs(model="smollm2-135m-instruct", backend="cpp")
+    llm = AsyncLLM(engine_args=args)
+    with running(create_app(args, served_model_name="smol", llm=llm)) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_calls_need_no_server_flag(smol_sdk: openai.OpenAI, choice: str | dict) -> None:
+    """tool_choice required or a named function, on a server started without --tool-call-parser (vLLM serves
+    both so): one call, valid under its schema, streamed or not."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    fields = {"model": "smol", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+              "tools": [WEATHER, TIME], "tool_choice": choice, "temperature": 0.8, "seed": 1, "max_tokens": 120}
+    reply = smol_sdk.chat.completions.create(**fields)
+    [call] = reply.choices[0].message.tool_calls or []
+    assert reply.choices[0].finish_reason == "tool_calls" and reply.choices[0].message.content is None, reply
+    assert call.function.name == "get_time" if isinstance(choice, dict) else call.function.name in schemas
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    chunks = list(smol_sdk.chat.completions.create(**fields, stream=True))
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert (deltas[0].function.name, "".join(d.function.arguments or "" for d in deltas)) == (
+        call.function.name, call.function.arguments)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,6 +25,7 @@ HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
 XML = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
        "</parameter>\n</function>\n</tool_call>")
 LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "f", "parameters": {}}'
+GENERIC = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "f", "arguments": "{}"}]}'
 
 
 def calls_of(parser: str, text: str) -> tuple[str, list[tuple[str, dict]]]:
@@ -36,6 +38,9 @@ def test_each_format_parses() -> None:
                                                               ("get_time", {"zone": "CET"})])
     assert calls_of("qwen3_xml", XML) == ("", [("get_weather", {"city": "Paris", "days": 3})])
     assert calls_of("llama3_json", LLAMA) == ("", [("get_weather", {"city": "Paris"}), ("f", {})])
+    assert calls_of("generic", GENERIC) == ("", [("get_weather", {"city": "Paris"}), ("f", {})])
+    assert calls_of("generic", ' {"tool_call": {"name": "f", "arguments": {"x": 1}}}\n') == ("", [("f", {"x": 1})])
+    assert calls_of("generic", '{"response": "Hi there."}') == ("Hi there.", [])
 
 
 @pytest.mark.parametrize(("parser", "text"), [
@@ -44,15 +49,19 @@ def test_each_format_parses() -> None:
     ("qwen3_xml", "<tool_call><parameter=x>1</parameter></tool_call>"),  # no function
     ("llama3_json", '{"name": "f", "parameters": {}} and then some prose'),
     ("llama3_json", "Plain prose."),
+    ("generic", "Plain prose."),
+    ("generic", '{"tool_call": {"arguments": {}}}'),  # no name
+    ("generic", '{"tool_calls": [{"name": "f", "arguments": {}}, 3]}'),  # one of them malformed
+    ("generic", '{"answer": 42}'),  # JSON, but no call and no response
 ])
 def test_malformed_calls_stay_content(parser: str, text: str) -> None:
     assert parse(parser, text) == (text, [])
 
 
-@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json"])
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json", "generic"])
 @pytest.mark.parametrize("size", [1, 3, 8])
 def test_streams_reassemble_to_the_whole_parse(parser: str, size: int) -> None:
-    text = {"hermes": HERMES, "qwen3_xml": "Sure. " + XML, "llama3_json": LLAMA}[parser]
+    text = {"hermes": HERMES, "qwen3_xml": "Sure. " + XML, "llama3_json": LLAMA, "generic": GENERIC}[parser]
     stream = ToolCallStream(parser)
     content = "".join(stream.feed(text[i:i + size]) for i in range(0, len(text), size))
     rest, calls = stream.finish()
@@ -70,6 +79,14 @@ def test_auto_picks_the_template_s_format() -> None:
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def hermes_llm(tiny_hermes: Path) -> Iterator[AsyncLLM]:
+    """The echo backend on the tiny checkpoint with a template in the hermes format."""
+    llm = AsyncLLM(engine_args=EngineArgs(model=str(tiny_hermes), backend="echo"))
+    yield llm
+    llm.shutdown()
 
 
 def test_calls_over_http(serve_app, tiny_args, echo_llm: AsyncLLM) -> None:
@@ -108,7 +125,20 @@ def test_calls_over_http(serve_app, tiny_args, echo_llm: AsyncLLM) -> None:
         assert client.post("/v1/chat/completions", json=legacy | {"function_call": {"name": "x"}}).status_code == 400
 
 
-@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json"])
+def test_the_default_parser_is_the_template_s(serve_app, hermes_llm: AsyncLLM) -> None:
+    """A server started without --tool-call-parser (auto, the default) parses calls in the format its template
+    shows."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "P"}}</tool_call>'
+    messages = [{"role": "user", "content": call}]
+    _, prompt_ids = hermes_llm.render_chat(messages, tools=TOOLS)
+    body = {"messages": messages, "tools": TOOLS, "max_tokens": len(prompt_ids), "temperature": 0}
+    with serve_app(create_app(hermes_llm.args, served_model_name="tiny", llm=hermes_llm)) as server:
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30).json()["choices"][0]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply["message"]["tool_calls"]] \
+        == [("get_weather", {"city": "P"})]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json", "generic"])
 def test_a_forcing_grammar_refuses_parameters_that_are_no_schema(parser: str) -> None:
     from pocketllm_server.tool_calls import forcing_grammar
 
@@ -163,20 +193,23 @@ def admits(llm: AsyncLLM, grammar: str, text: str) -> bool:
     return not matcher.is_error() and matcher.is_accepting()
 
 
-def spelled(parser: str, name: str, arguments: dict, times: int = 1) -> str:
-    """A reply of ``times`` calls as each forcing grammar spells them (no whitespace inside the arguments)."""
+def spelled(parser: str, name: str, arguments: dict, times: int = 1, parallel: bool = False) -> str:
+    """A reply of ``times`` calls as each forcing grammar spells them (no whitespace inside the arguments; in the
+    generic format, a list of calls where they may be several)."""
     compact = {key: json.dumps(value, separators=(",", ":")) for key, value in arguments.items()}
     if parser == "qwen3_xml":
         parameters = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in compact.items())
         return "\n".join([f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"] * times)
     key = "parameters" if parser == "llama3_json" else "arguments"
     call = f'{{"name": "{name}", "{key}": {json.dumps(arguments, separators=(",", ":"))}}}'
+    if parser == "generic":
+        return f'{{"tool_calls": [{", ".join([call] * times)}]}}' if parallel else f'{{"tool_call": {call}}}'
     if parser == "llama3_json":
         return "; ".join([call] * times)
     return "\n".join([f"<tool_call>\n{call}\n</tool_call>"] * times)
 
 
-@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json"])
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json", "generic"])
 def test_forcing_grammars_follow_references(echo_llm: AsyncLLM, parser: str) -> None:
     """References resolve against the parameters schema's root, as the client wrote them: into $defs, and from a
     reference at the root (a recursive model); what they describe is enforced, not skipped."""
@@ -209,7 +242,7 @@ def test_forced_calls_take_pydantic_schemas(serve_app, smol, parser: str) -> Non
             jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
-@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json"])
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json", "generic"])
 def test_a_forcing_grammar_admits_one_call_unless_parallel(echo_llm: AsyncLLM, parser: str) -> None:
     from pocketllm_server.tool_calls import forcing_grammar
 
@@ -217,9 +250,9 @@ def test_a_forcing_grammar_admits_one_call_unless_parallel(echo_llm: AsyncLLM, p
     assert admits(echo_llm, one_only, spelled(parser, "get_weather", {"city": "Paris"}))
     assert matched(echo_llm, one_only, spelled(parser, "get_weather", {"city": "Paris"})).is_stopped()  # EOS only
     for times in (2, 3):
-        assert not admits(echo_llm, one_only, spelled(parser, "get_weather", {"city": "Paris"}, times))
+        assert not admits(echo_llm, one_only, spelled(parser, "get_weather", {"city": "Paris"}, times, True))
     for times in (1, 3):
-        assert admits(echo_llm, several, spelled(parser, "get_weather", {"city": "Paris"}, times))
+        assert admits(echo_llm, several, spelled(parser, "get_weather", {"city": "Paris"}, times, True))
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {

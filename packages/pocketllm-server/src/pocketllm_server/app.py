@@ -51,7 +51,7 @@ GENERATION_CONFIG_CHOICES = ("auto", "none")
 def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str | None = None,
                max_queue_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                generation_config: str = "auto", llm: AsyncLLM | None = None,
-               reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None, tool_call_parser: str = "auto",
                pooling_type: str | None = None, web_ui: bool = True) -> Starlette:
     """Build the server. Without ``llm`` the app loads the model itself, in the background, at startup.
 
@@ -63,7 +63,7 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
         raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
-    if tool_call_parser is not None and tool_call_parser not in ("auto", *TOOL_CALL_PARSERS):
+    if tool_call_parser not in ("auto", *TOOL_CALL_PARSERS):
         raise ValueError(f"tool_call_parser must be auto or one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
     if pooling_type is not None and pooling_type not in POOLING_TYPES:
         raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {pooling_type!r}")

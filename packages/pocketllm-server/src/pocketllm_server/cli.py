@@ -62,9 +62,11 @@ def build_parser(prog: str = "pocketllm-server") -> argparse.ArgumentParser:
                         help="split a reply's <think>...</think> section into reasoning_content (and reasoning) "
                              "in chat completions; qwen3: replies that open with <think>; deepseek_r1: the "
                              "template opens it (default: no splitting)")
-    server.add_argument("--tool-call-parser", choices=("auto", *TOOL_CALL_PARSERS), default=None,
-                        help="parse tool calls out of chat replies when a request gives tools (auto: the format "
-                             "the chat template shows; default: not parsed, the reply stays content)")
+    server.add_argument("--tool-call-parser", choices=("auto", *TOOL_CALL_PARSERS), default="auto",
+                        help="the format tool calls are parsed out of chat replies in, when a request gives tools "
+                             "(auto: the one the chat template shows, else none; tool_choice required or a named "
+                             "function works in any case, in the generic format where no other applies; default: "
+                             "%(default)s)")
     server.add_argument("--pooling-type", choices=POOLING_TYPES, default=None,
                         help="how /v1/embeddings pools a prompt's final hidden states (default: the checkpoint's "
                              "pooling config, else last)")

@@ -11,7 +11,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pocketllm import PocketLLMError
+from pocketllm import AsyncLLM, PocketLLMError
 from pocketllm.reasoning import ReasoningSplitter, split_reply
 from pocketllm.structured import StructuredOutputs
 from pocketllm_server.errors import APIError, ErrorBody, from_engine_error, invalid_request
@@ -51,10 +51,7 @@ async def create_chat_completion(request: Request) -> Response:
     state, req, llm = await read_model_request(request, ChatCompletionRequest)
     _check_options(req)
     tools, tool_choice = _tools_of(req)
-    parser = state.tool_call_parser
-    if parser == "auto":
-        parser = parser_for_template(llm.tokenizer.chat_template)
-    tool_parser = parser if tools and tool_choice != "none" else None
+    parser = _reply_parser(state.tool_call_parser or "auto", llm) if tools and tool_choice != "none" else None
     try:  # off the event loop: rendering and tokenizing grow with the conversation
         _, prompt_ids = await asyncio.to_thread(
             llm.render_chat, [msgspec.to_builtins(m) for m in req.messages],
@@ -72,7 +69,9 @@ async def create_chat_completion(request: Request) -> Response:
         param=budget_field, prompt_param="messages")
     params = sampling_params(req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                              fields=fields, defaults=state.sampling_defaults)
-    forced = _forced_calls(req, tools, tool_choice, tool_parser)
+    # Forced calls need no parser flag: where the template shows no format of its own, they take the generic one.
+    forced = _forced_calls(req, tools, tool_choice, parser or "generic")
+    tool_parser = parser or ("generic" if forced is not None else None)
     # Without parallel_tool_calls, a forced reply is exactly one call, as vLLM's; a free-form one may hold several.
     parallel = req.parallel_tool_calls is True if forced is not None else req.parallel_tool_calls is not False
     if forced is not None:
@@ -141,8 +140,14 @@ def _check_options(req: ChatCompletionRequest) -> None:
         raise invalid_request("give tools or the legacy functions, not both", "functions")
 
 
+def _reply_parser(parser: str, llm: AsyncLLM) -> str | None:
+    """The format tool calls in replies are parsed (and forced) in: --tool-call-parser's, else (auto, the default)
+    the one the chat template shows, if any."""
+    return parser_for_template(llm.tokenizer.chat_template) if parser == "auto" else parser
+
+
 def _forced_calls(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
-                  tool_choice: str | dict[str, Any] | None, parser: str | None) -> StructuredOutputs | None:
+                  tool_choice: str | dict[str, Any] | None, parser: str) -> StructuredOutputs | None:
     """tool_choice "required" or a named function: the grammar that makes the reply such a call, or None."""
     if tool_choice in (None, "none", "auto"):
         return None
@@ -157,9 +162,6 @@ def _forced_calls(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None
         raise invalid_request(f"{param} must be none, auto, required or name a function, got {tool_choice!r}", param)
     if not tools:
         raise invalid_request(f"{param} {tool_choice!r} needs tools", param)
-    if parser is None:
-        raise APIError(400, f"{param} {tool_choice!r} needs the server started with --tool-call-parser",
-                       param=param, code="unsupported_option")
     if req.response_format is not None and req.response_format.type != "text":
         raise invalid_request(f"{param} {tool_choice!r} and response_format cannot both constrain the reply", param)
     try:

@@ -4,7 +4,9 @@
 - ``qwen3_xml`` (Qwen3-Coder, Qwen3.5): ``<tool_call><function=NAME><parameter=K>V</parameter>...</function>
   </tool_call>``; a value that parses as JSON is taken as JSON, else as a string;
 - ``llama3_json`` (Llama 3.x): the reply, after an optional ``<|python_tag|>``, is ``{"name": ..., "parameters":
-  {...}}``, several separated by ``;``.
+  {...}}``, several separated by ``;``;
+- ``generic`` (llama.cpp's, for templates with no tool format of their own): the reply is one JSON object,
+  ``{"tool_call": {"name": ..., "arguments": {...}}}``, ``{"tool_calls": [...]}`` or ``{"response": "..."}``.
 
 ``auto`` picks one from the chat template. A block that does not parse stays in the content as text: a model's
 malformed attempt is shown, not dropped.
@@ -19,13 +21,15 @@ from dataclasses import dataclass
 
 from pocketllm.structured import JSON_OPTIONS
 
-TOOL_CALL_PARSERS = ("hermes", "qwen3_xml", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "qwen3_xml", "llama3_json", "generic")
 OPEN = "<tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 _FUNCTION = re.compile(r"^\s*<function=([^>\s]+)>(.*?)(?:</function>\s*)?$", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
-_ARGUMENTS_KEY = {"hermes": "arguments", "llama3_json": "parameters"}
+_ARGUMENTS_KEY = {"hermes": "arguments", "llama3_json": "parameters", "generic": "arguments"}
+# Formats whose call is the whole reply, and how such a reply may begin.
+_WHOLE_REPLY = {"llama3_json": ("{", PYTHON_TAG), "generic": ("{",)}
 _PARAMETERS_COPY = "pocketllm_parameters"  # where a qwen3_xml value's schema keeps the parameters it refers into
 # JSON schema keywords whose value is a map of schemas, and those whose value is a schema or a list of schemas.
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
@@ -70,13 +74,14 @@ class ToolCallStream:
         if self._calling:
             self._held = buf
             return ""
-        if self.parser == "llama3_json":  # a call is the whole reply: its first visible characters decide
+        if self.parser in _WHOLE_REPLY:  # a call is the whole reply: its first visible characters decide
+            openers = _WHOLE_REPLY[self.parser]
             stripped = buf.lstrip()
-            if not self._emitted and (not stripped or PYTHON_TAG.startswith(stripped)):
-                self._held = buf
-                return ""
-            if not self._emitted and stripped.startswith(("{", PYTHON_TAG)):
+            if not self._emitted and stripped.startswith(openers):
                 self._calling, self._held = True, buf
+                return ""
+            if not self._emitted and (not stripped or any(o.startswith(stripped) for o in openers)):
+                self._held = buf
                 return ""
             self._emitted, self._held = True, ""
             return buf
@@ -98,6 +103,8 @@ def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
     """The reply's content outside its tool calls, and the calls."""
     if parser == "llama3_json":
         return _llama3(text)
+    if parser == "generic":
+        return _generic(text)
     calls: list[ToolCall] = []
     content: list[str] = []
     last = 0
@@ -120,9 +127,13 @@ def _new_call(name: object, arguments: object) -> ToolCall | None:
 
 def _hermes(body: str) -> ToolCall | None:
     try:
-        call = json.loads(body)
+        return _named_call(json.loads(body))
     except json.JSONDecodeError:
         return None
+
+
+def _named_call(call: object) -> ToolCall | None:
+    """``{"name": ..., "arguments": {...}}`` (the arguments an object or its JSON text) as a call, or None."""
     if not isinstance(call, dict):
         return None
     arguments = call.get("arguments", {})
@@ -169,6 +180,25 @@ def _llama3(text: str) -> tuple[str, list[ToolCall]]:
     return "", calls
 
 
+def _generic(text: str) -> tuple[str, list[ToolCall]]:
+    """llama.cpp's generic format: the reply is one JSON object; any other reply is content."""
+    try:
+        reply = json.loads(text)
+    except json.JSONDecodeError:
+        return text, []
+    if not isinstance(reply, dict):
+        return text, []
+    if "tool_calls" in reply or "tool_call" in reply:
+        items = reply["tool_calls"] if "tool_calls" in reply else [reply["tool_call"]]
+        parsed = [_named_call(item) for item in items] if isinstance(items, list) else []
+        calls = [call for call in parsed if call is not None]
+        return ("", calls) if calls and len(calls) == len(parsed) else (text, [])  # all well-formed, or content
+    if "response" in reply:
+        response = reply["response"]
+        return response if isinstance(response, str) else json.dumps(response, ensure_ascii=False), []
+    return text, []
+
+
 def forcing_grammar(parser: str, tools: list[dict], name: str | None, parallel: bool) -> str:
     """A Lark grammar (llguidance's, with ``%json``) whose every string is a call in ``parser``'s format: to the
     tool ``name``, or to any of ``tools`` (tool_choice "required"), arguments valid under its parameters' schema."""
@@ -188,6 +218,10 @@ def forcing_grammar(parser: str, tools: list[dict], name: str | None, parallel: 
             continue
         rules.append(f"call_{i}: {_json_call(parser, function['name'], parameters)}")
     call = "call: " + " | ".join(f"call_{i}" for i in range(len(chosen)))
+    if parser == "generic":
+        start = (r'start: "{\"tool_calls\": [" call (", " call)* "]}"' if parallel
+                 else r'start: "{\"tool_call\": " call "}"')
+        return "\n".join([start, call, *rules])
     if parser == "llama3_json":
         block = "block: call"
         start = 'start: block ("; " block)*' if parallel else "start: block"
