@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 from pathlib import Path
 
 import pytest
 from tokenizers import AddedToken, models
 from tokenizers import Tokenizer as BackendTokenizer
 
-from pocketllm.chat import DEEPSEEK_BOS, DEEPSEEK_EOS, ChatPromptBuilder
+from pocketllm.chat import DEEPSEEK_BOS, DEEPSEEK_EOS, TOOLS_PROMPT, ChatPromptBuilder
 from pocketllm.checkpoint import DEFAULT_MODEL_ALIAS, load_checkpoint
 from pocketllm.errors import ConfigError
 from pocketllm.testing import make_tiny_llama
@@ -92,6 +94,36 @@ def test_transformers_template_extensions(tiny_tokenizer: Tokenizer, skip_system
     with pytest.raises(ConfigError, match="tool message first") as info:
         builder.render([{"role": "tool", "content": "42"}])
     assert info.value.field == "messages"
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_a_template_that_ignores_tools_gets_them_in_a_system_message(tiny_tokenizer: Tokenizer,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """As llama.cpp's server does: the tools, and the assistant's earlier calls, in its generic JSON format, and a
+    warning, once, that this is so. The kit's ChatML template drops tools, as the default model's does."""
+    builder = ChatPromptBuilder(tiny_tokenizer)
+    prompt = TOOLS_PROMPT.format(tools=json.dumps(WEATHER))
+    turn = [{"role": "user", "content": "Weather in Paris?"}]
+    history = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    with caplog.at_level(logging.WARNING, logger="pocketllm.chat"):
+        assert builder.render(turn, tools=WEATHER) == builder.render([{"role": "system", "content": prompt}, *turn])
+        call = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}'
+        assert builder.render([{"role": "system", "content": "Be brief."}, *turn, *history], tools=WEATHER) == (
+            builder.render([{"role": "system", "content": f"Be brief.\n\n{prompt}"}, *turn,
+                            {"role": "assistant", "content": call}, history[1]]))
+    assert [r.message for r in caplog.records if "does not render tools" in r.message] == [
+        "the chat template does not render tools: a request's tools go in a system message that asks for calls in "
+        "the generic JSON format"]
+    assert not builder.renders_tools and builder.render(turn) == builder.render(turn, tools=[])
+    assert ChatPromptBuilder(tiny_tokenizer, chat_template=TOOL_TEMPLATE).renders_tools
+    refusing = ChatPromptBuilder(chat_template="{% if tools %}{{ raise_exception('no tools') }}{% endif %}"
+                                               "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    assert refusing.render(turn, tools=WEATHER) == f"system: {prompt}\nuser: Weather in Paris?\n"
 
 
 def test_content_parts_are_joined(tiny_tokenizer: Tokenizer) -> None:

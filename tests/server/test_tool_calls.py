@@ -89,9 +89,9 @@ def hermes_llm(tiny_hermes: Path) -> Iterator[AsyncLLM]:
     llm.shutdown()
 
 
-def test_calls_over_http(serve_app, tiny_args, echo_llm: AsyncLLM) -> None:
+def test_calls_over_http(serve_app, hermes_llm: AsyncLLM) -> None:
     """The echo backend replays the rendered prompt: a user turn holding a call scripts the reply."""
-    app = create_app(tiny_args, served_model_name="tiny", llm=echo_llm, tool_call_parser="hermes")
+    app = create_app(hermes_llm.args, served_model_name="tiny", llm=hermes_llm, tool_call_parser="hermes")
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     body = {"messages": [{"role": "user", "content": call * 2}], "max_tokens": 200, "temperature": 0,
             "tools": TOOLS}
@@ -136,6 +136,58 @@ def test_the_default_parser_is_the_template_s(serve_app, hermes_llm: AsyncLLM) -
         reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30).json()["choices"][0]
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply["message"]["tool_calls"]] \
         == [("get_weather", {"city": "P"})]
+
+
+def reply_of(client: httpx.Client, body: dict, stream: bool) -> tuple[str, list[tuple[str, dict]]]:
+    """A chat reply's content and calls (name, arguments), streamed and reassembled or not."""
+    if not stream:
+        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        return message["content"] or "", [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                          for c in message["tool_calls"]]
+    content, calls = "", {}
+    with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                content += delta.get("content") or ""
+                for call in delta.get("tool_calls") or []:
+                    entry = calls.setdefault(call["index"], ["", ""])
+                    entry[0] += call["function"].get("name") or ""
+                    entry[1] += call["function"].get("arguments") or ""
+    return content, [(name, json.loads(arguments)) for name, arguments in calls.values()]
+
+
+def test_a_template_that_ignores_tools_gets_them_in_a_system_message(serve_app, tiny_args, echo_llm) -> None:
+    """The kit's template drops tools, as the default model's does: they go in a system message that asks for the
+    generic JSON format (llama.cpp's fallback), which the echo backend replays; not under tool_choice none."""
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS, "max_tokens": 100,
+            "temperature": 0}
+    with serve_app(create_app(tiny_args, served_model_name="tiny", llm=echo_llm)) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as client:
+        assert reply_of(client, body, False)[0].startswith(
+            'system\nYou can call these tools: [{"type": "function", "function": {"name": "get_weather"')
+        assert reply_of(client, body | {"tool_choice": "none"}, False)[0].startswith("user\nWeather in Paris?")
+
+
+@pytest.mark.parametrize("parser", ["auto", "generic"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_generic_replies_are_read_back(serve_app, tiny_with_template, parser: str, stream: bool) -> None:
+    """Where the template ignores tools, replies are parsed in the generic format that its stand-in system message
+    asks for (auto, the default, picks it). This template shows only the last message, so the echo backend
+    replays the user's text as the reply."""
+    llm = AsyncLLM(engine_args=EngineArgs(model=str(tiny_with_template("{{ messages[-1].content }}")),
+                                          backend="echo"))
+    try:
+        with serve_app(create_app(llm.args, served_model_name="tiny", llm=llm, tool_call_parser=parser)) as server, \
+                httpx.Client(base_url=server.url, timeout=30) as client:
+            call = '{"tool_call": {"name": "get_weather", "arguments": {"city": "P"}}}'
+            for text, expected in [(call, ("", [("get_weather", {"city": "P"})])), ('{"response": "Hi."}', ("Hi.", [])),
+                                   ("Plain text.", ("Plain text.", []))]:
+                body = {"messages": [{"role": "user", "content": text}], "tools": TOOLS, "temperature": 0,
+                        "max_tokens": len(llm.tokenizer.encode(text, add_special_tokens=False))}
+                assert reply_of(client, body, stream) == expected
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json", "generic"])

@@ -235,10 +235,11 @@ def test_a_bad_request_shows_the_400_and_the_turn_can_be_asked_again(browser, ec
     assert finished_reply(browser).get_attribute("data-finish") == "length"
 
 
-def test_reasoning_shows_collapsed_and_tool_calls_as_such(browser, pocketllm_tiny_llama: Path) -> None:
+def test_reasoning_shows_collapsed_and_tool_calls_as_such(browser, tiny_hermes: Path) -> None:
     """With --reasoning-parser deepseek_r1 the echo backend's reply reasons until the </think> the user typed, then
-    holds the tool call the user typed, which --tool-call-parser hermes finds since the request has tools."""
-    with server_process(["--model", str(pocketllm_tiny_llama), "--backend", "echo", "--reasoning-parser",
+    holds the tool call the user typed, which --tool-call-parser hermes finds since the request has tools (the
+    template renders them in that format)."""
+    with server_process(["--model", str(tiny_hermes), "--backend", "echo", "--reasoning-parser",
                          "deepseek_r1", "--tool-call-parser", "hermes", "--log-level", "warning"],
                         env={"POCKETLLM_PLUGINS": "echo"}) as (_, url):
         open_page(browser, url)

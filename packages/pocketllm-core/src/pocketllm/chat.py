@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import logging
 from collections.abc import Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -16,6 +19,8 @@ from pocketllm.errors import ConfigError
 
 if TYPE_CHECKING:
     from pocketllm.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 # Names a message's reasoning may come under; templates read reasoning_content (gpt-oss's read thinking).
@@ -32,6 +37,18 @@ DEEPSEEK_EOS = _deepseek_token("end of sentence")
 _DS_USER, _DS_ASSISTANT = _deepseek_token("User"), _deepseek_token("Assistant")
 _DS_OUTPUTS_BEGIN, _DS_OUTPUTS_END = _deepseek_token("tool outputs begin"), _deepseek_token("tool outputs end")
 _DS_OUTPUT_BEGIN, _DS_OUTPUT_END = _deepseek_token("tool output begin"), _deepseek_token("tool output end")
+
+# For a template that does not render tools, what llama.cpp's server does: the tools go in a system message that
+# asks for replies in its generic JSON format (pocketllm_server's "generic" tool-call parser reads them back).
+TOOLS_PROMPT = (
+    "You can call these tools: {tools}\n\n"
+    'Respond in JSON, either {{"tool_call": {{"name": "<tool name>", "arguments": {{<its arguments>}}}}}} to call a '
+    'tool, or {{"response": "<your reply>"}} to reply to the user.'
+)
+# What tells whether a template renders tools: it renders this conversation the same with and without this tool.
+_PROBE_MESSAGES = [{"role": "user", "content": "Hi."}]
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
+    "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}]
 
 
 class ChatPromptBuilder:
@@ -84,18 +101,45 @@ class ChatPromptBuilder:
             if self._deepseek:
                 return _render_deepseek(messages, add_generation_prompt, self.bos_token or DEEPSEEK_BOS)
             return _render_plain(messages, add_generation_prompt)
-        context = {
+        if tools and not self.renders_tools:
+            messages, tools = _with_tools_prompt(messages, tools), None
+        try:
+            return self._render(messages, add_generation_prompt, tools, chat_template_kwargs)
+        except Exception as e:  # the template is untrusted code: any failure is a rejected request
+            raise ConfigError("messages", f"the chat template failed: {type(e).__name__}: {e}") from None
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows the model a request's tools. Where it does not (it renders the same
+        with and without them, or fails with them only), :meth:`render` puts them in a system message
+        (:data:`TOOLS_PROMPT`) that asks for calls in llama.cpp's generic JSON format."""
+        if self._template is None:
+            return False
+
+        def probe(tools: list[dict[str, Any]] | None) -> str | None:
+            try:
+                return self._render(_PROBE_MESSAGES, True, tools, None)
+            except Exception:  # the template is untrusted code
+                return None
+
+        without = probe(None)
+        renders = without is None or probe(_PROBE_TOOLS) not in (None, without)  # unsure: the template's way
+        if not renders:
+            log.warning("the chat template does not render tools: a request's tools go in a system message that "
+                        "asks for calls in the generic JSON format")
+        return renders
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None, chat_template_kwargs: dict[str, Any] | None) -> str:
+        assert self._template is not None
+        return self._template.render(**{
             **(chat_template_kwargs or {}),
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
             "tools": tools,
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
-        }
-        try:
-            return self._template.render(**context)
-        except Exception as e:  # the template is untrusted code: any failure is a rejected request
-            raise ConfigError("messages", f"the chat template failed: {type(e).__name__}: {e}") from None
+        })
 
 
 def validate_messages(messages: object) -> list[dict[str, Any]]:
@@ -118,6 +162,34 @@ def validate_messages(messages: object) -> list[dict[str, Any]]:
             checked_message = {"thinking": reasoning, **checked_message, "reasoning_content": reasoning}
         checked.append(checked_message)
     return checked
+
+
+def _with_tools_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with :data:`TOOLS_PROMPT` added to the system message (one put first where there is none),
+    and each assistant turn's tool calls written into its content in the same format (such a template drops
+    them too)."""
+    prompt = TOOLS_PROMPT.format(tools=json.dumps(tools, ensure_ascii=False))
+    out = [_calls_as_content(m) for m in messages]
+    if out[0]["role"] == "system":
+        return [{**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}, *out[1:]]
+    return [{"role": "system", "content": prompt}, *out]
+
+
+def _calls_as_content(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if message["role"] != "assistant" or not isinstance(calls, list) or not calls:
+        return message
+    written = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        function = function if isinstance(function, Mapping) else {}
+        arguments = function.get("arguments", {})
+        with contextlib.suppress(json.JSONDecodeError):  # OpenAI's messages carry the arguments as JSON text
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        written.append({"name": function.get("name"), "arguments": arguments})
+    reply = {"tool_call": written[0]} if len(written) == 1 else {"tool_calls": written}
+    content = "\n".join(part for part in (message["content"], json.dumps(reply, ensure_ascii=False)) if part)
+    return {key: value for key, value in message.items() if key != "tool_calls"} | {"content": content}
 
 
 def _text(content: object, index: int) -> str:

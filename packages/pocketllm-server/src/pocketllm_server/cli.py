@@ -64,9 +64,10 @@ def build_parser(prog: str = "pocketllm-server") -> argparse.ArgumentParser:
                              "template opens it (default: no splitting)")
     server.add_argument("--tool-call-parser", choices=("auto", *TOOL_CALL_PARSERS), default="auto",
                         help="the format tool calls are parsed out of chat replies in, when a request gives tools "
-                             "(auto: the one the chat template shows, else none; tool_choice required or a named "
-                             "function works in any case, in the generic format where no other applies; default: "
-                             "%(default)s)")
+                             "(auto: generic where the chat template ignores tools, which then go in a system "
+                             "message asking for that format, else the one the template shows, else none; "
+                             "tool_choice required or a named function works in any case, in the generic format "
+                             "where no other applies; see docs/tool-calls.md; default: %(default)s)")
     server.add_argument("--pooling-type", choices=POOLING_TYPES, default=None,
                         help="how /v1/embeddings pools a prompt's final hidden states (default: the checkpoint's "
                              "pooling config, else last)")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
@@ -46,19 +48,18 @@ from pocketllm_server.streaming import DONE, EventStreamResponse, sse
 from pocketllm_server.tool_calls import ToolCall, ToolCallStream, forcing_grammar, parser_for_template
 from pocketllm_server.tool_calls import parse as parse_tool_calls
 
+log = logging.getLogger("pocketllm_server")
+
 
 async def create_chat_completion(request: Request) -> Response:
     state, req, llm = await read_model_request(request, ChatCompletionRequest)
     _check_options(req)
     tools, tool_choice = _tools_of(req)
-    parser = _reply_parser(state.tool_call_parser or "auto", llm) if tools and tool_choice != "none" else None
     try:  # off the event loop: rendering and tokenizing grow with the conversation
-        _, prompt_ids = await asyncio.to_thread(
-            llm.render_chat, [msgspec.to_builtins(m) for m in req.messages],
-            add_generation_prompt=req.add_generation_prompt, tools=tools,
-            chat_template_kwargs=req.chat_template_kwargs)
+        prompt_ids = await asyncio.to_thread(_render, llm, req, tools, tool_choice)
     except PocketLLMError as e:
         raise from_engine_error(e, fields={"prompt": "messages"}) from None
+    parser = _reply_parser(state.tool_call_parser or "auto", llm) if tools and tool_choice != "none" else None
 
     budget_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     # Engine field names as this endpoint spells them, for error messages' ``param``.
@@ -140,10 +141,34 @@ def _check_options(req: ChatCompletionRequest) -> None:
         raise invalid_request("give tools or the legacy functions, not both", "functions")
 
 
+def _render(llm: AsyncLLM, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+            tool_choice: str | dict[str, Any] | None) -> list[int]:
+    """The prompt's tokens. Under tool_choice none, a template that does not render tools is not given them: the
+    system message that stands in for it asks for calls."""
+    if tools and tool_choice == "none" and not llm.chat_builder.renders_tools:
+        tools = None
+    messages = [msgspec.to_builtins(m) for m in req.messages]
+    return llm.render_chat(messages, add_generation_prompt=req.add_generation_prompt, tools=tools,
+                           chat_template_kwargs=req.chat_template_kwargs)[1]
+
+
 def _reply_parser(parser: str, llm: AsyncLLM) -> str | None:
-    """The format tool calls in replies are parsed (and forced) in: --tool-call-parser's, else (auto, the default)
-    the one the chat template shows, if any."""
-    return parser_for_template(llm.tokenizer.chat_template) if parser == "auto" else parser
+    """The format tool calls in replies are parsed (and forced) in: --tool-call-parser's; else (auto, the default)
+    the generic one where the chat template does not render tools (the system message that stands in for it asks
+    for that one), else the one the template shows, if any. Called once the prompt is rendered (which probed the
+    template)."""
+    if parser != "auto":
+        if parser != "generic" and not llm.chat_builder.renders_tools:
+            _warn_format_mismatch(parser)
+        return parser
+    return "generic" if not llm.chat_builder.renders_tools else parser_for_template(llm.tokenizer.chat_template)
+
+
+@functools.cache
+def _warn_format_mismatch(parser: str) -> None:
+    log.warning("--tool-call-parser %s: the chat template does not render tools, so they go in a system message "
+                "that asks for calls in the generic format, which %s does not read (leave the flag out, or give "
+                "generic)", parser, parser)
 
 
 def _forced_calls(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
