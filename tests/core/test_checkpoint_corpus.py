@@ -10,6 +10,7 @@ import contextlib
 import json
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -231,3 +232,94 @@ def test_random_header_mutations_only_ever_give_checkpoint_error(tmp_path: Path,
         with contextlib.suppress(CheckpointError):
             _load(path)
         assert time.monotonic() - started < 2, f"mutation {i} at {position} took too long"
+
+
+# -- metadata a model relies on (issue 31): each mutant of the tiny GGUF is refused at load, naming the field ----
+
+
+def _set_field(key: str, value: float) -> Callable[[gguf.GGUFReader], None]:
+    def mutate(reader: gguf.GGUFReader) -> None:
+        field = reader.fields[key]
+        field.parts[field.data[0]][0] = value
+    return mutate
+
+
+def _corrupt_tensor_name(reader: gguf.GGUFReader) -> None:
+    name = next(t for t in reader.tensors if t.name == "blk.0.attn_k.weight").field.parts[1]
+    name[-3] = ord("X")  # blk.0.attn_k.weiXht
+
+
+def _misalign_last_tensor(reader: gguf.GGUFReader) -> None:
+    reader.tensors[-1].field.parts[-1][0] += 1
+
+
+def _corrupt_first_merge(reader: gguf.GGUFReader) -> None:
+    field = reader.fields["tokenizer.ggml.merges"]
+    field.parts[field.data[0]][1] = ord("#")  # "e e" -> "e#e"
+
+
+def _nan_weights(reader: gguf.GGUFReader) -> None:
+    next(t for t in reader.tensors if t.name == "output_norm.weight").data[:] = np.nan
+
+
+_MUTANTS = {
+    "eos_outside_vocabulary": (_set_field("tokenizer.ggml.eos_token_id", 2**32 - 1), "tokenizer.ggml.eos_token_id"),
+    "eos_one_past_the_vocabulary": (_set_field("tokenizer.ggml.eos_token_id", 323), "tokenizer.ggml.eos_token_id"),
+    "no_kv_heads": (_set_field("llama.attention.head_count_kv", 0), "llama.attention.head_count_kv"),
+    "kv_heads_not_dividing": (_set_field("llama.attention.head_count_kv", 3), "llama.attention.head_count_kv"),
+    "no_heads": (_set_field("llama.attention.head_count", 0), "llama.attention.head_count"),
+    "huge_block_count": (_set_field("llama.block_count", 2**31), "llama.block_count"),
+    "block_count_past_the_tensors": (_set_field("llama.block_count", 3), "llama.block_count"),
+    "no_context": (_set_field("llama.context_length", 0), "llama.context_length"),
+    "nan_norm_epsilon": (_set_field("llama.attention.layer_norm_rms_epsilon", float("nan")),
+                         "llama.attention.layer_norm_rms_epsilon"),
+    "zero_rope_base": (_set_field("llama.rope.freq_base", 0.0), "llama.rope.freq_base"),
+    "corrupted_tensor_name": (_corrupt_tensor_name, "blk.0.attn_k.weiXht"),
+    "odd_tensor_offset": (_misalign_last_tensor, "general.alignment"),
+    "corrupted_merges": (_corrupt_first_merge, "tokenizer.ggml.merges"),
+    "nan_weights": (_nan_weights, "warm-up"),
+}
+
+
+@pytest.mark.parametrize("mutant", list(_MUTANTS))
+def test_gguf_mutants_are_refused_at_load_naming_the_field(tmp_path: Path, gguf_bytes: bytes, mutant: str) -> None:
+    """Each loaded before, or failed with a bare ZeroDivisionError, KeyError, ValueError or tokenizers Exception, or
+    answered every request with an error (EOS 2**32 - 1) or NaN."""
+    from pocketllm import LLM
+
+    mutate, field = _MUTANTS[mutant]
+    path = tmp_path / f"{mutant}.gguf"
+    path.write_bytes(gguf_bytes)
+    reader = gguf.GGUFReader(path, "r+")
+    mutate(reader)
+    reader.data.flush()
+    del reader
+    with pytest.raises(CheckpointError) as err:
+        LLM(str(path), max_model_len=64).shutdown()
+    assert path.name in str(err.value) and field in str(err.value), err.value
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("eos_token_id", 10**6), ("eos_token_id", [0, -1]), ("bos_token_id", 323), ("num_key_value_heads", 0),
+    ("num_key_value_heads", 3), ("rms_norm_eps", -1.0), ("max_position_embeddings", 0),
+])
+def test_config_json_values_out_of_range(tmp_path: Path, llama_dir: Path, key: str, value: object) -> None:
+    model = _copy(llama_dir, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(CheckpointError, match=rf"config\.json.*{key}") as err:
+        load_checkpoint(str(model))
+    assert str(model) in str(err.value)
+
+
+def test_a_safetensors_tensor_under_a_corrupted_name_is_refused_at_load(tmp_path: Path, llama_dir: Path) -> None:
+    from pocketllm import LLM
+
+    model = _copy(llama_dir, tmp_path)
+    shard = model / "model.safetensors"
+    header, data = _header(shard)
+    header["model.layers.1.mlp.up_projXweight"] = header.pop("model.layers.1.mlp.up_proj.weight")
+    _rewrite(shard, header, data)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*up_projXweight") as err:
+        LLM(str(model)).shutdown()
+    assert str(model) in str(err.value)

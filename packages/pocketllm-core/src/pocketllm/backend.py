@@ -10,8 +10,14 @@ What the core does before a backend sees anything
   checked against :class:`Capabilities` (architecture, storage types of the
   checkpoint's tensors, device, dtype, KV-cache dtype, tensor parallelism,
   speculative decoding, ``max_num_seqs``, ``backend_options`` keys), and after
-  every tensor's shape was checked against the model config. A refusal is an
-  :class:`~pocketllm.errors.UnsupportedOptionError` naming the option and the backend.
+  every tensor's shape was checked against the model config, and (for the
+  architectures the core has rules for) every tensor the model needs found. A
+  refusal is an :class:`~pocketllm.errors.UnsupportedOptionError` naming the
+  option and the backend.
+* Right after ``create_engine``, the core runs one warm-up request through the
+  engine (id ``pocketllm-warm-up``: one token, greedy, seeded, ``max_tokens=1``,
+  ``logprobs=0`` where the backend has logprobs, else an embedding where it has
+  pooling) and refuses the model if what comes out is NaN or infinite.
 * ``args.max_model_len`` arrives resolved: an int no larger than the model's
   ``max_position_embeddings`` (by default that limit, capped at
   :data:`pocketllm.limits.MAX_MODEL_LEN_CAP`).

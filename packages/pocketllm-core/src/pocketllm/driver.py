@@ -28,6 +28,7 @@ from pocketllm.backend import (
     TensorParallelBackend,
 )
 from pocketllm.checkpoint import Checkpoint, load_checkpoint
+from pocketllm.checkpoint.shapes import check_model
 from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
 from pocketllm.errors import CheckpointError, ConfigError, EngineDeadError, RequestFailedError, UnsupportedOptionError
 from pocketllm.limits import MAX_MODEL_LEN_CAP
@@ -42,6 +43,7 @@ from pocketllm.structured import Constraint, GrammarCompiler
 from pocketllm.support import check_embedding_request, check_engine_args, check_request
 from pocketllm.tensor_parallel import LocalRanks, check_world, rank_info
 from pocketllm.tokenizer import Tokenizer
+from pocketllm.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class EngineDriver:
         progress = progress or LoadProgress()
         with progress.stage(f"reading {args.model}"):
             checkpoint = load_checkpoint(args.model, args.model_format)
+            check_model(checkpoint)  # a tensor missing or a layer count the tensors do not bear out
             self.args = dataclasses.replace(args, max_model_len=resolve_max_model_len(args, checkpoint.config))
             self.model_config = checkpoint.config
             self.checkpoint_path = checkpoint.path
@@ -261,6 +264,12 @@ class EngineDriver:
         try:
             self.engine = plugin.create_engine(self.args, checkpoint)
         except BaseException as e:
+            built.set_exception(e)
+            return
+        try:
+            warm_up(self.engine, self.capabilities, self.model_config, checkpoint.path)
+        except BaseException as e:  # a model that computes NaN is refused at load, its engine closed
+            self.engine.shutdown()
             built.set_exception(e)
             return
         built.set_result(None)

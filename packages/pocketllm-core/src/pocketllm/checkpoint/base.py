@@ -48,6 +48,11 @@ class Checkpoint:
         the name of another mode, which embeddings then refuse), or None when it does not say."""
         return None
 
+    def config_key(self, field: str) -> str:
+        """Where the ModelConfig field ``field`` came from in the files (``config.json 'hidden_size'``,
+        ``llama.embedding_length``), for error messages."""
+        return field
+
     def tokenizer_files(self) -> dict[str, Path]:
         """Tokenizer files shipped next to the weights, by file name (``tokenizer.json``, ...)."""
         return {}

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -122,7 +123,11 @@ def config_from_hf(
         # Partial RoPE (Qwen3.5: a quarter of each head rotates), from rope_parameters in transformers 5.
         | ({"partial_rotary_factor": rope["partial_rotary_factor"]} if "partial_rotary_factor" in rope else {}),
     )
-    return _build(fields, source)
+    config = _build(fields, source, hf_key_of)
+    named = {hf_key_of("bos_token_id"): raw.get("bos_token_id"), hf_key_of("eos_token_id"): raw.get("eos_token_id"),
+             "generation_config.json 'eos_token_id'": generation_eos}
+    _check_token_ids(named, config.vocab_size, source, hf_key_of("vocab_size"))
+    return config
 
 
 def config_from_gguf(meta: Mapping[str, Any], *, source: str, tensor_names: set[str]) -> ModelConfig:
@@ -160,7 +165,17 @@ def config_from_gguf(meta: Mapping[str, Any], *, source: str, tensor_names: set[
             fields["num_hidden_layers"] -= nextn
         if fields["architecture"] in _HYBRID:
             fields["extra"]["layer_types"] = _gguf_layer_types(meta, prefix, fields.get("num_hidden_layers"), source)
-    return _build(fields, source)
+    config = _build(fields, source, lambda field: gguf_key_of(field, meta))
+    named = {key: meta[key] for key in (f"tokenizer.ggml.{k}_token_id" for k in _GGUF_TOKEN_IDS) if key in meta}
+    _check_token_ids(named, config.vocab_size, source, gguf_key_of("vocab_size", meta))
+    return config
+
+
+# The ids of special tokens that GGUF metadata may give (tokenizer.ggml.<name>_token_id).
+_GGUF_TOKEN_IDS = ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator", "cls", "mask")
+# Far beyond any model's layer count: a bound checked before per-layer lists are built from metadata (whether the
+# tensors bear the count out is checked at engine load: see shapes.check_model).
+MAX_LAYERS = 1 << 16
 
 
 # Mapped architectures that mix linear-attention (recurrent) layers with full-attention ones.
@@ -171,8 +186,9 @@ def _gguf_layer_types(meta: Mapping[str, Any], prefix: str, layers: object, sour
     """Hugging Face's layer_types of a hybrid model, as llama.cpp reads them: ``attention.recurrent_layers`` (one
     flag per layer, the multi-token-prediction layers after the model's included), else every
     ``full_attention_interval``-th layer (4 by default) full attention."""
-    if not _positive(layers):
-        raise CheckpointError(f"{source}: {prefix}block_count must be a positive integer, got {layers!r}")
+    if not _positive(layers) or layers > MAX_LAYERS:
+        raise CheckpointError(f"{source}: {prefix}block_count must be a positive integer up to {MAX_LAYERS}, got "
+                              f"{layers!r}")
     key = prefix + "attention.recurrent_layers"
     flags = meta.get(key)
     if flags is not None:
@@ -263,19 +279,56 @@ def token_ids(*values: object) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _build(fields: dict[str, Any], source: str) -> ModelConfig:
+def _build(fields: dict[str, Any], source: str, key_of: Callable[[str], str]) -> ModelConfig:
     # head_dim defaults to hidden/heads, as in transformers, and needs both to be valid first.
     for key in ("hidden_size", "num_attention_heads"):
         value = fields.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise CheckpointError(f"{source}: {key!r} must be a positive integer, got {value!r}")
+        if not _positive(value):
+            raise CheckpointError(f"{source}: {key_of(key)} must be a positive integer, got {value!r}")
     fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
     try:
         # strict=False accepts the ints GGUF stores for floats (and floats like 1e-06 for eps).
-        return msgspec.convert(fields, ModelConfig, strict=False)
+        config = msgspec.convert(fields, ModelConfig, strict=False)
     except msgspec.ValidationError as e:
         raise CheckpointError(f"{source}: invalid model config: {e}") from None
+    _check_ranges(config, source, key_of)
+    return config
+
+
+def _check_ranges(config: ModelConfig, source: str, key_of: Callable[[str], str]) -> None:
+    """The ranges a model relies on and that tensor shapes do not pin (a head count of 0 would be a division by
+    zero in a backend): sizes positive, heads grouping evenly, norms and RoPE finite."""
+
+    def fail(field: str, why: str, value: object) -> CheckpointError:
+        return CheckpointError(f"{source}: {key_of(field)} {why}, got {value!r}")
+
+    for field in ("vocab_size", "num_hidden_layers", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        if not _positive(getattr(config, field)):
+            raise fail(field, "must be a positive integer", getattr(config, field))
+    if config.num_hidden_layers > MAX_LAYERS:
+        raise fail("num_hidden_layers", f"must be at most {MAX_LAYERS}", config.num_hidden_layers)
+    if config.intermediate_size < 0:
+        raise fail("intermediate_size", "must not be negative", config.intermediate_size)
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise fail("num_key_value_heads", f"must divide the {config.num_attention_heads} attention heads "
+                   f"({key_of('num_attention_heads')})", config.num_key_value_heads)
+    for field in ("rms_norm_eps", "rope_theta"):
+        value = getattr(config, field)
+        if not (math.isfinite(value) and value > 0):
+            raise fail(field, "must be a positive finite number", value)
+
+
+def _check_token_ids(named: Mapping[str, object], vocab_size: int, source: str, vocab_key: str) -> None:
+    """Special-token ids (EOS, BOS...) must be tokens of the vocabulary: an EOS of 2**32 - 1 would load and fail
+    every generation."""
+    for key, value in named.items():
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if token is None:
+                continue
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+                raise CheckpointError(f"{source}: {key} holds token id {token!r}, outside the vocabulary of "
+                                      f"{vocab_size} tokens ({vocab_key})")
 
 
 # Recommended sampling settings -> SamplingParams fields: generation_config.json keys (those vLLM reads), and

@@ -88,6 +88,9 @@ def read_gguf(path: Path) -> GGUFFile:
     for name, dims, qtype, relative in headers:
         if name in names:
             raise GGUFFormatError(f"tensor {name!r} appears twice")
+        if relative % alignment:  # what llama.cpp checks too: blocks are read in place, aligned
+            raise GGUFFormatError(f"tensor {name!r}: its offset {relative} is not a multiple of the file's alignment "
+                                  f"({alignment}, general.alignment), as GGUF requires")
         names.add(name)
         tensors.append(_locate(name, dims, qtype, start + relative, len(data)))
     return GGUFFile(metadata, tensors, data)

@@ -108,6 +108,9 @@ class GGUFCheckpoint(Checkpoint):
     def gguf_metadata(self) -> Mapping[str, Any]:
         return self._metadata
 
+    def config_key(self, field: str) -> str:
+        return gguf_key_of(field, self._metadata)
+
     def sampling_defaults(self) -> dict[str, Any]:
         return sampling_fields(self._metadata, GGUF_SAMPLING_KEYS, source=str(self.path))
 

@@ -79,23 +79,44 @@ def tokenizer_from_gguf(meta: Mapping[str, Any], source: str) -> Tokenizer:
     for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
         if key in meta and len(meta[key]) != len(tokens):
             raise CheckpointError(f"{source}: {key} has {len(meta[key])} entries for {len(tokens)} tokens")
-    if kind == "gpt2":
-        tokenizer = _byte_level(meta, tokens)
-    elif kind == "llama" and meta.get("general.architecture") not in _UNSUPPORTED_SENTENCEPIECE:
-        tokenizer = _sentencepiece(meta, tokens)
-    else:
+    if kind not in ("gpt2", "llama") or (kind == "llama" and meta.get("general.architecture") in
+                                         _UNSUPPORTED_SENTENCEPIECE):
         raise CheckpointError(
             f"{source}: unsupported GGUF tokenizer model {kind!r} for architecture {meta.get('general.architecture')!r}"
         )
-    _add_special_tokens(tokenizer, meta, tokens, byte_level=kind == "gpt2")
+    try:
+        tokenizer = _byte_level(meta, tokens) if kind == "gpt2" else _sentencepiece(meta, tokens)
+        _add_special_tokens(tokenizer, meta, tokens, byte_level=kind == "gpt2")
+    except ValueError as e:  # what the metadata holds, named by _merges
+        raise CheckpointError(f"{source}: {e}") from None
+    except Exception as e:  # the tokenizers library reports a bad vocabulary or merge as a bare Exception
+        raise CheckpointError(f"{source}: tokenizer.ggml.tokens or tokenizer.ggml.merges: the tokenizer cannot be "
+                              f"built: {e}") from None
     return tokenizer
+
+
+def _merges(meta: Mapping[str, Any], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """tokenizer.ggml.merges as pairs, split as llama.cpp splits them (at the first space after the first
+    character); a merge that does not split, or names a piece outside the vocabulary, is a ValueError naming it."""
+    merges = meta["tokenizer.ggml.merges"]
+    if not isinstance(merges, list):
+        raise ValueError(f"tokenizer.ggml.merges must be an array of strings, got {type(merges).__name__}")
+    pairs = []
+    for index, merge in enumerate(merges):
+        cut = merge.find(" ", 1) if isinstance(merge, str) else -1
+        pair = (merge[:cut], merge[cut + 1:]) if cut > 0 else None
+        if pair is None or pair[0] not in vocab or pair[1] not in vocab:
+            raise ValueError(f"tokenizer.ggml.merges[{index}] = {merge!r} is not two tokens of the vocabulary "
+                             "separated by a space")
+        pairs.append(pair)
+    return pairs
 
 
 def _byte_level(meta: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
     alphabet = _byte_alphabet()
     # Tokens written with characters outside the byte alphabet are respelled, as transformers does.
     vocab = {tok if set(tok) <= alphabet else _respell(tok): i for i, tok in enumerate(tokens)}
-    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
+    merges = _merges(meta, vocab) if "tokenizer.ggml.merges" in meta else []
     tokenizer = Tokenizer(
         models.BPE(
             vocab=vocab,
@@ -124,7 +145,7 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
     """SentencePiece BPE with byte fallback, like transformers' LlamaTokenizer (legacy=False)."""
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if "tokenizer.ggml.merges" in meta:
-        merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+        merges = _merges(meta, vocab)
     else:
         scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
         merges = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))

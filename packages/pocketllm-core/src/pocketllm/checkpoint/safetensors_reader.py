@@ -88,6 +88,9 @@ class SafetensorsCheckpoint(Checkpoint):
                         return name
         return None
 
+    def config_key(self, field: str) -> str:
+        return hf_key_of(field)
+
     def tokenizer_files(self) -> dict[str, Path]:
         return {name: self.path / name for name in TOKENIZER_FILES if (self.path / name).is_file()}
 

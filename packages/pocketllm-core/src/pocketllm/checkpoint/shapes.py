@@ -1,18 +1,23 @@
-"""Every tensor's shape checked against the model config, before any backend trusts either.
+"""Every tensor's shape checked against the model config, before any backend trusts either, and every tensor the
+architecture needs present.
 
 A file whose metadata says one thing and whose tensors another (an embedding with fewer rows than the
-vocabulary, a hidden size one off) must fail at load with both shapes and the metadata key named, not index
-out of bounds halfway through a request.
+vocabulary, a hidden size one off, a tensor name corrupted) must fail at load with both shapes, or the missing
+tensor, and the metadata key named, not index out of bounds or miss a weight halfway through loading a backend.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from pocketllm.checkpoint.tensor import CheckpointTensor
 from pocketllm.errors import CheckpointError
 from pocketllm.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from pocketllm.checkpoint.base import Checkpoint
 
 # A dimension is a product of config fields (ModelConfig's, derived ones below, or the config's extras) and
 # constants.
@@ -146,3 +151,116 @@ def _field(config: ModelConfig, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise CheckpointError(f"the model config's {name!r} must be an integer, got {value!r}")
     return value
+
+
+# The tensors each layer must have, by architecture (names after "model.layers.N." or "blk.N."), beside the
+# top-level ones; tensors not listed (biases, Llama's optional q/k norms) are optional.
+_ATTENTION = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+              "self_attn.o_proj.weight")
+_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+_DENSE = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+_LLAMA_REQUIRED = (*_NORMS, *_ATTENTION, *_DENSE)
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("llama", "mistral", "qwen2"), _LLAMA_REQUIRED),
+    "qwen3": (*_LLAMA_REQUIRED, "self_attn.q_norm.weight", "self_attn.k_norm.weight"),
+}
+# Qwen3.5, by layer type and then MLP kind, in Hugging Face names and in GGUF's (model.layers.N. names the tensors
+# llama.cpp only renamed, blk.N. those whose values it changed).
+_QWEN3_5_REQUIRED = {
+    False: {"common": _NORMS, "full_attention": (*_ATTENTION, "self_attn.q_norm.weight", "self_attn.k_norm.weight"),
+            "linear_attention": tuple(f"linear_attn.{n}" for n in (
+                "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
+                "dt_bias", "A_log", "norm.weight", "out_proj.weight"))},
+    True: {"common": ("blk:attn_norm.weight", "blk:post_attention_norm.weight"),
+           "full_attention": (*_ATTENTION, "blk:attn_q_norm.weight", "blk:attn_k_norm.weight"),
+           "linear_attention": ("blk:attn_qkv.weight", "blk:attn_gate.weight", "blk:ssm_beta.weight",
+                                "blk:ssm_alpha.weight", "blk:ssm_conv1d.weight", "blk:ssm_a", "blk:ssm_dt.bias",
+                                "linear_attn.norm.weight", "blk:ssm_out.weight")},
+}
+_QWEN3_5_MLP = {"qwen3_5_text": _DENSE, "qwen3_5_moe_text": ("mlp.gate.weight",)}
+
+
+def check_model(checkpoint: Checkpoint) -> None:
+    """What a backend relies on beyond each tensor's shape, checked before one is asked for an engine: the layer
+    count borne out by the tensors, every tensor the architecture needs present, and the sizes and head counts of
+    hybrid and mixture-of-experts layers in range. Raises CheckpointError naming the file and the metadata key or
+    tensor; architectures without rules here are left to their backend."""
+    config, key_of = checkpoint.config, checkpoint.config_key
+
+    def fail(why: str) -> CheckpointError:
+        return CheckpointError(f"{checkpoint.path}: {why}")
+
+    if config.architecture not in _REQUIRED and config.architecture not in _QWEN3_5_MLP:
+        return
+    by_name = {t.name: t for t in checkpoint.tensors()}
+    layers = sorted({int(m[1] or m[3]) for name in by_name if (m := _LAYER.fullmatch(name))})
+    if config.num_hidden_layers > (layers[-1] + 1 if layers else 0):
+        raise fail(f"{key_of('num_hidden_layers')} says {config.num_hidden_layers} layers, but the tensors stop at "
+                   f"{f'layer {layers[-1]}' if layers else 'no layer at all'}")
+    if config.architecture in _QWEN3_5_MLP:
+        _check_qwen3_5_sizes(config, key_of, fail)
+    gguf = checkpoint.format == "gguf"
+    top = ["model.embed_tokens.weight", "output_norm.weight" if gguf and config.architecture in _QWEN3_5_MLP
+           else "model.norm.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
+    missing = [name for name in top if name not in by_name]
+    kinds = _qwen3_5_layer_types(config) if config.architecture in _QWEN3_5_MLP else [""] * config.num_hidden_layers
+    for layer, kind in enumerate(kinds):
+        missing += [name for name in _layer_names(config, layer, kind, gguf) if name not in by_name]
+        if missing:
+            break
+    if missing:
+        match = _LAYER.fullmatch(missing[0])
+        index = (match[1] or match[3]) if match else None
+        strays = [t.file_name for t in by_name.values() if _stray(t.name, index, config)][:3]
+        hint = f"; its tensors of that layer include {', '.join(map(repr, strays))}, which no rule names" \
+            if strays else ""
+        raise fail(f"the {config.architecture} model needs tensor {missing[0]!r}, which the checkpoint lacks{hint}")
+
+
+def _check_qwen3_5_sizes(config: ModelConfig, key_of: Callable[[str], str],
+                         fail: Callable[[str], CheckpointError]) -> None:
+    extra = config.extra
+    for field in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim", *(("num_experts", "num_experts_per_tok")
+                                              if config.architecture == "qwen3_5_moe_text" else ())):
+        value = extra.get(field)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise fail(f"{key_of(field)} must be a positive integer, got {value!r}")
+    if extra["linear_num_value_heads"] % extra["linear_num_key_heads"]:
+        raise fail(f"{key_of('linear_num_key_heads')} must divide the {extra['linear_num_value_heads']} value heads "
+                   f"({key_of('linear_num_value_heads')}), got {extra['linear_num_key_heads']}")
+    if "num_experts" in extra and extra.get("num_experts_per_tok", 0) > extra["num_experts"]:
+        raise fail(f"{key_of('num_experts_per_tok')} must be at most the {extra['num_experts']} experts "
+                   f"({key_of('num_experts')}), got {extra['num_experts_per_tok']}")
+
+
+def _layer_names(config: ModelConfig, layer: int, kind: str, gguf: bool) -> list[str]:
+    """The tensors layer ``layer`` (of type ``kind``, for a hybrid model) needs, by their names in the checkpoint."""
+    def full(name: str) -> str:
+        return f"blk.{layer}.{name[4:]}" if name.startswith("blk:") else f"model.layers.{layer}.{name}"
+
+    if config.architecture in _REQUIRED:
+        return [full(name) for name in _REQUIRED[config.architecture]]
+    rules = _QWEN3_5_REQUIRED[gguf]
+    return [full(name) for name in (*rules["common"], *rules.get(kind, ()), *_QWEN3_5_MLP[config.architecture])]
+
+
+def _qwen3_5_layer_types(config: ModelConfig) -> list[str]:
+    """The config's layer_types, else every full_attention_interval-th layer full attention (as the backends)."""
+    types = config.extra.get("layer_types")
+    if isinstance(types, list) and len(types) == config.num_hidden_layers:
+        return types
+    interval = config.extra.get("full_attention_interval", 4)
+    interval = interval if isinstance(interval, int) and interval > 0 else 4
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(config.num_hidden_layers)]
+
+
+def _stray(name: str, layer: str | None, config: ModelConfig) -> bool:
+    """Whether ``name`` is a tensor of ``layer`` that no rule of the architecture names (a corrupted name)."""
+    match = _LAYER.fullmatch(name)
+    if match is None or (match[1] or match[3]) != layer:
+        return False
+    rest = match[2] or match[4]
+    known = set(LAYER_RULES.get(config.architecture, {})) | set(GGUF_LAYER_RULES.get(config.architecture, {}))
+    return _EXPERT_INDEX.sub(".experts.*.", rest) not in known
