@@ -140,6 +140,36 @@ def test_bad_grammars_are_config_errors(compiler: GrammarCompiler, spec: Structu
         compiler.constraint(spec)
 
 
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"regex": "[^\\s\\S]"}, "the regex matches no text at all"),
+    ({"grammar": 'start: a\na: a "x"'}, "the grammar matches no text at all"),
+    ({"json": {"allOf": [{"$ref": "#"}]}}, "$ref cycle"),
+    ({"choice": ["no", "<|im_end|>"]}, "choice 1 holds '<|im_end|>'"),
+    ({"grammar": 'start: "x<|im_start|>"'}, "'<|im_start|>', which the model writes only as a special token"),
+    ({"regex": "a(?=b)" + "c" * 5000}, "invalid regex"),
+    ({"grammar": "start: " + "(" * 300 + '"a"' + ")" * 300}, "invalid grammar"),
+])
+def test_grammar_mistakes_are_short_config_errors(compiler: GrammarCompiler, fields: dict, words: str) -> None:
+    """Issue 31, item 6: each failed in the engine once the request ran, or answered with llguidance's parser
+    state and the client's grammar at length."""
+    with pytest.raises(ConfigError, match="structured_outputs") as error:
+        compiler.constraint(StructuredOutputs(**fields))
+    assert words in str(error.value) and len(str(error.value)) < 300, str(error.value)
+
+
+def test_a_token_after_the_complete_grammar_is_an_error(compiler: GrammarCompiler) -> None:
+    """What a backend samples when min_tokens bans the end of a complete grammar is not the grammar's."""
+    eos = compiler._tokenizer.eos_token_ids[0]
+    constraint = compiler.constraint(StructuredOutputs(choice=["ab"]))
+    for token in compiler._tokenizer.encode("ab", add_special_tokens=False):
+        constraint.accept(token)
+    assert constraint.complete and constraint.error is None
+    constraint.accept(eos)
+    assert constraint.error is None
+    constraint.accept(compiler._tokenizer.encode("a", add_special_tokens=False)[0])
+    assert constraint.error is not None and "after the grammar was complete" in constraint.error
+
+
 def test_a_reasoning_section_is_left_free_and_the_grammar_starts_after_it(compiler: GrammarCompiler) -> None:
     """deepseek_r1: the template opened the section, so every token is allowed until the closing tag's tokens."""
     spec = StructuredOutputs(regex="ab+")

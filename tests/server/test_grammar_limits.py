@@ -3,6 +3,7 @@ its field and the limit, and the server keeps serving. The tiny model on the tor
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -80,3 +81,52 @@ def test_a_forced_tool_call_whose_parameters_chain_is_a_400(tools_client: httpx.
     for choice in ("required", {"type": "function", "function": {"name": "deep"}}):
         assert_refused(chat(client, tools=tools, tool_choice=choice), "tool_choice", "more than 512 deep")
     assert chat(client).status_code == 200
+
+
+# Issue 31, item 6: client mistakes that came back as 500s with llguidance's parser state in the message.
+MISTAKES = [
+    ("regex that never matches", {"guided_regex": "[^\\s\\S]"}, "matches no text"),
+    ("Lark grammar with an empty language", {"guided_grammar": 'start: a\na: a "x"'}, "matches no text"),
+    ("GBNF a{1000000}", {"guided_grammar": 'root ::= "a"{1000000}'}, "repetition count of 1000000"),
+    ("2,001 alternatives", {"guided_grammar": "start: " + " | ".join(f'"a{i}"' for i in range(2001))},
+     "more than 2000 alternatives"),
+    ("2,001 choices", {"guided_choice": [f"a{i}" for i in range(2001)]}, "more than 2000"),
+    ("$ref to the root", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"$ref": "#"}}}}, "$ref cycle"),
+    ("$ref a->b->a", {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}}, "$ref cycle"),
+    ("choice of a special token", {"guided_choice": ["<|im_end|>"]}, "special token"),
+    ("grammar text of a special token", {"guided_grammar": 'start: "x<|im_end|>"'}, "special token"),
+    ("regex with a lookaround", {"guided_regex": "a(?=b)"}, "invalid regex"),
+]
+
+
+@pytest.mark.parametrize(("name", "fields", "words"), MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_grammar_mistakes_are_short_400s(client: httpx.Client, name: str, fields: dict[str, Any],
+                                         words: str) -> None:
+    assert_refused(chat(client, **fields), next(iter(fields)), words)
+
+
+def test_as_many_choices_as_the_limit_allows_work(client: httpx.Client) -> None:
+    """2,000 options: llguidance's row holds them and the item around them (its own limit was one short)."""
+    options = [f"b{i}x" for i in range(2000)]
+    reply = chat(client, guided_choice=options, max_tokens=12)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] in options
+
+
+def test_a_forced_tool_named_as_a_special_token_is_a_400(tools_client: httpx.Client) -> None:
+    tools = [{"type": "function", "function": {"name": "<|im_end|>", "parameters": {"type": "object"}}}]
+    choice = {"type": "function", "function": {"name": "<|im_end|>"}}
+    assert_refused(chat(tools_client, tools=tools, tool_choice=choice), "tool_choice", "special token")
+
+
+def test_min_tokens_beyond_the_grammar_is_a_400_naming_min_tokens(client: httpx.Client) -> None:
+    """The grammar completes after a few tokens, and min_tokens bans the end of the reply: nothing may follow."""
+    fields = {"guided_choice": ["yes"], "min_tokens": 12, "max_tokens": 20}
+    assert_refused(chat(client, **fields), "min_tokens", "min_tokens=12")
+    with client.stream("POST", CHAT, json={"messages": MESSAGES, "stream": True, **fields}) as reply:
+        events = [line[6:] for line in reply.iter_lines() if line.startswith("data: {")]
+    error = json.loads(events[-1])["error"]
+    assert error["param"] == "min_tokens" and error["type"] == "invalid_request_error", error
+    assert chat(client, guided_choice=["yes"], max_tokens=20).json()["choices"][0]["message"]["content"] == "yes"

@@ -13,6 +13,7 @@ from pocketllm.errors import (
     CheckpointError,
     ConfigError,
     EngineDeadError,
+    GrammarError,
     PocketLLMError,
     PromptTooLongError,
     RequestCancelledError,
@@ -41,7 +42,8 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "API_VERSION", "AsyncLLM", "BackendNotFoundError", "BackendStats", "BrokenBackendError", "Capabilities",
     "CheckpointError",
-    "CompletionOutput", "ConfigError", "EmbeddingOutput", "EngineArgs", "EngineDeadError", "LLM", "PocketLLMError",
+    "CompletionOutput", "ConfigError", "EmbeddingOutput", "EngineArgs", "EngineDeadError", "GrammarError", "LLM",
+    "PocketLLMError",
     "PoolingParams", "PromptTooLongError", "RequestCancelledError", "RequestDelta", "RequestFailedError",
     "RequestOutput", "SampledLogprobs", "SamplingParams", "StreamEvent", "TokenLogprob", "UnsupportedOptionError",
     "Usage", "hookimpl",

@@ -30,7 +30,14 @@ from pocketllm.backend import (
 from pocketllm.checkpoint import Checkpoint, load_checkpoint
 from pocketllm.checkpoint.shapes import check_model
 from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
-from pocketllm.errors import CheckpointError, ConfigError, EngineDeadError, RequestFailedError, UnsupportedOptionError
+from pocketllm.errors import (
+    CheckpointError,
+    ConfigError,
+    EngineDeadError,
+    GrammarError,
+    RequestFailedError,
+    UnsupportedOptionError,
+)
 from pocketllm.limits import MAX_MODEL_LEN_CAP
 from pocketllm.model_config import ModelConfig
 from pocketllm.outputs import StreamEvent, Usage
@@ -39,7 +46,7 @@ from pocketllm.pooling import DEFAULT_POOLING_TYPE, EmbeddingOutput, PoolingPara
 from pocketllm.progress import LoadProgress
 from pocketllm.reasoning import ReasoningSplitter
 from pocketllm.sampling_params import SamplingParams
-from pocketllm.structured import Constraint, GrammarCompiler
+from pocketllm.structured import Constraint, GrammarCompiler, short_error
 from pocketllm.support import check_embedding_request, check_engine_args, check_request
 from pocketllm.tensor_parallel import LocalRanks, check_world, rank_info
 from pocketllm.tokenizer import Tokenizer
@@ -429,14 +436,18 @@ class EngineDriver:
 
     def _fail(self, request: _Request, message: str) -> list[str]:
         """End a request the engine failed: its caller gets the error; returns its other choices to abort."""
-        log.error("request %s failed in the engine: %s", request.request_id, message)
+        error = _failure(request, message)
+        if isinstance(error, GrammarError):  # the client's doing, as a refused request is
+            log.info("request %s failed in the engine: %s", request.request_id, error)
+        else:
+            log.error("request %s failed in the engine: %s", request.request_id, message)
         others = [c.backend_id for c in request.choices if c.finish_reason is None]
         for choice in request.choices:
             self._choices.pop(choice.backend_id, None)
             choice.finish_reason = choice.finish_reason or "error"
         self._forget(request)
         try:
-            request.sink(RequestFailedError(f"request {request.request_id} failed: {message}"))
+            request.sink(error)
         except Exception:
             log.warning("could not tell request %s that it failed", request.request_id)
         return others
@@ -461,6 +472,23 @@ class EngineDriver:
                 request.sink(dead)
             except Exception:
                 log.warning("could not tell request %s that the engine died", request.request_id)
+
+
+def _failure(request: _Request, message: str) -> RequestFailedError:
+    """Why the engine failed ``request``: a GrammarError where its grammar (with min_tokens) left no token to
+    sample, which is the request's doing; else the engine's message."""
+    engine = short_error(message)
+    for choice in request.choices:
+        constraint, n = choice.constraint, len(choice.token_ids)
+        if constraint is None:
+            continue
+        if constraint.complete and n < request.params.min_tokens:
+            return GrammarError("min_tokens", f"the grammar was complete after {n} tokens, where only the end of "
+                                f"the reply may come, which min_tokens={request.params.min_tokens} bans ({engine})")
+        if constraint.error is not None:
+            return GrammarError("structured_outputs", f"the grammar allowed no token the model could sample after "
+                                f"{n} tokens ({engine})")
+    return RequestFailedError(f"request {request.request_id} failed: {message}")
 
 
 def _pooling_of(checkpoint: Checkpoint) -> str | CheckpointError:

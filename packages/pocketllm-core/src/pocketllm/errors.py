@@ -55,5 +55,10 @@ class RequestFailedError(PocketLLMError, RuntimeError):
     """The engine failed this one request while running it; other requests were not affected."""
 
 
+class GrammarError(ConfigError, RequestFailedError):
+    """The engine failed a request because its grammar, with its other parameters, left no token to sample
+    (``field`` is ``structured_outputs`` or ``min_tokens``): the request's own doing, and it failed alone."""
+
+
 class RequestCancelledError(PocketLLMError, RuntimeError):
     """A request that has no partial result (an embedding) was aborted, or the engine shut down, before it ended."""

@@ -17,7 +17,7 @@ import functools
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from pocketllm.tokenizer import Tokenizer
 
 _CACHE_SIZE = 256  # compiled grammars kept, least recently used first out
+MAX_ERROR_CHARS = 200  # of llguidance's message in an error: its first line, which says what is wrong
 # JSON without whitespace between tokens (a schema's "x-guidance" may ask otherwise): where any whitespace is
 # allowed, a small model sampled warm can spend its whole budget on newlines inside an array.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -75,9 +76,10 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
     def key(self) -> str:
         return msgspec.json.encode(self).decode()
 
-    def grammar_text(self) -> str:
-        """llguidance's grammar for this spec, once it is within the bounds of :mod:`pocketllm.grammar_bounds`
-        (a ConfigError otherwise; llguidance's own errors are the caller's to name)."""
+    def grammar_text(self, special_tokens: Sequence[str] = ()) -> str:
+        """llguidance's grammar for this spec, once it is within the bounds of :mod:`pocketllm.grammar_bounds` and
+        needs none of ``special_tokens``' texts (a ConfigError otherwise; llguidance's own errors are the caller's
+        to name)."""
         import llguidance
 
         if self.json_object:
@@ -90,6 +92,7 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
             grammar_bounds.check_regex(self.regex)
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
+            grammar_bounds.check_choice(self.choice, special_tokens)
             return llguidance.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in self.choice))
         assert self.grammar is not None
@@ -98,7 +101,7 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
             text = gbnf_to_lark(grammar_bounds.gbnf_in_dependency_order(text))
-        grammar_bounds.check_lark(text)
+        grammar_bounds.check_lark(text, special_tokens)
         return llguidance.LLMatcher.grammar_from_lark(text)
 
 
@@ -141,10 +144,13 @@ class ReasoningGate:
 class Constraint:
     """One engine request's grammar state: which tokens may come next, advanced by each token chosen."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, gate: ReasoningGate | None = None) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, gate: ReasoningGate | None = None, *,
+                 stop_ids: frozenset[int] = frozenset()) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
         self._gate = gate
+        self._stop_ids = stop_ids  # what may follow a complete grammar: the end-of-sequence tokens
+        self._violation: str | None = None
 
     def fill_bitmask(self, out: np.ndarray) -> None:
         """Write the allowed next tokens into ``out``, int32 [(vocab_size + 31) // 32]: bit t % 32 of word t // 32."""
@@ -156,10 +162,18 @@ class Constraint:
             return
         if not self._matcher.is_stopped():
             self._matcher.consume_token(token_id)
+        elif token_id not in self._stop_ids and self._violation is None:
+            # The mask allowed only end-of-sequence, and something else (min_tokens, logit_bias) banned it.
+            self._violation = f"token {token_id} came after the grammar was complete"
 
     @property
     def error(self) -> str | None:
-        return self._matcher.get_error() or None
+        return self._matcher.get_error() or self._violation
+
+    @property
+    def complete(self) -> bool:
+        """Whether the grammar has matched all it can: only end-of-sequence may come next."""
+        return self._matcher.is_stopped() and not self._matcher.is_error()
 
     @property
     def masks_next(self) -> bool:
@@ -227,7 +241,8 @@ class GrammarCompiler:
                 self._cache[key] = pristine
                 while len(self._cache) > _CACHE_SIZE:
                     self._cache.popitem(last=False)
-        return Constraint(pristine.deep_copy(), self.vocab_size, self._gate(reasoning) if reasoning else None)
+        return Constraint(pristine.deep_copy(), self.vocab_size, self._gate(reasoning) if reasoning else None,
+                          stop_ids=self._stop_ids)
 
     def close(self) -> None:
         """Let the compile threads end."""
@@ -238,17 +253,43 @@ class GrammarCompiler:
         import llguidance
 
         try:
-            grammar = spec.grammar_text()
+            grammar = spec.grammar_text(self._special_texts)
         except ConfigError:
             raise
         except Exception as e:  # llguidance's parsers raise ValueError, RuntimeError and their own types
-            raise ConfigError("structured_outputs", f"invalid {_kind(spec)}: {e}") from None
+            raise ConfigError("structured_outputs", f"invalid {_kind(spec)}: {short_error(str(e))}") from None
         with self._lock:
             tokenizer = self._ll_tokenizer
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
         if matcher.is_error():
-            raise ConfigError("structured_outputs", f"invalid {_kind(spec)}: {matcher.get_error()}")
+            raise ConfigError("structured_outputs", f"invalid {_kind(spec)}: {short_error(matcher.get_error())}")
+        self._check_first_token(spec, matcher)
         return matcher
+
+    def _check_first_token(self, spec: StructuredOutputs, matcher: llguidance.LLMatcher) -> None:
+        """Refuse a grammar that leaves no first token the model can write: an empty language (a regex that never
+        matches, rules that never end, a $ref cycle through allOf), or text only a special token spells.
+        Otherwise the request would fail in the engine, after it started. (The mask is computed again, from the
+        same state, for each request.)"""
+        words = np.frombuffer(matcher.compute_bitmask(), np.uint8)
+        allowed = np.flatnonzero(np.unpackbits(words, bitorder="little")[:self.vocab_size])
+        if matcher.is_error():
+            error = short_error(matcher.get_error())
+            raise ConfigError("structured_outputs", f"the {_kind(spec)} matches no text at all" if
+                              error.startswith("NoExtensionBias") else f"invalid {_kind(spec)}: {error}")
+        if not matcher.is_accepting() and set(allowed.tolist()) <= self._stop_ids:
+            raise ConfigError("structured_outputs", f"the {_kind(spec)} admits no text the model can write (its "
+                                                    "first token would have to end the reply)")
+
+    @functools.cached_property
+    def _stop_ids(self) -> frozenset[int]:
+        return frozenset(self._tokenizer.eos_token_ids)
+
+    @functools.cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        """The text of each special token: a model writes it only as that token, which no grammar's text allows."""
+        return tuple(sorted(text for i in self._tokenizer.special_token_ids
+                            if len(text := self._tokenizer.decode([i], skip_special_tokens=False)) > 1))
 
     @functools.cached_property
     def _start_id(self) -> int | None:
@@ -260,6 +301,21 @@ class GrammarCompiler:
     def _gate(self, reasoning: str) -> ReasoningGate:
         return ReasoningGate(reasoning_tags.opens_in_prompt(reasoning), self._start_id,
                              lambda ids: self._tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def short_error(message: str) -> str:
+    """llguidance's error without the parser state and grammar it may append: the first line, capped."""
+    first = message.strip().split("\n", 1)[0].strip()
+    return first if len(first) <= MAX_ERROR_CHARS else first[:MAX_ERROR_CHARS - 3] + "..."
+
+
+@functools.cache
+def _limits() -> llguidance.LLParserLimits:
+    import llguidance
+
+    # Errors without llguidance's dump of parser state and grammar (the client's own text, at length); a row as
+    # wide as the alternatives a rule may have, and the few items around them.
+    return llguidance.LLParserLimits(verbose_errors=False, max_items_in_row=MAX_GRAMMAR_ALTERNATIVES + 16)
 
 
 def _kind(spec: StructuredOutputs) -> str:

@@ -106,9 +106,22 @@ def grammar_mask(seqs: Seq[Sequence], vocab_size: int, device: torch.device) -> 
     """[B, V] bool: the tokens each row's grammar allows next (every token for rows without one)."""
     packed = np.full((len(seqs), bitmask_words(vocab_size)), -1, dtype=np.int32)
     fill_bitmasks([(i, seq.constraint) for i, seq in enumerate(seqs) if seq.constraint is not None], packed)
+    for row, seq in zip(packed, seqs, strict=True):
+        if seq.constraint is not None and not _leaves_a_token(row, seq):  # argmax would pick token 0 regardless
+            raise ValueError("no token may be sampled: the grammar (with min_tokens) allows none")
     words = torch.from_numpy(packed).to(device)
     bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=device)) & 1
     return bits.view(len(seqs), -1)[:, :vocab_size].bool()
+
+
+def _leaves_a_token(words: np.ndarray, seq: Sequence) -> bool:
+    """Whether a grammar's mask row leaves a token once min_tokens bans the stop tokens."""
+    if seq.num_output_tokens < seq.params.min_tokens:
+        words = words.view(np.uint32).copy()
+        for token in seq.stop_token_ids:
+            if token // 32 < len(words):
+                words[token // 32] &= ~np.uint32(1 << (token % 32))
+    return bool(words.any())
 
 
 def apply_penalties(logits: Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],
