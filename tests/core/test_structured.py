@@ -170,6 +170,42 @@ def test_a_token_after_the_complete_grammar_is_an_error(compiler: GrammarCompile
     assert constraint.error is not None and "after the grammar was complete" in constraint.error
 
 
+def test_the_cache_is_bounded_by_bytes_and_keeps_no_failed_compile(compiler: GrammarCompiler) -> None:
+    """Issue 31, item 2: bounded by entry count (256), distinct large specs held their full size each."""
+    from pocketllm.structured import estimated_bytes
+
+    specs = [StructuredOutputs(regex=f"x{i:02}" + "[a-z]" * 600) for i in range(12)]
+    each = estimated_bytes(specs[0])
+    small = GrammarCompiler(compiler._tokenizer, compiler.vocab_size, cache_bytes=4 * each + each // 2)
+    for spec in specs:
+        small.constraint(spec)
+    stats = small.cache_stats()
+    assert stats.num_entries == 4 and stats.num_bytes == 4 * each <= stats.capacity_bytes
+    assert [k for k in small._cache] == [spec.key() for spec in specs[-4:]]  # least recently used out first
+    small.constraint(specs[-4])  # a hit moves it to the end
+    assert next(reversed(small._cache)) == specs[-4].key()
+    with pytest.raises(ConfigError):
+        small.constraint(StructuredOutputs(regex="(unclosed"))
+    with pytest.raises(ConfigError):
+        small.constraint(StructuredOutputs(grammar='start: a\na: a "x"'))  # compiles, then fails its first mask
+    huge = StructuredOutputs(regex="y" * (5 * each // 500))  # its estimate passes the whole capacity
+    small.constraint(huge)
+    assert small.cache_stats() == stats and huge.key() not in small._cache
+    nothing = GrammarCompiler(compiler._tokenizer, compiler.vocab_size, cache_bytes=0)
+    nothing.constraint(specs[0])
+    assert nothing.cache_stats().num_entries == 0
+
+
+def test_grammar_cache_mb_is_checked() -> None:
+    from pocketllm.args import EngineArgs
+
+    assert EngineArgs().grammar_cache_mb == 64
+    assert EngineArgs.from_env({"POCKETLLM_GRAMMAR_CACHE_MB": "0"}).grammar_cache_mb == 0
+    for bad in (-1, 1.5, True, 1 << 40):
+        with pytest.raises(ConfigError, match="grammar_cache_mb"):
+            EngineArgs(grammar_cache_mb=bad)
+
+
 def test_a_reasoning_section_is_left_free_and_the_grammar_starts_after_it(compiler: GrammarCompiler) -> None:
     """deepseek_r1: the template opened the section, so every token is allowed until the closing tag's tokens."""
     spec = StructuredOutputs(regex="ab+")

@@ -98,3 +98,19 @@ def test_state_snapshot_counters_follow_a_hybrid_model_s_prefix_hits(tmp_path, s
     assert value(after, "pocketllm:state_snapshots") > 0
     assert delta("pocketllm:prefix_cache_hits_total") >= 8
     assert delta("pocketllm:state_snapshot_evictions_total") == 0
+
+
+def test_the_grammar_cache_is_counted_in_bytes_and_entries(torch_server) -> None:
+    """Issue 31, item 2: the compiled grammars kept for reuse, and their estimated memory, within its capacity."""
+    with httpx.Client(base_url=torch_server.url, timeout=60) as client:
+        before = scrape(client)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+        for i in range(3):
+            assert client.post("/v1/chat/completions", json=body | {"guided_regex": f"metrics{i}[a-z]+"}).status_code \
+                == 200
+        assert client.post("/v1/chat/completions", json=body | {"guided_regex": "[^\\s\\S]"}).status_code == 400
+        after = scrape(client)
+    assert value(after, "pocketllm:grammar_cache_entries") == value(before, "pocketllm:grammar_cache_entries") + 3
+    grown = value(after, "pocketllm:grammar_cache_bytes") - value(before, "pocketllm:grammar_cache_bytes")
+    assert 3 * (32 << 10) < grown < 3 * (1 << 20)
+    assert value(after, "pocketllm:grammar_cache_capacity_bytes") == 64 << 20

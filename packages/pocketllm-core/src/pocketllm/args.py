@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pocketllm.errors import ConfigError
-from pocketllm.limits import MAX_MODEL_LEN_CAP
+from pocketllm.limits import MAX_GRAMMAR_CACHE_MB, MAX_MODEL_LEN_CAP
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ENV_PREFIX = "POCKETLLM_"
@@ -45,6 +45,8 @@ class EngineArgs:
     num_speculative_tokens: int = _option(0, "tokens drafted per step by speculative decoding")
     seed: int = _option(0, "engine seed: the random stream of requests that set no seed of their own "
                            "(a request's `seed` wins)")
+    grammar_cache_mb: int = _option(64, "memory for compiled structured-output grammars kept for reuse, in MiB "
+                                        "(estimated from each spec's size); 0 keeps none")
     backend_options: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "backend-specific settings as a JSON object (keys: see `pocketllm backends`)"})
 
@@ -70,6 +72,8 @@ class EngineArgs:
         _check(self.speculative_method is not None or self.num_speculative_tokens == 0, "num_speculative_tokens",
                "needs speculative_method")
         _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        _check(_is_int(self.grammar_cache_mb) and 0 <= self.grammar_cache_mb <= MAX_GRAMMAR_CACHE_MB,
+               "grammar_cache_mb", f"must be an integer in [0, {MAX_GRAMMAR_CACHE_MB}], got {self.grammar_cache_mb!r}")
         _check(isinstance(self.backend_options, dict) and all(isinstance(k, str) for k in self.backend_options),
                "backend_options", "must be a dict with string keys")
 

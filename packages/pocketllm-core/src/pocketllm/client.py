@@ -16,6 +16,7 @@ from pocketllm.plugins import BackendRegistry
 from pocketllm.pooling import EmbeddingOutput
 from pocketllm.progress import LoadProgress
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.structured import GrammarCacheStats
 
 Prompt = Union[str, list[int]]
 Messages = list[dict[str, Any]]
@@ -88,6 +89,10 @@ class EngineClient:
         """The backend's counters as of its latest step; ``num_waiting`` also counts requests handed over since
         then that will not find a free slot (``max_num_seqs``)."""
         return self.driver.stats()
+
+    def grammar_cache_stats(self) -> GrammarCacheStats:
+        """The compiled structured-output grammars kept for reuse: how many, and their estimated bytes."""
+        return self.driver.grammars.cache_stats()
 
     def abort(self, request_id: str) -> None:
         """Cancel a request at the next step boundary; its stream ends with ``finish_reason="abort"``."""

@@ -118,7 +118,8 @@ class EngineDriver:
             self.capabilities = plugin.capabilities()
             check_engine_args(plugin.name, self.capabilities, self.args, checkpoint)
 
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                        cache_bytes=self.args.grammar_cache_mb << 20)
         self._cond = threading.Condition()
         self._commands: list[tuple[str, object, Future[None] | None]] = []
         self._requests: dict[str, _Request] = {}  # every request added and not finished, by request id

@@ -49,6 +49,9 @@ MAX_GRAMMAR_REPEAT = 10_000
 expands a counted repetition, a forced one of 10,000 costs ~10 ms of mask per token (a decode step's worth), and
 one of 40,000 (GBNF's ``"a"{1000000}`` all the more) fails after the first token."""
 
+MAX_GRAMMAR_CACHE_MB = 1 << 20
+"""grammar_cache_mb at most: a TiB, so that a typo is an error and the bytes fit any integer they meet."""
+
 GRAMMAR_COMPILE_STACK_BYTES = 64 << 20
 """Stack of each thread that compiles grammars. Every shape tried at the bounds above (1,000 chained rules, 512
 levels of $ref chains through properties, items, prefixItems or anyOf, and a 995-rule chain ending in such a

@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
     from pocketllm.tokenizer import Tokenizer
 
-_CACHE_SIZE = 256  # compiled grammars kept, least recently used first out
 MAX_ERROR_CHARS = 200  # of llguidance's message in an error: its first line, which says what is wrong
 # JSON without whitespace between tokens (a schema's "x-guidance" may ask otherwise): where any whitespace is
 # allowed, a small model sampled warm can spend its whole budget on newlines inside an array.
@@ -209,13 +208,44 @@ def _executor() -> llguidance.LLExecutor:
     return llguidance.LLExecutor()
 
 
-class GrammarCompiler:
-    """Compiles structured-output specs for one tokenizer, caching the compiled grammars by spec."""
+# What a compiled matcher holds, per character of its spec (StructuredOutputs.key()), from the growth of RSS
+# with 4 to 40 matchers kept, each after its first mask, at 0.3-450 KB of spec; the same with a 323- and a
+# 49,152-token vocabulary. Measured: a literal regex 450-490 bytes per character (each character a lexer
+# state: the worst case of every kind, a long string literal anywhere costs as much), a regex of alternatives
+# 75-120, choice 115-180, JSON schemas 90-150 (enums 35-55), Lark and GBNF rules 7-75; and 20-40 KB a matcher.
+# The estimate takes each kind's worst case but literals': a spec that is one long literal (a JSON const, a Lark
+# string) holds up to twice its estimate.
+_BYTES_PER_CHAR = {"regex": 500, "choice": 200, "JSON schema": 250, "grammar": 250, "json_object": 0}
+_BYTES_PER_MATCHER = 32 << 10
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+
+def estimated_bytes(spec: StructuredOutputs) -> int:
+    """The memory a compiled ``spec`` is taken to hold in the cache (see _BYTES_PER_CHAR for the measurements)."""
+    return _BYTES_PER_MATCHER + _BYTES_PER_CHAR[_kind(spec)] * len(spec.key())
+
+
+class CompiledGrammar(msgspec.Struct, frozen=True):
+    """A spec compiled once: the pristine matcher each request's Constraint copies, and its estimated size."""
+
+    matcher: Any  # llguidance.LLMatcher
+    nbytes: int
+
+
+class GrammarCacheStats(msgspec.Struct, kw_only=True):
+    num_entries: int
+    num_bytes: int  # estimated (see estimated_bytes)
+    capacity_bytes: int
+
+
+class GrammarCompiler:
+    """Compiles structured-output specs for one tokenizer, keeping compiled grammars by spec, least recently used
+    first out, within ``cache_bytes`` of their estimated size. A failed compile is not kept."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_bytes: int = 64 << 20) -> None:
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._cache_bytes, self._capacity = 0, cache_bytes
         # Compiles recurse as deep as a grammar's chains: only on threads whose stack the bounds were sized for.
         self._pool = CompilePool(GRAMMAR_COMPILE_THREADS, GRAMMAR_COMPILE_STACK_BYTES)
 
@@ -232,23 +262,36 @@ class GrammarCompiler:
         the reply's reasoning section."""
         key = spec.key()
         with self._lock:
-            pristine = self._cache.get(key)
-            if pristine is not None:
+            compiled = self._cache.get(key)
+            if compiled is not None:
                 self._cache.move_to_end(key)
-        if pristine is None:
-            pristine = self._pool.submit(lambda: self._compile(spec)).result()
-            with self._lock:
-                self._cache[key] = pristine
-                while len(self._cache) > _CACHE_SIZE:
-                    self._cache.popitem(last=False)
-        return Constraint(pristine.deep_copy(), self.vocab_size, self._gate(reasoning) if reasoning else None,
-                          stop_ids=self._stop_ids)
+        if compiled is None:
+            compiled = self._pool.submit(lambda: self._compile(spec)).result()
+            self._keep(key, compiled)
+        return Constraint(compiled.matcher.deep_copy(), self.vocab_size,
+                          self._gate(reasoning) if reasoning else None, stop_ids=self._stop_ids)
+
+    def cache_stats(self) -> GrammarCacheStats:
+        with self._lock:
+            return GrammarCacheStats(num_entries=len(self._cache), num_bytes=self._cache_bytes,
+                                     capacity_bytes=self._capacity)
+
+    def _keep(self, key: str, compiled: CompiledGrammar) -> None:
+        """Cache ``compiled``, dropping the least recently used until it fits; one larger than the whole cache is
+        not kept (it would only empty it)."""
+        with self._lock:
+            if key in self._cache or compiled.nbytes > self._capacity:
+                return
+            while self._cache_bytes + compiled.nbytes > self._capacity:
+                self._cache_bytes -= self._cache.popitem(last=False)[1].nbytes
+            self._cache[key] = compiled
+            self._cache_bytes += compiled.nbytes
 
     def close(self) -> None:
         """Let the compile threads end."""
         self._pool.shutdown()
 
-    def _compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
+    def _compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         """On a compile thread: the spec's pristine matcher, or a ConfigError naming structured_outputs."""
         import llguidance
 
@@ -264,7 +307,7 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ConfigError("structured_outputs", f"invalid {_kind(spec)}: {short_error(matcher.get_error())}")
         self._check_first_token(spec, matcher)
-        return matcher
+        return CompiledGrammar(matcher, estimated_bytes(spec))
 
     def _check_first_token(self, spec: StructuredOutputs, matcher: llguidance.LLMatcher) -> None:
         """Refuse a grammar that leaves no first token the model can write: an empty language (a regex that never

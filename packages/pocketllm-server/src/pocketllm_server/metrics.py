@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pocketllm import BackendStats
+from pocketllm.structured import GrammarCacheStats
 
 _LABELS = ["model_name"]
 # vLLM's buckets, so dashboards built for vLLM read these unchanged.
@@ -61,10 +62,34 @@ class _EngineCollector(Collector):
             yield metric
 
 
+class _GrammarCacheCollector(Collector):
+    """The core's cache of compiled grammars, read at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], GrammarCacheStats | None]) -> None:
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        if stats is None:
+            return
+        for name, doc, value in (
+                ("pocketllm:grammar_cache_entries", "Compiled structured-output grammars kept for reuse.",
+                 stats.num_entries),
+                ("pocketllm:grammar_cache_bytes", "Estimated memory of the compiled grammars kept.", stats.num_bytes),
+                ("pocketllm:grammar_cache_capacity_bytes", "Memory the grammar cache may hold (--grammar-cache-mb).",
+                 stats.capacity_bytes)):
+            metric = GaugeMetricFamily(name, doc, labels=_LABELS)
+            metric.add_metric([self.model_name], value)
+            yield metric
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], BackendStats | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], BackendStats | None],
+                 grammar_cache: Callable[[], GrammarCacheStats | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(model_name, stats))
+        self.registry.register(_GrammarCacheCollector(model_name, grammar_cache))
         model = {"model_name": model_name}
 
         def counter(name: str, doc: str) -> Counter:

@@ -11,6 +11,7 @@ from typing import Any, Protocol, TypeVar
 from starlette.requests import Request
 
 from pocketllm import AsyncLLM, BackendStats, EngineArgs, SamplingParams, StreamEvent
+from pocketllm.structured import GrammarCacheStats
 from pocketllm_server.errors import APIError, unavailable
 from pocketllm_server.metrics import ServerMetrics
 from pocketllm_server.protocol import decode
@@ -66,7 +67,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.draining = False
         self.created = int(time.time())
-        self.metrics = ServerMetrics(served_model_name, self.stats)
+        self.metrics = ServerMetrics(served_model_name, self.stats, self.grammar_cache_stats)
         self._load_task: asyncio.Task[None] | None = None
         self._load_done: asyncio.Event | None = None
 
@@ -129,6 +130,9 @@ class ServerState:
 
     def stats(self) -> BackendStats | None:
         return self.llm.stats() if self.llm is not None else None
+
+    def grammar_cache_stats(self) -> GrammarCacheStats | None:
+        return self.llm.grammar_cache_stats() if self.llm is not None else None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
