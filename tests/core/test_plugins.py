@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pocketllm import API_VERSION, BackendNotFoundError, Capabilities, EngineArgs, UnsupportedOptionError
+from pocketllm import API_VERSION, BackendNotFoundError, Capabilities, EngineArgs, UnsupportedOptionError, hookimpl
 from pocketllm.plugins import BackendRegistry
 from tests.conftest import requires_default_model
 
@@ -241,3 +241,33 @@ def test_a_registration_hook_that_raises_is_a_failure_without_backends() -> None
     [failure] = registry.failures
     assert (failure.entry_point, failure.distribution, failure.version) == ("crashing", "crash-dist", "1.0")
     assert "registration crashed" in failure.error
+
+
+def test_an_observer_that_raises_is_isolated_from_the_engine(pocketllm_tiny_llama: Path) -> None:
+    """pocketllm_request_finished runs on the engine thread: an observer that raises is recorded as broken and
+    not called again, and requests go on finishing (before, the exception ended the engine's loop)."""
+    from pocketllm import LLM, SamplingParams
+
+    calls: list[str] = []
+
+    class Observer:
+        @staticmethod
+        @hookimpl
+        def pocketllm_request_finished(request_id: str) -> None:
+            calls.append(request_id)
+            raise RuntimeError("observer crashed")
+
+    registry = BackendRegistry(allow={"echo"})
+    registry.register_plugin(Observer(), name="observer", distribution="observer-dist", version="2.0")
+    llm = LLM(str(pocketllm_tiny_llama), backend="echo", registry=registry)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        for _ in range(2):
+            [out] = llm.generate("hello", params)
+            assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].finish_reason == "length"
+    finally:
+        llm.shutdown()
+    assert len(calls) == 1
+    [failure] = registry.failures
+    assert (failure.entry_point, failure.distribution, failure.broken) == ("observer", "observer-dist", True)
+    assert "pocketllm_request_finished raised RuntimeError: observer crashed" in failure.error

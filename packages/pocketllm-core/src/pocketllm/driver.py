@@ -402,7 +402,7 @@ class EngineDriver:
         usage = None
         if done:
             self._choices.pop(choice.backend_id, None)
-            self.registry.pm.hook.pocketllm_request_finished(
+            self.registry.request_finished(
                 request_id=choice.backend_id, finish_reason=choice.finish_reason,
                 num_prompt_tokens=len(request.prompt_ids), num_completion_tokens=len(choice.token_ids))
             if request.finished:
@@ -425,7 +425,7 @@ class EngineDriver:
             return
         choice.finish_reason = "stop"
         self._choices.pop(choice.backend_id, None)
-        self.registry.pm.hook.pocketllm_request_finished(
+        self.registry.request_finished(
             request_id=choice.backend_id, finish_reason="stop", num_prompt_tokens=len(request.prompt_ids),
             num_completion_tokens=0)
         self._forget(request)

@@ -49,4 +49,6 @@ def pocketllm_request_finished(request_id: str, finish_reason: str, num_prompt_t
     """Observe a finished request, once per engine request, off the step path.
 
     Called on the engine thread after the last token was delivered; keep it fast.
+    An observer that raises is logged, listed by ``pocketllm backends`` as broken and not called again; the
+    request and the engine go on.
     """

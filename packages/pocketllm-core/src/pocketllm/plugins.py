@@ -61,6 +61,7 @@ class BackendRegistry:
         self._capabilities: dict[str, Capabilities] = {}  # read once per backend, on first use
         self._broken: dict[str, BrokenBackendError] = {}
         self._failed_selectors: set[str] = set()  # plugins whose pocketllm_select_backend raised: not asked again
+        self._failed_observers: set[str] = set()  # plugins whose pocketllm_request_finished raised: not called again
         if load_entry_points:
             self._load_entry_points(allow if allow is not None else _allow_from_env())
 
@@ -203,6 +204,21 @@ class BackendRegistry:
             log.warning("ignoring plugin %r's choice of backend %r: no such working backend", impl.plugin_name,
                         chosen)
         return None
+
+    def request_finished(self, *, request_id: str, finish_reason: str, num_prompt_tokens: int,
+                         num_completion_tokens: int) -> None:
+        """Call every ``pocketllm_request_finished`` observer, one by one: it runs on the engine thread, so an
+        observer that raises is recorded as broken and not called again, never fatal to the engine's loop."""
+        values = {"request_id": request_id, "finish_reason": finish_reason, "num_prompt_tokens": num_prompt_tokens,
+                  "num_completion_tokens": num_completion_tokens}
+        for impl in self.pm.hook.pocketllm_request_finished.get_hookimpls():
+            if impl.plugin_name in self._failed_observers:
+                continue
+            try:
+                impl.function(**{arg: values[arg] for arg in impl.argnames})
+            except Exception as e:
+                self._failed_observers.add(impl.plugin_name)
+                self._fail(impl.plugin_name, "", f"pocketllm_request_finished raised {type(e).__name__}: {e}")
 
     def _fail(self, plugin: str, backend: str, error: str, *, declared: object = None,
               broken: bool = True) -> BrokenBackendError:
