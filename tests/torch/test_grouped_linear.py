@@ -56,6 +56,8 @@ def test_int4_linear_matches_its_dequantized_weights(int4_kernel: str, num_rows:
     layer = make_linear(weight, bias, CPU, torch.bfloat16)
     assert isinstance(layer, GroupedLinear)
     assert isinstance(layer.kernel, NativeGrouped if int4_kernel == "native" else TorchInt4)
+    # The native kernel serves every batch (a dense copy would change a row's numbers with the batch's size).
+    assert (layer.dense is None) == (int4_kernel == "native")
     # Activations come in the layer's compute dtype: float32 where bf16 GEMM is slow, bf16 on CPUs with bf16
     # matrix instructions (AVX512-BF16, AMX), where the bias and the output are bf16 too.
     activations = compute_dtype(CPU, torch.bfloat16)
@@ -79,7 +81,11 @@ def test_int8_linear_matches_its_dequantized_weights(num_rows: int) -> None:
 
 
 def test_matrices_the_kernels_cannot_pack_stay_dense(int4_kernel: str) -> None:
-    assert not isinstance(make_linear(random_int4(40, 64), None, CPU, torch.bfloat16), GroupedLinear)  # 40 rows
+    # The native kernel pads outputs to whole blocks of 16 (a vocabulary of 323, say); torch's takes whole blocks.
+    uneven = make_linear(random_int4(40, 64), None, CPU, torch.bfloat16)
+    assert isinstance(uneven, GroupedLinear) == (int4_kernel == "native")
+    x = torch.randn(3, 64).to(compute_dtype(CPU, torch.bfloat16))
+    assert uneven(x).shape == (3, 40)
     # Only the native kernel takes fp32 activations; without it, 8-bit matrices are dequantized.
     assert isinstance(make_linear(random_int4(32, 64), None, CPU, torch.float32), GroupedLinear) == (
         int4_kernel == "native")
@@ -95,7 +101,7 @@ def test_q4_model_in_bf16_tracks_its_fp32_dequantized_self(int4_kernel: str, qty
     int4 = LlamaModel.from_weights(config, checkpoint.weights(grouped=True), CPU, torch.bfloat16, 256)
     assert isinstance(int4.layers[0].attn.qkv_proj, GroupedLinear)
     assert isinstance(int4.layers[1].mlp.down_proj, GroupedLinear)
-    # Prompts of 1 and 5 tokens run the 4-bit kernel; 90 tokens run the dense copy.
+    # Prompts of 1 and 5 tokens run the 4-bit kernel; 90 tokens the native one, or torch's dense copy.
     prompts = [prompt(1), prompt(5, offset=1), prompt(90, offset=2)]
     ref = our_logits(checkpoint, prompts)  # fp32 over the same (dequantized) weights
     got = our_logits(checkpoint, prompts, dtype=torch.bfloat16, groups=True)

@@ -20,6 +20,8 @@ class TestFlawed(ProtocolConformance):
 
 @pytest.mark.parametrize(("backend", "broken_rule"), [
     ("flawed-seed", "test_seeds"),
+    ("flawed-seed", "test_seeded_sampling_ignores_the_rest_of_the_batch"),
+    ("flawed-batch", "test_seeded_sampling_ignores_the_rest_of_the_batch"),
     ("flawed-abort", "test_abort_queued_request"),
 ])
 def test_kit_fails_the_test_that_names_the_broken_rule(pytester: pytest.Pytester, backend: str,

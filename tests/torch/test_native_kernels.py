@@ -1,4 +1,4 @@
-"""The native grouped-linear kernels: both instruction sets, any batch, bad input as Python errors."""
+"""The native grouped-linear kernels: every instruction set, any batch, bad input as Python errors."""
 
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ def test_kernels_built_for_another_torch_are_not_loaded(monkeypatch) -> None:
 
 
 def isas() -> list[str]:
-    """The scalar path everywhere, and AVX2 where this CPU has it."""
+    """The scalar path everywhere, and AVX2 and AVX-512 where this CPU has them."""
+    vector = ["avx2", "avx512"]
     best = native.kernel_isa()
-    return ["scalar"] + (["avx2"] if best == "avx2" else [])
+    return ["scalar"] + (vector[:vector.index(best) + 1] if best in vector else [])
 
 
 @pytest.fixture(params=isas())
@@ -77,26 +78,35 @@ def test_matches_float32_matmul(isa: str, bits: int, rows: int) -> None:
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_row_gives_the_same_bits_in_any_batch(isa: str, bits: int) -> None:
-    """Rows are computed independently in the same order: batching never changes a sequence's numbers."""
-    packed, _ = weights(bits, 32, 64)
-    x = torch.randn(7, 64)
-    together = op(bits)(x, packed, 32)
-    for i in range(7):
-        assert torch.equal(op(bits)(x[i:i + 1], packed, 32)[0], together[i])
-    assert torch.equal(op(bits)(x[2:7], packed, 32), together[2:7])
+    """Rows are computed independently in the same order: batching never changes a sequence's numbers. Few rows
+    (decode) and many (prefill, group by group, in passes and tiles of rows) take different loops; 3 blocks of
+    outputs make AVX-512 take a pair of blocks and a single one."""
+    packed, _ = weights(bits, 48, 96)
+    x = torch.randn(300, 96)
+    together = op(bits)(x, packed, 48)
+    for i in (0, 1, 5, 17, 130, 299):
+        assert torch.equal(op(bits)(x[i:i + 1], packed, 48)[0], together[i])
+    for start, stop in ((0, 4), (2, 7), (3, 40), (100, 300)):
+        assert torch.equal(op(bits)(x[start:stop], packed, 48), together[start:stop])
 
 
 def test_isas_agree() -> None:
+    """The scalar path within rounding; the vector paths bit for bit, so a row's numbers do not depend on the
+    path its batch takes either."""
     if "avx2" not in isas():
         pytest.skip("no AVX2 here")
     packed, _ = weights(4, 64, 128)
-    x = torch.randn(6, 128)
+    x = torch.randn(40, 128)
     before = native.kernel_isa()
     try:
-        results = [op(4)(x, packed, 64) for _ in (native.kernel_isa("scalar"), native.kernel_isa("avx2"))]
+        results = {name: [op(4)(x[:rows], packed, 64) for rows in (1, 4, 6, 40)]
+                   for name in isas() if native.kernel_isa(name)}
     finally:
         native.kernel_isa(before)
-    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+    for scalar, vector in zip(results["scalar"], results["avx2"], strict=True):
+        torch.testing.assert_close(scalar, vector, rtol=1e-5, atol=1e-5)
+    for avx2, avx512 in zip(results["avx2"], results.get("avx512", results["avx2"]), strict=True):
+        assert torch.equal(avx2, avx512)
 
 
 def test_bad_input_raises_instead_of_crashing() -> None:
@@ -115,9 +125,9 @@ def test_bad_input_raises_instead_of_crashing() -> None:
         with pytest.raises(RuntimeError, match=args[-1]):
             native.int4_linear(*args[:-1])
     with pytest.raises(RuntimeError, match="unknown instruction set"):
-        native.kernel_isa("avx512")
-    with pytest.raises(ValueError, match="blocks"):
-        native.pack_int4(torch.zeros(24, 64, dtype=torch.uint8), torch.ones(24, 2), torch.zeros(24, 2))
+        native.kernel_isa("neon")
+    with pytest.raises(ValueError, match="groups"):
+        native.pack_int4(torch.zeros(32, 48, dtype=torch.uint8), torch.ones(32, 1), torch.zeros(32, 1))
 
 
 def test_empty_batch() -> None:

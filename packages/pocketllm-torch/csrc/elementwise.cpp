@@ -76,8 +76,6 @@ __attribute__((target("avx2,fma"))) void silu_mul_avx2(const float* g, const flo
 }
 #endif
 
-bool use_avx2() { return active_isa().load(std::memory_order_relaxed) == Isa::kAvx2; }
-
 void check_rows(const char* op, const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), op, ": ",
               name, " must be a contiguous 2-D float32 CPU tensor");
@@ -91,7 +89,7 @@ void check_weight(const char* op, const at::Tensor& x, const at::Tensor& weight)
 
 // y = rms_norm(x) row by row; x may alias nothing y holds.
 void norm_rows(const float* x, const float* w, float eps, int64_t rows, int64_t n, float* y) {
-  const bool avx2 = use_avx2();
+  const bool avx2 = uses_avx2();
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float* xr = x + r * n;
@@ -125,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   const int64_t rows = x.size(0), n = x.size(1);
   const float *xp = x.const_data_ptr<float>(), *dp = delta.const_data_ptr<float>();
   float* sp = sum.mutable_data_ptr<float>();
-  const bool avx2 = use_avx2();
+  const bool avx2 = uses_avx2();
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
 #ifdef POCKETLLM_X86
@@ -149,7 +147,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor y = at::empty({rows, n}, gate_up.options());
   const float* gp = gate_up.const_data_ptr<float>();
   float* yp = y.mutable_data_ptr<float>();
-  const bool avx2 = use_avx2();
+  const bool avx2 = uses_avx2();
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float *g = gp + r * 2 * n, *u = g + n;

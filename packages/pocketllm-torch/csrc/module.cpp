@@ -12,17 +12,24 @@
 namespace pocketllm {
 namespace {
 
-// "" only reports; "scalar" or "avx2" switches (tests run both paths).
+// "" only reports; "scalar", "avx2" or "avx512" switches (tests run every path).
 std::string kernel_isa(const std::string& request) {
   if (request == "scalar") {
     active_isa() = Isa::kScalar;
   } else if (request == "avx2") {
     TORCH_CHECK(cpu_has_avx2(), "kernel_isa: this CPU has no AVX2 and FMA");
     active_isa() = Isa::kAvx2;
+  } else if (request == "avx512") {
+    TORCH_CHECK(cpu_has_avx512(), "kernel_isa: this CPU has no AVX-512");
+    active_isa() = Isa::kAvx512;
   } else {
-    TORCH_CHECK(request.empty(), "kernel_isa: unknown instruction set '", request, "' (scalar, avx2)");
+    TORCH_CHECK(request.empty(), "kernel_isa: unknown instruction set '", request, "' (scalar, avx2, avx512)");
   }
-  return active_isa().load() == Isa::kAvx2 ? "avx2" : "scalar";
+  switch (active_isa().load()) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
 }
 
 }  // namespace

@@ -174,7 +174,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const float* cache = kv_cache.const_data_ptr<float>();
   float* op_out = out.mutable_data_ptr<float>();
   const int64_t group = heads / kv_heads;
-  const bool avx2 = active_isa().load(std::memory_order_relaxed) == Isa::kAvx2 && dim % 8 == 0;
+  const bool avx2 = uses_avx2() && dim % 8 == 0;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(longest);
     for (int64_t i = begin; i < end; ++i) {

@@ -3,10 +3,15 @@
 On CPUs, decode is bound by the bytes of weight streamed per step; prefill and batched decode by arithmetic.
 Stock ``F.linear`` is good at neither on every CPU: MKL's fp32 GEMM is slow for the few rows of a decode
 batch, and without bf16 matrix instructions (AVX512-BF16, AMX) torch's bf16 GEMM is slow beyond one row.
-Matrices a GGUF file stores in 4-bit groups (Q4_0/Q4_1) stay 4-bit for decode and small batches: the native
-kernel (``native.py``) takes float32 activations, or else torch's int4 kernel takes bf16 ones; both read a
-quarter of the bytes of bf16 and compute exactly the groups' affine form. 8-bit groups (Q8_0) stay 8-bit where
-the native kernels are built.
+Matrices a GGUF file stores in 4-bit groups (Q4_0/Q4_1) stay 4-bit: the native kernel (``native.py``) takes
+float32 activations and serves every batch, prefill included, or else torch's int4 kernel takes bf16 ones for
+decode and small batches, beside a dense copy for larger ones; both read a quarter of the bytes of bf16 and compute
+exactly the groups' affine form. 8-bit groups (Q8_0) stay 8-bit where the native kernels are built.
+
+A sequence's numbers must not depend on what else is in its step, or a seeded request would sample other tokens
+on a busy server than alone. The native kernels compute each row alike whatever the batch; a kernel that changes
+with the number of rows (a dense copy beyond a few rows, a bf16 GEMV for one) breaks that, so the native kernel has
+no dense copy. torch's GEMMs, which the remaining layers use, vary in the last bits with the row count.
 """
 
 from __future__ import annotations
@@ -30,8 +35,6 @@ if TYPE_CHECKING:
 BF16_GEMV_MAX_ROWS = 1
 # Rows up to which torch's int4 CPU kernel beats the fp32 oneDNN GEMM (measured on AVX2: equal at 8, 2x slower at 64).
 TORCH_INT4_MAX_ROWS = 8
-# Rows up to which the native int4 kernel beats the fp32 oneDNN GEMM (measured on AVX2: 1.04-1.4x faster at 16).
-NATIVE_INT4_MAX_ROWS = 16
 # fp32 weights of up to this many elements stay plain F.linear: oneDNN's fixed cost per call (30-50 us measured on
 # Zen 3 and Zen 5) exceeds a whole GEMM this small at 1 to 8 rows (512 x 256: 26 vs 52 us at one row, equal at
 # eight; 128 x 128: 8 vs 46 us), so tiny-width models (tests', the bench's hybrid) would be bound by it.
@@ -46,7 +49,7 @@ class Linear(Protocol):
 
 def kernel_key(rows: int) -> tuple[bool, ...]:
     """What every linear layer's choice of kernel depends on, for an input of ``rows`` rows."""
-    return rows <= BF16_GEMV_MAX_ROWS, rows <= TORCH_INT4_MAX_ROWS, rows <= NATIVE_INT4_MAX_ROWS
+    return rows <= BF16_GEMV_MAX_ROWS, rows <= TORCH_INT4_MAX_ROWS
 
 
 @dataclass(slots=True)
@@ -149,15 +152,18 @@ def concat_rows(parts: list[Tensor | Int4Weight | Int8Weight]) -> Tensor | Int4W
 
 @dataclass(slots=True)
 class NativeGrouped:
-    """A native kernel (``native.int4_linear`` or ``int8_linear``): float32 activations, packed weights."""
+    """A native kernel (``native.int4_linear`` or ``int8_linear``): float32 activations, packed weights, any
+    number of rows."""
 
     op: Callable[[Tensor, Tensor, int], Tensor]
     packed: Tensor
     out_features: int
-    max_rows: int | float  # beyond it, GroupedLinear's dense copy
+    max_rows = math.inf
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self.op(x.float(), self.packed, self.out_features).to(x.dtype)
+        y = self.op(x.float(), self.packed, native.packed_outputs(self.packed)).to(x.dtype)
+        # Outputs padded to whole blocks (a vocabulary, say) are cut off.
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features].contiguous()
 
 
 @dataclass(slots=True)
@@ -178,7 +184,7 @@ class TorchInt4:
 
 @dataclass(slots=True)
 class GroupedLinear:
-    """Weights kept in 4- or 8-bit groups for the few rows of decode, and a dense copy (if any) for prefill."""
+    """Weights kept in 4- or 8-bit groups, and for torch's int4 kernel a dense copy for more rows than it takes."""
 
     kernel: NativeGrouped | TorchInt4
     bias: Tensor | None
@@ -212,18 +218,20 @@ def make_linear(weight: Tensor | Int4Weight | Int8Weight, bias: Tensor | None, d
     if isinstance(weight, Int8Weight):
         if not (uses_int8(device) and native.packs(weight.codes.shape)):
             return make_linear(weight.dequantize(), bias, device, dtype)
-        # No dense copy: an 8-bit matrix is a quarter of fp32's bytes, and the kernel serves any number of rows
-        # (in practice the lm_head, which sees only the rows that sample).
-        kernel = NativeGrouped(native.int8_linear, native.pack_int8(*astuple(weight)), len(weight.codes), math.inf)
+        kernel = NativeGrouped(native.int8_linear, native.pack_int8(*astuple(weight)), len(weight.codes))
         return GroupedLinear(kernel, None if bias is None else bias.to(compute_dtype(device, dtype)), None)
     if isinstance(weight, Int4Weight):
-        # torch's int4 kernel packs 16 outputs together, as the native one does
-        if not (uses_int4(device, dtype) and native.packs(weight.codes.shape)):
+        if not (uses_int4(device, dtype) and native.packs(weight.codes.shape)
+                and (native.enabled() or len(weight.codes) % native.BLOCK_OUT == 0)):  # torch's takes whole blocks
             return make_linear(weight.dequantize(), bias, device, dtype)
-        # The dense copy is exact in fp32 where bf16 GEMM is slow, else it is what plain bf16 would use anyway.
+        kernel_bias = None if bias is None else bias.to(compute_dtype(device, dtype))
+        if native.enabled():
+            kernel = NativeGrouped(native.int4_linear, native.pack_int4(*astuple(weight)), len(weight.codes))
+            return GroupedLinear(kernel, kernel_bias, None)
+        # torch's kernel takes few rows. The dense copy is exact in fp32 where bf16 GEMM is slow, else it is what
+        # plain bf16 would use anyway.
         dense = make_linear(weight.dequantize(), bias, device, compute_dtype(device, dtype))
-        return GroupedLinear(_int4_kernel(weight), None if bias is None else bias.to(compute_dtype(device, dtype)),
-                             dense)
+        return GroupedLinear(_torch_int4(weight), kernel_bias, dense)
     if _split_bf16(device, dtype):
         weight = weight.to(torch.bfloat16)
         packed_bias = None if bias is None else bias.to(torch.bfloat16).float()
@@ -236,10 +244,7 @@ def make_linear(weight: Tensor | Int4Weight | Int8Weight, bias: Tensor | None, d
     return DenseLinear(weight, None if bias is None else bias.to(device, dtype))
 
 
-def _int4_kernel(weight: Int4Weight) -> NativeGrouped | TorchInt4:
-    if native.enabled():
-        return NativeGrouped(native.int4_linear, native.pack_int4(*astuple(weight)), len(weight.codes),
-                             NATIVE_INT4_MAX_ROWS)
+def _torch_int4(weight: Int4Weight) -> TorchInt4:
     zero = weight.offset + 8 * weight.scale
     scale_zero = torch.stack((weight.scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
     return TorchInt4(torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1), scale_zero)

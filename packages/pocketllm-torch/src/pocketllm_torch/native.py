@@ -58,15 +58,20 @@ def kernel_isa(request: str = "") -> str:
 
 
 def packs(shape: torch.Size | tuple[int, ...]) -> bool:
-    """Whether a [N, K] weight is made of whole packed blocks."""
-    return shape[0] % BLOCK_OUT == 0 and shape[1] % GROUP_SIZE == 0
+    """Whether a [N, K] weight packs: whole groups of inputs (outputs are padded to whole blocks with zeros)."""
+    return shape[1] % GROUP_SIZE == 0
+
+
+def packed_outputs(packed: Tensor) -> int:
+    """The outputs a packed weight computes: its own, padded to whole blocks."""
+    return packed.shape[0] * BLOCK_OUT
 
 
 def pack_int4(codes: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
     """``w = scale * codes + offset`` per 32 inputs ([N, K] uint8 codes, [N, K/32] float32) -> int4_linear's layout.
 
-    uint8 [N/16, K/32, 384]: per block of 16 outputs x 32 inputs, 32 rows of 8 bytes (output j in the low
-    nibble of byte j, output j + 8 in its high nibble), then the 16 scales and the 16 offsets as float32.
+    uint8 [N/16, K/32, 384] (N rounded up): per block of 16 outputs x 32 inputs, 32 rows of 8 bytes (output j in
+    the low nibble of byte j, output j + 8 in its high nibble), then the 16 scales and the 16 offsets as float32.
     """
     blocks = _blocks(codes)
     half = BLOCK_OUT // 2
@@ -77,23 +82,31 @@ def pack_int4(codes: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
 def pack_int8(codes: Tensor, scale: Tensor) -> Tensor:
     """``w = scale * codes`` per 32 inputs ([N, K] int8 codes, [N, K/32] float32) -> int8_linear's layout.
 
-    uint8 [N/16, K/32, 576]: per block of 16 outputs x 32 inputs, 32 rows of 16 codes, then the 16 scales.
+    uint8 [N/16, K/32, 576] (N rounded up): per block of 16 outputs x 32 inputs, 32 rows of 16 codes, then the 16
+    scales.
     """
     return torch.cat((_blocks(codes.view(torch.uint8)).flatten(2), _per_block(scale)), dim=-1).contiguous()
 
 
 def _blocks(codes: Tensor) -> Tensor:
-    """[N, K] -> [N/16, K/32, 32 inputs, 16 outputs]."""
+    """[N, K] -> [N/16, K/32, 32 inputs, 16 outputs], N rounded up with zero codes."""
     n, k = codes.shape
     if not packs(codes.shape):
-        raise ValueError(f"a [{n}, {k}] weight is not made of {BLOCK_OUT} x {GROUP_SIZE} blocks")
-    return codes.reshape(n // BLOCK_OUT, BLOCK_OUT, k // GROUP_SIZE, GROUP_SIZE).permute(0, 2, 3, 1)
+        raise ValueError(f"a [{n}, {k}] weight is not made of whole groups of {GROUP_SIZE} inputs")
+    codes = _pad_outputs(codes)
+    return codes.reshape(-1, BLOCK_OUT, k // GROUP_SIZE, GROUP_SIZE).permute(0, 2, 3, 1)
 
 
 def _per_block(t: Tensor) -> Tensor:
-    """[N, K/32] float32 -> [N/16, K/32, 16 outputs] as bytes."""
-    n, groups = t.shape
-    return t.to(torch.float32).reshape(n // BLOCK_OUT, BLOCK_OUT, groups).transpose(1, 2).contiguous().view(torch.uint8)
+    """[N, K/32] float32 -> [N/16, K/32, 16 outputs] as bytes, N rounded up with zeros."""
+    groups = t.shape[1]
+    t = _pad_outputs(t.to(torch.float32))
+    return t.reshape(-1, BLOCK_OUT, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+
+def _pad_outputs(t: Tensor) -> Tensor:
+    """t [N, ...] with zero rows up to a whole number of blocks of outputs."""
+    return torch.nn.functional.pad(t, (0, 0, 0, -len(t) % BLOCK_OUT))
 
 
 def int4_linear(x: Tensor, packed: Tensor, out_features: int) -> Tensor:

@@ -268,6 +268,49 @@ class ProtocolConformance(KitBase):
         assert tokens(-(2**63)) == tokens(-(2**63))
         assert len({tuple(tokens(seed)) for seed in (1, 2, 3, 4)}) > 1, "different seeds gave the same tokens"
 
+    def test_seeded_sampling_ignores_the_rest_of_the_batch(self, llm: Any) -> None:
+        """A seeded request samples the same tokens alone as among 8 mixed requests: other prompts and lengths,
+        greedy, other seeds (its own seed on another prompt too) and no seed, whether all start together or the
+        others join while it decodes (as on a busy server). Its greedy and seeded companions keep theirs too."""
+        caps = self.caps(llm)
+        if not {"temperature", "seed"} <= set(caps.sampling_options):
+            pytest.skip(f"{self.backend} does not declare seeded sampling (test_seeds checks it refuses it)")
+        truncate = {"top_k": 50} if "top_k" in caps.sampling_options else {}
+
+        def sampled(temperature: float, seed: int | None, max_tokens: int) -> SamplingParams:
+            return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, ignore_eos=True,
+                                  **truncate)
+
+        def greedy(max_tokens: int) -> SamplingParams:
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+        target = (PROMPTS[1], sampled(0.8, 7, 40))
+        crowd: list[tuple[str | list[int], SamplingParams]] = [
+            (LONG_PROMPT, greedy(48)), (PROMPTS[2], sampled(1.0, 11, 44)), (PROMPTS[0], greedy(5)),
+            (PROMPTS[3], sampled(0.8, 7, 12)), (PROMPTS[1] + " again", sampled(1.2, None, 20)),
+            (llm.tokenizer.encode(PROMPTS[2])[:3], sampled(0.6, -3, 8)), (PROMPTS[1], greedy(16)),
+        ]
+        requests = [target, *crowd]
+        reproducible = [i for i, (_, params) in enumerate(requests) if params.is_greedy or params.seed is not None]
+
+        def tokens(outputs: list[Any]) -> list[list[int]]:
+            return [o.outputs[0].token_ids for o in outputs]
+
+        alone = {i: tokens(llm.generate(*requests[i]))[0] for i in reproducible}
+        together = tokens(llm.generate([p for p, _ in requests], [params for _, params in requests]))
+        # The long greedy one, a seeded one and the target start; the other five join while they decode.
+        streams = [llm.generate_stream(*requests[i]) for i in (1, 2, 0)]
+        started = [next(stream).token_ids for stream in streams]
+        late = tokens(llm.generate([p for p, _ in requests[3:]], [params for _, params in requests[3:]]))
+        rest = [[t for e in stream for t in e.token_ids] for stream in streams]
+        first, second, own = (head + tail for head, tail in zip(started, rest, strict=True))
+        joined = [own, first, second, *late]
+        for i in reproducible:
+            params = requests[i][1]
+            what = f"request {i} ({'greedy' if params.is_greedy else f'seed {params.seed}'})"
+            assert together[i] == alone[i], f"{what} sampled other tokens in a batch than alone"
+            assert joined[i] == alone[i], f"{what} sampled other tokens with requests joining than alone"
+
     def test_n(self, llm: Any) -> None:
         if self.caps(llm).max_n < 3:
             pytest.skip("the backend declares fewer than 3 choices")
