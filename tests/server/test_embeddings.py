@@ -95,10 +95,18 @@ def test_openai_sdk(torch_server, http: httpx.Client) -> None:
     assert floats.data[0].embedding == embed(http, input="hello").json()["data"][0]["embedding"]
 
 
-def test_a_batch_larger_than_the_queue_allows_is_a_503(serve_app, torch_llm) -> None:
+def test_each_input_counts_against_the_queue(serve_app, torch_llm, monkeypatch) -> None:
+    """With --max-queue-len 2 and 32 slots: more inputs than slots and queue together are a 400 (no retry could
+    help); on a full engine, more than 2 inputs are a 503."""
+    from pocketllm import BackendStats
     from pocketllm_server import create_app
 
     with serve_app(create_app(torch_llm.args, served_model_name=MODEL_NAME, llm=torch_llm, max_queue_len=2)) as server:
+        slots = torch_llm.args.max_num_seqs
+        response = httpx.post(f"{server.url}/v1/embeddings", json={"input": ["a"] * (slots + 3)}, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "too_many_sequences"
+        assert response.json()["error"]["param"] == "input"
+        monkeypatch.setattr(torch_llm.driver, "stats", lambda: BackendStats(num_running=slots))
         response = httpx.post(f"{server.url}/v1/embeddings", json={"input": ["a", "b", "c"]}, timeout=30)
         assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
         assert httpx.post(f"{server.url}/v1/embeddings", json={"input": ["a", "b"]}, timeout=30).status_code == 200

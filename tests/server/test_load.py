@@ -4,13 +4,17 @@ waiting or holding KV blocks, and admission control counts only what waits for a
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from pocketllm import AsyncLLM, EngineArgs
+from pocketllm import AsyncLLM, BackendStats, EngineArgs
 from pocketllm_server import create_app
+from pocketllm_server.protocol import MAX_LOGIT_BIAS_TOKENS, MAX_PROMPTS
 
 pytest.importorskip("pocketllm_torch")
 
@@ -71,3 +75,75 @@ def test_max_queue_len_counts_waiting_not_running(serve_app, pocketllm_tiny_llam
         assert set(statuses) <= {200, 503}
     finally:
         llm.shutdown()
+
+
+def test_a_batch_of_2048_prompts_leaves_the_event_loop_free(serve_app, echo_llm: AsyncLLM,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each prompt's parameters and engine request used to be made on the event loop, all in one turn of it:
+    20,000 one-token prompts held it for seconds (/health took 9 s). Here each add takes a millisecond, and
+    /health, sent once the first is added, must be answered while the rest are still being added."""
+    add_request = echo_llm.driver.add_request
+    added = 0
+    adding = threading.Event()
+
+    def slow_add_request(*args: Any, **kwargs: Any) -> Any:
+        nonlocal added
+        adding.set()
+        time.sleep(0.001)
+        added += 1
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(echo_llm.driver, "add_request", slow_add_request)
+    body = {"prompt": [[5]] * MAX_PROMPTS, "max_tokens": 1, "temperature": 0}
+    with serve_app(create_app(echo_llm.args, served_model_name="tiny", llm=echo_llm)) as server:
+        async def main() -> tuple[httpx.Response, httpx.Response, int]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                batch = asyncio.create_task(client.post("/v1/completions", json=body))
+                assert await asyncio.to_thread(adding.wait, 60)
+                health = await client.get("/health")
+                added_by_then = added
+                return await batch, health, added_by_then
+
+        response, health, added_by_then = asyncio.run(main())
+    assert response.status_code == 200 and len(response.json()["choices"]) == MAX_PROMPTS
+    assert health.status_code == 200 and added_by_then < MAX_PROMPTS
+
+
+def test_prompts_per_request_are_bounded(client: httpx.Client) -> None:
+    for path, field in (("/v1/completions", "prompt"), ("/v1/embeddings", "input")):
+        response = client.post(path, json={field: [[5]] * (MAX_PROMPTS + 1), "max_tokens": 1, "temperature": 0})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == field and str(MAX_PROMPTS) in error["message"]
+
+
+def test_max_queue_len_counts_every_prompt_and_choice(serve_app, echo_llm: AsyncLLM,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """--max-queue-len 3 with 32 slots. A batch used to count as one request, whatever its prompts and n."""
+    stats = BackendStats(num_running=32, num_waiting=1)  # every slot taken, one waiting
+    monkeypatch.setattr(echo_llm.driver, "stats", lambda: stats)
+    completion = {"prompt": ["a", "b"], "max_tokens": 2, "temperature": 0}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0, "n": 2}
+    with serve_app(create_app(echo_llm.args, served_model_name="tiny", llm=echo_llm, max_queue_len=3)) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as client:
+        def status(path: str, body: dict[str, Any]) -> tuple[int, str | None]:
+            response = client.post(path, json=body)
+            return response.status_code, response.json().get("error", {}).get("code")
+
+        assert status("/v1/completions", completion) == (200, None)  # 1 + 2 wait
+        assert status("/v1/chat/completions", chat) == (200, None)
+        assert status("/v1/completions", {**completion, "prompt": ["a", "b", "c"]}) == (503, "queue_full")
+        assert status("/v1/completions", {**completion, "n": 2}) == (503, "queue_full")
+        assert status("/v1/chat/completions", {**chat, "n": 3}) == (503, "queue_full")
+        stats = BackendStats()  # idle: new sequences take the free slots first
+        assert status("/v1/completions", {**completion, "prompt": ["a"] * 35}) == (200, None)
+        assert status("/v1/completions", {**completion, "prompt": ["a"] * 36}) == (400, "too_many_sequences")
+        assert status("/v1/chat/completions", {**chat, "n": 16}) == (200, None)
+
+
+def test_logit_bias_is_bounded(client: httpx.Client) -> None:
+    """Each engine request checks every biased token: 150,000 of them held the event loop 0.3 s per request."""
+    bias = {str(i): 1.0 for i in range(MAX_LOGIT_BIAS_TOKENS + 1)}
+    response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "logit_bias": bias})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "logit_bias"
+    assert str(MAX_LOGIT_BIAS_TOKENS) in error["message"]

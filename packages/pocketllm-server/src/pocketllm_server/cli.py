@@ -50,8 +50,9 @@ def build_parser(prog: str = "pocketllm-server") -> argparse.ArgumentParser:
     server.add_argument("--served-model-name", default=None,
                         help="model name clients use (default: the last part of --model)")
     server.add_argument("--max-queue-len", type=_positive_int, default=None,
-                        help="answer 503 with Retry-After while this many requests wait for an engine slot; "
-                             "running requests do not count (default: no limit)")
+                        help="answer 503 with Retry-After while this many sequences (each prompt of a request, "
+                             "times n) wait for an engine slot; running ones do not count, and a request that alone "
+                             "needs more than --max-num-seqs plus this is a 400 (default: no limit)")
     server.add_argument("--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="answer 413 to a request body larger than this (default: %(default)s)")
     server.add_argument("--generation-config", choices=GENERATION_CONFIG_CHOICES, default="auto",

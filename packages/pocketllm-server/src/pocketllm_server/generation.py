@@ -138,13 +138,16 @@ async def start_all(request: Request, prompts: Sequence[PromptRequest], fields: 
     """Start every engine request and wait for each one's first output, or close them all on any failure.
 
     Waiting for the first output is what lets a bad request be answered with a 400 before a
-    streaming response has sent its 200 headers.
+    streaming response has sent its 200 headers. The prompts are admitted together: each of their ``n``
+    choices counts as one sequence against ``max_queue_len``.
     """
     state = state_of(request)
+    too_many = fields.get("prompt", "prompt") if len(prompts) > 1 else "n"  # what a request too large names
+    llm = state.check_queue(sum(p.params.n for p in prompts), too_many)
     started: list[EngineStream | None] = [None] * len(prompts)
 
     async def start(i: int, prompt: PromptRequest) -> None:
-        started[i] = await state.start(prompt.ids, prompt.params, prompt.request_id)
+        started[i] = await state.start(llm, prompt.ids, prompt.params, prompt.request_id)
 
     try:
         await cancel_on_disconnect(request.receive, all_or_nothing([start(i, p) for i, p in enumerate(prompts)]))

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pocketllm import AsyncLLM, PocketLLMError
+from pocketllm import AsyncLLM, PocketLLMError, RequestOutput, SamplingParams
 from pocketllm_server.errors import APIError, ErrorBody, from_engine_error, invalid_request
 from pocketllm_server.generation import (
     ABORTED,
@@ -24,7 +25,14 @@ from pocketllm_server.generation import (
     usage_info,
 )
 from pocketllm_server.logprobs import TokenTexts, completion_logprobs
-from pocketllm_server.protocol import Completion, CompletionChoice, CompletionRequest, UsageInfo, json_response
+from pocketllm_server.protocol import (
+    MAX_PROMPTS,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    UsageInfo,
+    json_response,
+)
 from pocketllm_server.state import EngineStream, read_model_request
 from pocketllm_server.streaming import DONE, EventStreamResponse, merge, sse
 
@@ -35,24 +43,16 @@ DEFAULT_MAX_TOKENS = 16
 async def create_completion(request: Request) -> Response:
     state, req, llm = await read_model_request(request, CompletionRequest)
     _check_options(req)
+    count = _count_prompts(req.prompt)
+    # Before any tokenizing: a batch that cannot be taken now must cost next to nothing to refuse.
+    state.check_queue(count * req.n, "prompt" if count > 1 else "n")
     rid = request_id(request, "cmpl")
-    try:
-        prompts = await asyncio.to_thread(_prompts, req.prompt, llm)  # tokenizing grows with the prompt
+    fields: dict[str, str] = {}
+    try:  # off the event loop: tokenizing and each prompt's parameters grow with the batch
+        requests = await asyncio.to_thread(_prompt_requests, req, llm, state.sampling_defaults, rid, fields)
     except PocketLLMError as e:
         raise from_engine_error(e) from None
-    requests = []
-    for i, (text, ids) in enumerate(prompts):
-        max_tokens = resolve_max_tokens(req.max_tokens, state.sampling_defaults.get("max_tokens", DEFAULT_MAX_TOKENS),
-                                        prompt_len=len(ids), max_model_len=llm.max_model_len, param="max_tokens",
-                                        prompt_param="prompt")
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, fields={},
-                                 defaults=state.sampling_defaults)
-        requests.append(PromptRequest(text=text, ids=ids, params=params,
-                                      request_id=rid if len(prompts) == 1 else f"{rid}-{i}"))
-    streams = await start_all(request, requests, {})  # the engine has checked every id from here on
-    for prompt in requests:
-        if prompt.text is None and req.echo:  # token ids shown as text, special tokens included: what ran
-            prompt.text = llm.tokenizer.decode(prompt.ids, skip_special_tokens=False)
+    streams = await start_all(request, requests, fields)  # the engine has checked every id from here on
     text_of = TokenTexts(llm.tokenizer)
     created = int(time.time())
 
@@ -63,10 +63,17 @@ async def create_completion(request: Request) -> Response:
         return EventStreamResponse(chunks, headers={"X-Request-Id": rid},
                                    on_disconnect=state.metrics.client_disconnects.inc)
 
-    outputs = await collect(request, streams, requests, {})
+    outputs = await collect(request, streams, requests, fields)
+    # Off the event loop: choices, their logprobs' texts and the JSON grow with prompts times n.
+    return await asyncio.to_thread(_response, req, requests, outputs, text_of, rid=rid, created=created,
+                                   model=state.served_model_name)
+
+
+def _response(req: CompletionRequest, requests: Sequence[PromptRequest], outputs: Sequence[RequestOutput],
+              text_of: TokenTexts, *, rid: str, created: int, model: str) -> Response:
     choices = []
     for i, (prompt, output) in enumerate(zip(requests, outputs, strict=True)):
-        echo = (prompt.text or "") if req.echo else ""
+        echo = _echo(prompt, text_of) if req.echo else ""
         for c in output.outputs:
             logprobs = None
             if req.logprobs is not None and c.logprobs is not None:
@@ -74,8 +81,15 @@ async def create_completion(request: Request) -> Response:
             choices.append(CompletionChoice(index=i * req.n + c.index, text=echo + c.text, logprobs=logprobs,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     usage = usage_info(sum(o.usage.prompt_tokens for o in outputs), sum(o.usage.completion_tokens for o in outputs))
-    return json_response(Completion(id=rid, created=created, model=state.served_model_name, choices=choices,
-                                    usage=usage), headers={"X-Request-Id": rid})
+    return json_response(Completion(id=rid, created=created, model=model, choices=choices, usage=usage),
+                         headers={"X-Request-Id": rid})
+
+
+def _echo(prompt: PromptRequest, text_of: TokenTexts) -> str:
+    """The prompt as ``echo`` shows it: its text, or its token ids' text with special tokens: what ran."""
+    if prompt.text is not None:
+        return prompt.text
+    return text_of.tokenizer.decode(prompt.ids, skip_special_tokens=False)
 
 
 def _check_options(req: CompletionRequest) -> None:
@@ -89,6 +103,35 @@ def _check_options(req: CompletionRequest) -> None:
         # OpenAI then returns logprobs for the prompt tokens too, which the engine does not compute.
         raise APIError(400, "echo together with logprobs is not supported: prompt logprobs are not computed",
                        param="echo", code="unsupported_option")
+
+
+def _count_prompts(prompt: str | list[str | int | list[int]]) -> int:
+    """How many prompts there are, told from the first item (``_prompts`` checks the rest); at most MAX_PROMPTS."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return 1
+    if len(prompt) > MAX_PROMPTS:
+        raise invalid_request(f"prompt has {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
+    return len(prompt)
+
+
+def _prompt_requests(req: CompletionRequest, llm: AsyncLLM, defaults: dict[str, Any], rid: str,
+                     fields: dict[str, str]) -> list[PromptRequest]:
+    """Each prompt's tokens and parameters. The parameters differ only in the room left for a completion: they
+    are built and checked once for each distinct ``max_tokens``, not once per prompt."""
+    prompts = _prompts(req.prompt, llm)
+    params_for: dict[int, SamplingParams] = {}
+    requests = []
+    for i, (text, ids) in enumerate(prompts):
+        max_tokens = resolve_max_tokens(req.max_tokens, defaults.get("max_tokens", DEFAULT_MAX_TOKENS),
+                                        prompt_len=len(ids), max_model_len=llm.max_model_len, param="max_tokens",
+                                        prompt_param="prompt")
+        params = params_for.get(max_tokens)
+        if params is None:
+            params = params_for[max_tokens] = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                                              fields=fields, defaults=defaults)
+        requests.append(PromptRequest(text=text, ids=ids, params=params,
+                                      request_id=rid if len(prompts) == 1 else f"{rid}-{i}"))
+    return requests
 
 
 def _prompts(prompt: str | list[str | int | list[int]], llm: AsyncLLM) -> list[tuple[str | None, list[int]]]:
@@ -119,6 +162,7 @@ async def _chunks(streams: Sequence[EngineStream], requests: Sequence[PromptRequ
     offsets: dict[int, int] = {}  # per choice: where its next token's text starts, for text_offset
     prompt_tokens = completion_tokens = 0
     try:
+        echoes = await asyncio.to_thread(lambda: [_echo(p, text_of) for p in requests]) if req.echo else []
         async for i, event in merge(streams):
             if event.finish_reason == ABORTED:
                 yield sse(ErrorBody(aborted().info))
@@ -127,7 +171,7 @@ async def _chunks(streams: Sequence[EngineStream], requests: Sequence[PromptRequ
             index = i * req.n + event.index
             text = event.text
             if req.echo and index not in offsets:
-                text = (requests[i].text or "") + text
+                text = echoes[i] + text
             offset = offsets.setdefault(index, 0)
             logprobs = None
             if req.logprobs is not None and event.logprobs:

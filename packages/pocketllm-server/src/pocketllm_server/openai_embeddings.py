@@ -10,14 +10,20 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pocketllm import AsyncLLM, PocketLLMError, PoolingParams
+from pocketllm import AsyncLLM, EmbeddingOutput, PocketLLMError, PoolingParams
 from pocketllm_server.errors import from_engine_error, invalid_request
 from pocketllm_server.generation import request_id
-from pocketllm_server.protocol import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage, json_response
+from pocketllm_server.protocol import (
+    MAX_PROMPTS,
+    Embedding,
+    EmbeddingList,
+    EmbeddingRequest,
+    EmbeddingUsage,
+    json_response,
+)
 from pocketllm_server.state import read_model_request
 from pocketllm_server.streaming import all_or_nothing, cancel_on_disconnect
 
-MAX_INPUTS = 2048  # OpenAI's limit on inputs in one request
 # Engine fields by the request field a client sees in an error.
 _FIELDS = {"prompt": "input", "embeddings": "model", "pooling_type": "model"}
 
@@ -30,7 +36,7 @@ async def create_embedding(request: Request) -> Response:
         prompts = await asyncio.to_thread(_inputs, req.input, llm)  # tokenizing grows with the input
         if req.truncate_prompt_tokens is not None:  # as vLLM: the last tokens are kept
             prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
-        state.check_queue(len(prompts))  # each input is an engine request
+        state.check_queue(len(prompts), "input")  # each input is an engine request
         outputs = await cancel_on_disconnect(request.receive, all_or_nothing([
             llm.embed_ids(ids, params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}")
             for i, ids in enumerate(prompts)]))
@@ -38,9 +44,16 @@ async def create_embedding(request: Request) -> Response:
         raise from_engine_error(e, fields=_FIELDS) from None
     num_tokens = sum(len(ids) for ids in prompts)
     state.metrics.prompt_tokens.inc(num_tokens)
-    data = [Embedding(index=i, embedding=_encoded(o.embedding, req.encoding_format)) for i, o in enumerate(outputs)]
-    body = EmbeddingList(id=rid, created=int(time.time()), model=state.served_model_name, data=data,
-                         usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+    usage = EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
+    # Off the event loop: encoding grows with inputs times dimensions (2,048 of them make megabytes).
+    return await asyncio.to_thread(_response, outputs, req.encoding_format, usage, rid=rid,
+                                   model=state.served_model_name)
+
+
+def _response(outputs: list[EmbeddingOutput], encoding_format: str, usage: EmbeddingUsage, *, rid: str,
+              model: str) -> Response:
+    data = [Embedding(index=i, embedding=_encoded(o.embedding, encoding_format)) for i, o in enumerate(outputs)]
+    body = EmbeddingList(id=rid, created=int(time.time()), model=model, data=data, usage=usage)
     return json_response(body, headers={"X-Request-Id": rid})
 
 
@@ -56,8 +69,8 @@ def _inputs(value: str | list[str | int | list[int]], llm: AsyncLLM) -> list[lis
     else:
         raise invalid_request("input must be a non-empty string, list of strings, list of token ids, or list of "
                               "token-id lists, without mixing them", "input")
-    if len(items) > MAX_INPUTS:
-        raise invalid_request(f"input has {len(items)} items; at most {MAX_INPUTS} are allowed", "input")
+    if len(items) > MAX_PROMPTS:
+        raise invalid_request(f"input has {len(items)} items; at most {MAX_PROMPTS} are allowed", "input")
     if any(not item for item in items):
         raise invalid_request("input must not contain an empty string or an empty list of token ids", "input")
     return [llm.encode_prompt(item)[1] for item in items]

@@ -18,6 +18,13 @@ from pocketllm_server.errors import invalid_request
 
 T = TypeVar("T")
 
+MAX_PROMPTS = 2048
+"""Most prompts one completions request, or inputs one embeddings request, may carry (OpenAI's limit on
+embeddings' inputs): each becomes an engine request."""
+MAX_LOGIT_BIAS_TOKENS = 1024
+"""Most tokens one ``logit_bias`` may name (OpenAI allows 300): every engine request checks them all, and a
+vocabulary's worth (150,000) took a third of a second per request on the event loop."""
+
 
 # -- requests ------------------------------------------------------------------------------------------------------
 
@@ -53,7 +60,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     seed: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS_TOKENS)] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     skip_special_tokens: bool = True

@@ -45,9 +45,14 @@ def _tokenize(req: TokenizeRequest, llm: AsyncLLM) -> list[int]:
 
 async def detokenize(request: Request) -> Response:
     _, req, llm = await read_model_request(request, DetokenizeRequest)
+    # Off the event loop: checking and decoding grow with the list (a 4 MiB body holds two million ids).
+    return json_response(DetokenizeResponse(prompt=await asyncio.to_thread(_detokenize, req.tokens, llm)))
+
+
+def _detokenize(tokens: list[int], llm: AsyncLLM) -> str:
     vocab_size = llm.tokenizer.vocab_size
-    bad = next((t for t in req.tokens if not 0 <= t < vocab_size), None)
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise invalid_request(f"token id {bad} is not in [0, {vocab_size})", "tokens")
     # Special tokens are kept so that tokenize -> detokenize gives back the text that was tokenized.
-    return json_response(DetokenizeResponse(prompt=llm.tokenizer.decode(req.tokens, skip_special_tokens=False)))
+    return llm.tokenizer.decode(tokens, skip_special_tokens=False)

@@ -152,22 +152,32 @@ class ServerState:
 
     # -- requests ------------------------------------------------------------------------------------------------
 
-    def check_queue(self, count: int = 1) -> AsyncLLM:
-        """The engine, if it takes ``count`` more requests: 503 when they would make more than ``max_queue_len``
-        requests wait for a slot."""
+    def check_queue(self, count: int, param: str) -> AsyncLLM:
+        """The engine, if it takes ``count`` more sequences (one request's prompts or inputs, times ``n``).
+
+        With ``max_queue_len``: 503 when more than that many sequences would then wait for a slot (running ones do
+        not count: new ones take free slots first, unless some already wait), and a 400 naming ``param`` for a
+        request that alone would leave more than that waiting on an idle engine, as no retry would help it.
+        """
         llm = self.require_llm()
-        if self.max_queue_len is not None and llm.stats().num_waiting + count > self.max_queue_len:
+        if self.max_queue_len is None:
+            return llm
+        slots = llm.args.max_num_seqs
+        if count > slots + self.max_queue_len:
+            raise APIError(400, f"this request needs {count} sequences (its prompts or inputs, times n); this server "
+                                f"runs {slots} at once (max_num_seqs) and lets {self.max_queue_len} wait "
+                                "(max_queue_len)", param=param, code="too_many_sequences")
+        stats = llm.stats()
+        free = 0 if stats.num_waiting else max(0, slots - stats.num_running)
+        if stats.num_waiting + max(0, count - free) > self.max_queue_len:
             raise unavailable(f"too many requests waiting (max_queue_len={self.max_queue_len}); retry later",
                               "queue_full")
         return llm
 
-    async def start(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> EngineStream:
-        """Admit a request and wait for its first output, so that every error it can have is raised here.
-
-        Raises APIError (503) when ``max_queue_len`` requests already wait for an engine slot (running ones do
-        not count), or the engine's error for a bad request.
-        """
-        llm = self.check_queue()
+    async def start(self, llm: AsyncLLM, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str) -> EngineStream:
+        """Start a request that ``check_queue`` admitted, and wait for its first output, so that every error it can
+        have (the engine's, for a bad request) is raised here."""
         stream = EngineStream(self.metrics, llm.stream_ids(prompt_ids, params, request_id=request_id),
                               len(prompt_ids))
         await stream.pull_first()

@@ -10,7 +10,7 @@ engine stream aborts the request at the next step boundary.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 T = TypeVar("T")
 
 DONE = b"data: [DONE]\n\n"
+STARTS_PER_ITERATION = 32
 
 
 def sse(payload: Any) -> bytes:
@@ -51,10 +52,19 @@ async def cancel_on_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def all_or_nothing(work: Sequence[Awaitable[T]]) -> list[T]:
-    """Run concurrently and return every result; on the first error (or cancellation) cancel the rest and wait."""
-    tasks = [asyncio.ensure_future(w) for w in work]
+async def all_or_nothing(work: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run concurrently and return every result; on the first error (or cancellation) cancel the rest and wait.
+
+    At most ``STARTS_PER_ITERATION`` begin per turn of the event loop: a coroutine may start with synchronous work
+    (adding an engine request checks its prompt and parameters), and a batch of 2,048 started at once would
+    hold the loop, and every other request, for all of it.
+    """
+    tasks: list[asyncio.Future[T]] = []
     try:
+        for begin in range(0, len(work), STARTS_PER_ITERATION):
+            if tasks:
+                await asyncio.sleep(0)  # the previous slice runs its first steps; other requests get a turn
+            tasks += [asyncio.ensure_future(w) for w in work[begin:begin + STARTS_PER_ITERATION]]
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
             error = task.exception()
@@ -62,6 +72,8 @@ async def all_or_nothing(work: Sequence[Awaitable[T]]) -> list[T]:
                 raise error
         return [task.result() for task in tasks]
     finally:
+        for coroutine in work[len(tasks):]:  # cancelled before these were started
+            coroutine.close()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
