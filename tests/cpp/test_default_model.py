@@ -48,3 +48,27 @@ def test_batched_equals_alone(llm) -> None:
     alone = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert batched == alone
+
+
+def test_a_seeded_request_samples_the_same_alone_and_in_a_busy_batch(llm) -> None:
+    """Temperature 0.8 with a seed: the same tokens alone and among 8 requests of other prompts, lengths and
+    settings, three of them decoding before it starts and four joining while it runs (its steps then hold 4 to
+    8 sequences, prompts among them)."""
+    questions = ["Write a short story about a fox.", "Hi", "What is the capital of France? Explain in detail.",
+                 "List three colors.", "Count to ten.", "Tell me about the ocean, its creatures and the weather.",
+                 "Why?", "Name a fruit."]
+    ours, *others = [llm.render_chat([{"role": "user", "content": q}])[1] for q in questions]
+    seeded = SamplingParams(temperature=0.8, seed=1234, max_tokens=48, ignore_eos=True)
+    [alone] = llm.generate(ours, seeded)
+    early = [llm.generate_stream(p, SamplingParams(temperature=0.0, max_tokens=40 + 7 * i, ignore_eos=True))
+             for i, p in enumerate(others[:3])]
+    for stream in early:
+        next(stream)  # decoding
+    stream = llm.generate_stream(ours, seeded)
+    tokens = [t for _ in range(3) for t in next(stream).token_ids]
+    late = [llm.generate_stream(p, SamplingParams(temperature=1.0, seed=i, max_tokens=20 + 5 * i, ignore_eos=True))
+            for i, p in enumerate(others[3:])]
+    tokens += [t for event in stream for t in event.token_ids]
+    for other in early + late:
+        list(other)
+    assert tokens == alone.outputs[0].token_ids

@@ -102,6 +102,21 @@ def test_matmul_rows_ending_in_a_partial_group_of_blocks(isa: str, qtype: str, n
     assert np.all(np.abs(y - xs @ w.T) <= 1e-5 * (np.abs(xs) @ np.abs(w).T) + 1e-6)
 
 
+@pytest.mark.parametrize(("qtype", "cols"), [(q, 512) for q in ("F32", "F16", "BF16", *BLOCK_TYPES)]
+                         + [(q, 608) for q in ("Q4_0", "Q4_1", "Q8_0")])  # 608: a last, partial group of blocks
+def test_a_row_is_the_same_bits_alone_and_in_any_batch(isa: str, qtype: str, cols: int) -> None:
+    # One row is the decode path, 2 and more the batched tiles (2, 4, their remainders): a row's products must
+    # not depend on the rows beside it, or a seeded request samples differently when others share its step.
+    rows = 42
+    raw, _ = _weight(qtype, rows, cols, seed=7)
+    x = np.random.default_rng(8).standard_normal((17, cols)).astype(np.float32)
+    alone = np.vstack([kernels._native.matmul(raw, qtype, rows, cols, x[i:i + 1]) for i in range(len(x))])
+    for n in (2, 3, 4, 5, 8, 17):
+        np.testing.assert_array_equal(kernels._native.matmul(raw, qtype, rows, cols, x[:n]), alone[:n])
+    shuffled = np.random.default_rng(9).permutation(len(x))
+    np.testing.assert_array_equal(kernels._native.matmul(raw, qtype, rows, cols, x[shuffled]), alone[shuffled])
+
+
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
 def test_exact_mode_multiplies_float32_activations(qtype: str) -> None:
     raw, w = _weight(qtype, 24, 256)

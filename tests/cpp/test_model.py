@@ -117,6 +117,38 @@ def test_quantized_gguf_with_8bit_activations_is_close(pocketllm_kit_checkpoint)
         assert int(np.argmax(first)) == ref.token_ids[0]
 
 
+@pytest.mark.parametrize("kind", ["llama-gguf", "qwen3"])
+def test_a_sequence_is_the_same_bits_alone_and_batched(kind: str, isa: str, pocketllm_kit_checkpoint) -> None:
+    """A sequence's logits do not depend on what shares its steps: alone (its prompt in one slice, then a token a
+    step, attention's parts spread over the threads) and batched (its prompt in two chunks beside other prompts
+    and decodes, one of them joining later: one work item per attention job), bit for bit. Its 150 positions
+    span three attention parts; the GGUF's blocks take the batched kernels' tiles."""
+    model = build_model(load_checkpoint(str(pocketllm_kit_checkpoint(kind))), num_blocks=500, block_size=BLOCK,
+                        num_threads=2, kv_cache_dtype="float16")
+    rng = np.random.default_rng(10)
+    prompt, others = rng.integers(3, 323, 150).tolist(), [rng.integers(3, 323, n).tolist() for n in (40, 20, 60)]
+    table, *tables = _tables(5, 100)
+    alone = [model.forward(prompt, [(0, 150, table, True)])[0]]
+    for step in range(5):
+        token = int(np.argmax(alone[-1]))
+        alone.append(model.forward([token], [(150 + step, 1, table, True)])[0])
+    table = tables.pop(0)
+    # Step 1: another prompt and the first chunk of ours; step 2: the rest of ours, a decode and a new prompt.
+    model.forward(others[0] + prompt[:37], [(0, 40, tables[0], True), (0, 37, table, False)])
+    logits = model.forward(prompt[37:] + [5] + others[1], [(37, 113, table, True), (40, 1, tables[0], True),
+                                                          (0, 20, tables[1], True)])
+    batched = [logits[0]]
+    for step in range(5):
+        token = int(np.argmax(alone[step]))  # the tokens the lone run fed, so that the caches agree
+        tokens, slices = [token, 7, 9], [(150 + step, 1, table, True), (41 + step, 1, tables[0], True),
+                                         (20 + step, 1, tables[1], True)]
+        if step == 2:  # a prompt joins mid-way
+            tokens, slices = tokens + others[2], [*slices, (0, 60, tables[2], True)]
+        batched.append(model.forward(tokens, slices)[0])
+    for ours, reference in zip(batched, alone, strict=True):
+        np.testing.assert_array_equal(ours, reference)
+
+
 def test_bad_slices_raise_value_error(pocketllm_kit_checkpoint) -> None:
     model = build_model(load_checkpoint(str(pocketllm_kit_checkpoint("llama"))), num_blocks=4, block_size=BLOCK,
                         num_threads=1)

@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -145,6 +146,44 @@ inline __m256i dot32(const Sub& s, __m256i unsigned_codes, __m256i x) {
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
+// acc + sum(w8 * x) of unsigned codes w8 and signed x, in 8 int32 lanes of 4 products each.
+inline __m256i udot(__m256i w8, __m256i x, __m256i acc = _mm256_setzero_si256()) {
+#if PLLM_VNNI
+    return _mm256_dpbusd_epi32(acc, w8, x);
+#else
+    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w8, x), _mm256_set1_epi16(1));  // |pairs| <= 2 * 128 * 127
+    return _mm256_add_epi32(acc, sums);
+#endif
+}
+
+// rows[j] lane k becomes rows[k] lane j: an 8 x 8 transpose of 32-bit lanes.
+inline void transpose8(__m256i (&rows)[8]) {
+    __m256i t[8], u[8];
+    for (int j = 0; j < 8; j += 2) {
+        t[j] = _mm256_unpacklo_epi32(rows[j], rows[j + 1]);
+        t[j + 1] = _mm256_unpackhi_epi32(rows[j], rows[j + 1]);
+    }
+    for (int j = 0; j < 8; j += 4) {
+        u[j] = _mm256_unpacklo_epi64(t[j], t[j + 2]);
+        u[j + 1] = _mm256_unpackhi_epi64(t[j], t[j + 2]);
+        u[j + 2] = _mm256_unpacklo_epi64(t[j + 1], t[j + 3]);
+        u[j + 3] = _mm256_unpackhi_epi64(t[j + 1], t[j + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {
+        rows[j] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x20);
+        rows[j + 4] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x31);
+    }
+}
+
+// Lane k: the sum of sums[k]'s 8 lanes (8 blocks' integer dot products), by one hadd tree.
+inline __m256i block_sums(const __m256i (&sums)[8]) {
+    const __m256i p01 = _mm256_hadd_epi32(sums[0], sums[1]), p23 = _mm256_hadd_epi32(sums[2], sums[3]);
+    const __m256i p45 = _mm256_hadd_epi32(sums[4], sums[5]), p67 = _mm256_hadd_epi32(sums[6], sums[7]);
+    // Blocks 0-3 and 4-7 in each 128-bit half, added across the halves.
+    const __m256i low4 = _mm256_hadd_epi32(p01, p23), high4 = _mm256_hadd_epi32(p45, p67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(low4, high4, 0x20), _mm256_permute2x128_si256(low4, high4, 0x31));
+}
+
 // C weight rows from `row` against R activation rows from `r0`, each decoded block used from registers: the
 // decode path (one activation row; R > 1 only for Q6_K, whose per-16 scales the packed path does not take).
 template <QType T, int R, int C>
@@ -171,31 +210,19 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
             if constexpr (kBlock32<T>) scales8<T>(base + c * stride, b0, dw[c], mw[c]);
-            __m256i pairs[4];
-            for (int k = 0; k < 8; k += 2) {
-                __m256i sums[2];
-                for (int h = 0; h < 2; ++h) {
-                    prefetch<T>(base + c * stride, b0 + k + h);
-                    const Sub sub = decode<T>(base + c * stride, b0 + k + h);
-                    if constexpr (!kBlock32<T>) {
-                        dw[c][k + h] = sub.dw;
-                        mw[c][k + h] = sub.mw;
-                    }
-                    __m256i x = load(act.codes(r0, b0 + k + h));
-                    if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, sub.codes);
-                    const __m256i w8 = kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes;
-#if PLLM_VNNI
-                    sums[h] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w8, x);
-#else
-                    sums[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(w8, x), _mm256_set1_epi16(1));
-#endif
+            __m256i sums[8];
+            for (int k = 0; k < 8; ++k) {
+                prefetch<T>(base + c * stride, b0 + k);
+                const Sub sub = decode<T>(base + c * stride, b0 + k);
+                if constexpr (!kBlock32<T>) {
+                    dw[c][k] = sub.dw;
+                    mw[c][k] = sub.mw;
                 }
-                pairs[k / 2] = _mm256_hadd_epi32(sums[0], sums[1]);
+                __m256i x = load(act.codes(r0, b0 + k));
+                if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, sub.codes);
+                sums[k] = udot(kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes, x);
             }
-            // The hadd tree's last level: blocks 0-3 and 4-7 in each 128-bit half, added across the halves.
-            const __m256i low4 = _mm256_hadd_epi32(pairs[0], pairs[1]), high4 = _mm256_hadd_epi32(pairs[2], pairs[3]);
-            const __m256i blocks = _mm256_add_epi32(_mm256_permute2x128_si256(low4, high4, 0x20),
-                                                    _mm256_permute2x128_si256(low4, high4, 0x31));
+            const __m256i blocks = block_sums(sums);
             const int64_t at = r0 * nb + b0;
             const __m256 scale = _mm256_mul_ps(_mm256_load_ps(dw[c]), _mm256_loadu_ps(act.d.data() + at));
             acc[0][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), scale, acc[0][c]);
@@ -222,7 +249,7 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
             for (int c = 0; c < C; ++c) {
                 const __m256 sums = _mm256_cvtepi32_ps(dot32<T>(s[c], codes[c], xq));
                 acc[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(s[c].dw * dx), sums, acc[i][c]);
-                if constexpr (kOffset<T>) extra[i][c] += s[c].mw * sx;
+                if constexpr (kOffset<T>) extra[i][c] = std::fma(s[c].mw, sx, extra[i][c]);
             }
         }
     }
@@ -245,8 +272,9 @@ void rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
 
 // Batched products (prefill, several sequences decoding): C weight rows are decoded once for all n activation
 // rows, not once per tile of them. Per group of 8 blocks: the codes as the integer dot takes them (|w| for the
-// signed types, their signs apart) and the blocks' scales and offsets. A last, partial group is zero past the
-// row's end, so it adds nothing.
+// signed types, their signs apart) and the blocks' scales and offsets. A full group's codes are transposed by
+// 4-byte words, as the activations' `grouped` plane is: vector v holds word v of each of the 8 blocks, so that
+// 8 accumulating dot products leave each block's sum in its own lane. A last, partial group keeps block order.
 template <QType T, int C>
 struct PackedGroup {
     alignas(32) uint8_t codes[C][8][kBlock];
@@ -263,83 +291,94 @@ void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* gro
             const uint8_t* row = base + c * stride;
             // The gather reads 8 blocks' heads: only where all 8 are in the row.
             if (kBlock32<T> && count == 8) scales8<T>(row, b0, p.dw[c], p.mw[c]);
+            __m256i codes[8], signs[8];
             for (int64_t k = 0; k < 8; ++k) {
-                auto* codes = reinterpret_cast<__m256i*>(p.codes[c][k]);
                 if (k >= count) {
-                    _mm256_store_si256(codes, _mm256_setzero_si256());
+                    codes[k] = signs[k] = _mm256_setzero_si256();
                     p.dw[c][k] = p.mw[c][k] = 0.0f;
                     continue;
                 }
                 prefetch<T>(row, b0 + k);
                 const Sub sub = decode<T>(row, b0 + k);
-                _mm256_store_si256(codes, kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes);
-                if constexpr (kSigned<T>) _mm256_store_si256(reinterpret_cast<__m256i*>(p.signs[c][k]), sub.codes);
+                codes[k] = kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes;
+                signs[k] = sub.codes;
                 if (!kBlock32<T> || count < 8) {
                     p.dw[c][k] = sub.dw;
                     p.mw[c][k] = sub.mw;
                 }
             }
+            if (count == 8) {
+                transpose8(codes);
+                if constexpr (kSigned<T>) transpose8(signs);
+            }
+            for (int k = 0; k < 8; ++k) {
+                _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes[c][k]), codes[k]);
+                if constexpr (kSigned<T>) _mm256_store_si256(reinterpret_cast<__m256i*>(p.signs[c][k]), signs[k]);
+            }
         }
     }
 }
 
-// R activation rows from `r0` against C packed weight rows.
+// R activation rows from `r0` against C packed weight rows, each row with the arithmetic of tile<T, 1, C> (the
+// decode path): groups of 8 blocks as one vector of integer block sums (exact, however they are summed), scaled
+// and offset as vectors, then the blocks past the last full group one by one. A row's result is then the same bits whatever rows share its
+// product, so that a request's logits, and its seeded samples, do not depend on what else runs in its step.
 template <QType T, int R, int C>
 void packed_tile(const PackedGroup<T, C>* groups, int64_t nb, const QuantizedRows& act, int64_t r0, float* y,
                  int64_t y_stride, int64_t row) {
     __m256 acc[R][C];
+    float extra[R][C];
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
+        for (int c = 0; c < C; ++c) {
+            acc[i][c] = _mm256_setzero_ps();
+            extra[i][c] = 0.0f;
+        }
     }
-    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int64_t full = nb / 8 * 8;
+    for (int64_t b0 = 0; b0 < full; b0 += 8) {
         const PackedGroup<T, C>& p = groups[b0 / 8];
-        const int count = static_cast<int>(std::min<int64_t>(8, nb - b0));
-        // The activation scales of a partial group stop at the row's end (and the buffer's, for the last row).
-        const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        auto floats = [&](const std::vector<float>& plane, int64_t at) {
-            return count == 8 ? _mm256_loadu_ps(plane.data() + at) : _mm256_maskload_ps(plane.data() + at, lanes);
-        };
-        // Each block's scale d_w * d_x per (weight row, activation row), stored for broadcasts; the offsets
-        // m_w * s_x join the sums as vectors.
-        alignas(32) float scale[C][R][8];
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i) {
             const int64_t at = (r0 + i) * nb + b0;
-            const __m256 dx = floats(act.d, at);
+            const __m256 dx = _mm256_loadu_ps(act.d.data() + at);
 #pragma GCC unroll 16
             for (int c = 0; c < C; ++c) {
-                _mm256_store_ps(scale[c][i], _mm256_mul_ps(_mm256_load_ps(p.dw[c]), dx));
-                if constexpr (kOffset<T>) acc[i][c] = _mm256_fmadd_ps(_mm256_load_ps(p.mw[c]), floats(act.s, at), acc[i][c]);
-            }
-        }
-        auto block = [&](int k) {
-#pragma GCC unroll 16
-            for (int i = 0; i < R; ++i) {
-                const __m256i x = load(act.codes(r0 + i, b0 + k));
-#pragma GCC unroll 16
-                for (int c = 0; c < C; ++c) {
-                    const __m256i xs = kSigned<T> ? _mm256_sign_epi8(x, load(p.signs[c][k])) : x;
-                    const __m256i w8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.codes[c][k]));
-#if PLLM_VNNI
-                    const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w8, xs);
-#else
-                    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w8, xs), _mm256_set1_epi16(1));
-#endif
-                    acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[c][i][k]), acc[i][c]);
+                __m256i sums = _mm256_setzero_si256();  // lane k: block k's dot product (both sides transposed)
+#pragma GCC unroll 8
+                for (int v = 0; v < 8; ++v) {
+                    const __m256i x = load(act.grouped.data() + (r0 + i) * act.cols + b0 * kBlock + v * kBlock);
+                    sums = udot(_mm256_load_si256(reinterpret_cast<const __m256i*>(p.codes[c][v])),
+                                kSigned<T> ? _mm256_sign_epi8(x, load(p.signs[c][v])) : x, sums);
+                }
+                const __m256 scale = _mm256_mul_ps(_mm256_load_ps(p.dw[c]), dx);
+                acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[i][c]);
+                if constexpr (kOffset<T>) {
+                    acc[i][c] = _mm256_fmadd_ps(_mm256_load_ps(p.mw[c]), _mm256_loadu_ps(act.s.data() + at), acc[i][c]);
                 }
             }
-        };
-        if (count == 8) {
-#pragma GCC unroll 8
-            for (int k = 0; k < 8; ++k) block(k);
-        } else {
-            for (int k = 0; k < count; ++k) block(k);
+        }
+    }
+    for (int64_t b = full; b < nb; ++b) {  // the last, partial group: as tile's blocks past its groups
+        const PackedGroup<T, C>& p = groups[full / 8];
+        const int k = static_cast<int>(b - full);
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+            const __m256i x = load(act.codes(r0 + i, b));
+            const float dx = act.scale(r0 + i, b);
+            const float sx = kOffset<T> ? act.offset(r0 + i, b) : 0.0f;
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) {
+                const __m256i w8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.codes[c][k]));
+                const __m256i dot = udot(w8, kSigned<T> ? _mm256_sign_epi8(x, load(p.signs[c][k])) : x);
+                acc[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(p.dw[c][k] * dx), _mm256_cvtepi32_ps(dot), acc[i][c]);
+                if constexpr (kOffset<T>) extra[i][c] = std::fma(p.mw[c][k], sx, extra[i][c]);
+            }
         }
     }
     for (int i = 0; i < R; ++i) {
-        for (int c = 0; c < C; ++c) y[(r0 + i) * y_stride + row + c] = hsum(acc[i][c]);
+        for (int c = 0; c < C; ++c) y[(r0 + i) * y_stride + row + c] = hsum(acc[i][c]) + extra[i][c];
     }
 }
 

@@ -1,5 +1,6 @@
 #include "pocketllm_cpp/matmul.h"
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -52,12 +53,14 @@ void validate(const WeightView& w, int64_t data_bytes) {
     }
 }
 
-void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows& out, ThreadPool* pool) {
+void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows& out, ThreadPool* pool,
+                          bool grouped) {
     out.rows = n;
     out.cols = cols;
     out.qs.resize(static_cast<size_t>(n * cols));
     out.d.resize(static_cast<size_t>(n * (cols / kBlock)));
     out.s.resize(out.d.size());
+    out.grouped.resize(grouped ? out.qs.size() : 0);
     auto quantize = kernels::quantize_row_scalar;
 #ifdef POCKETLLM_HAVE_X86
     if (current_isa() != Isa::Scalar) quantize = kernels::quantize_row_avx2;
@@ -69,6 +72,14 @@ void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows
         for (int64_t r = begin; r < end; ++r) {
             const int64_t b = r * (cols / kBlock);
             quantize(x + r * cols, cols, out.qs.data() + r * cols, out.d.data() + b, out.s.data() + b);
+            if (!grouped) continue;
+            const int8_t* from = out.qs.data() + r * cols;
+            int8_t* to = out.grouped.data() + r * cols;
+            for (int64_t g = 0; g + 8 * kBlock <= cols; g += 8 * kBlock) {
+                for (int v = 0; v < 8; ++v) {
+                    for (int k = 0; k < 8; ++k) std::memcpy(to + g + v * kBlock + 4 * k, from + g + k * kBlock + 4 * v, 4);
+                }
+            }
         }
     };
     if (pool != nullptr && n >= 16) return pool->parallel_for(n, rows);  // a prompt's rows: worth a region
@@ -91,7 +102,12 @@ void matmul_many(const std::vector<Product>& products, const float* x, int64_t n
     // through this reference (a thread_local named in the task would be each worker's own, empty one).
     thread_local QuantizedRows buffer;
     const QuantizedRows& act = buffer;
-    if (quantized) quantize_activations(x, n, cols, buffer, &pool);
+    // The x86 kernels' batched tiles read the codes grouped (see kernels_x86.inl's PackedGroup).
+    bool grouped = false;
+#ifdef POCKETLLM_HAVE_X86
+    grouped = n > 1 && current_isa() != Isa::Scalar && !exact;
+#endif
+    if (quantized) quantize_activations(x, n, cols, buffer, &pool, grouped);
     // Tasks of kRowsPerTask weight rows over every product: first[i] is product i's first task.
     std::vector<int64_t> first(products.size() + 1, 0);
     for (size_t i = 0; i < products.size(); ++i) {

@@ -10,8 +10,9 @@
 namespace pocketllm {
 namespace {
 
-constexpr int64_t kQueryTile = 16;     // prompt tokens of one head that share each KV block read in attention
-constexpr int64_t kParallelRows = 16;  // below this many tokens, per-token work runs on the calling thread
+constexpr int64_t kQueryTile = 16;      // prompt tokens of one head that share each KV block read in attention
+constexpr int64_t kParallelRows = 16;   // below this many tokens, per-token work runs on the calling thread
+constexpr int64_t kPartPositions = 64;  // positions of an attention part (whole KV blocks, at least one): see attend
 
 float rms_scale(const float* x, int64_t size, float eps) {
     double sum = 0.0;
@@ -40,6 +41,29 @@ void rope(float* head, int64_t dim, const float* cos, const float* sin, bool pai
     }
 }
 
+// Folds a part's softmax state (the weighted sum of its values, its maximum score and sum of weights) into a
+// token's running one. Not inlined: one compiled copy, the same arithmetic wherever a part is folded.
+[[gnu::noinline]] void fold(float* out, float& max, float& sum, const float* part_out, float part_max, float part_sum,
+                            int64_t dim) {
+    if (part_max == -INFINITY) return;  // the part holds no position of this token
+    if (max == -INFINITY) {
+        std::copy(part_out, part_out + dim, out);
+        max = part_max;
+        sum = part_sum;
+        return;
+    }
+    const float best = std::max(max, part_max);
+    const float mine = std::exp(max - best), theirs = std::exp(part_max - best);
+    for (int64_t d = 0; d < dim; ++d) out[d] = out[d] * mine + part_out[d] * theirs;
+    sum = sum * mine + part_sum * theirs;
+    max = best;
+}
+
+[[gnu::noinline]] void normalize(float* out, float sum, int64_t dim) {
+    const float inverse = 1.0f / sum;
+    for (int64_t d = 0; d < dim; ++d) out[d] *= inverse;
+}
+
 void for_rows(ThreadPool& pool, int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
     if (n < kParallelRows) return fn(0, n);
     pool.parallel_for(n, fn);
@@ -53,6 +77,7 @@ struct Model::Batch {
     std::vector<int64_t> slice_of, position;
     std::vector<float> cos, sin;  // [n, head_dim / 2]: each token's RoPE rotation, shared by every layer
     std::vector<float> x, h, q, k, v, attn, out, gate, up;
+    std::vector<float> part_out, part_max, part_sum;  // attention's stored part states (see attend)
 };
 
 Model::Model(ModelConfig config, WeightView embedding, std::vector<LayerWeights> layers, std::vector<float> final_norm,
@@ -272,58 +297,91 @@ void Model::attention_layer(int64_t l, Batch& batch, const std::vector<SequenceS
 // Causal attention of each token and head over its sequence's positions 0..p, read block by block through the
 // block table with an online softmax. A job is one KV head over a tile of up to kQueryTile consecutive tokens of
 // one slice: each KV block is read from memory once for every query head of its group and every token of the
-// tile (a decode step's KV reads drop by the group size), then stays in L1 for them. With fewer jobs than
-// threads (decoding one sequence) each job's blocks are split into parts whose softmax states merge at the end.
+// tile (a decode step's KV reads drop by the group size), then stays in L1 for them.
+//
+// The positions split into parts of kPartPositions at fixed places (0, 64, 128, ...): each part's softmax state
+// starts afresh, and a token's parts fold into its result in order. A token's arithmetic then depends on its own
+// position alone, not on the tile it is in, how many jobs share the step, or the threads: a request's attention
+// is the same bits alone or batched (chunked differently, beside others), so seeded sampling repeats. How parts
+// are spread over threads is free: with few jobs (decoding one sequence) each part is a work item whose state is
+// stored and folded at the end, else a job's item folds its parts as it goes.
 void Model::attend(int64_t l, Batch& batch, const std::vector<SequenceSlice>& slices) {
     const ModelConfig& c = config_;
     const int64_t dim = c.head_dim, q_size = c.num_heads * dim, group = c.num_heads / c.num_kv_heads;
     const kernels::Attention ops = kernels::attention_for(c.kv_type, dim);
-    struct Job { int64_t slice, kv_head, first, count, blocks; };  // tokens [first, first + count) of the batch
+    const int64_t part_blocks = std::max<int64_t>(1, kPartPositions / block_size_);
+    // Tokens [first, first + count) of the batch; `state`: where its parts' states are stored (split items).
+    struct Job { int64_t slice, kv_head, first, count, blocks, parts, state; };
     std::vector<Job> jobs;
     for (int64_t s = 0, first = 0; s < static_cast<int64_t>(slices.size()); first += slices[s].num_tokens, ++s) {
         for (int64_t t = 0; t < slices[s].num_tokens; t += kQueryTile) {
             const int64_t count = std::min(kQueryTile, slices[s].num_tokens - t);
             const int64_t blocks = batch.position[first + t + count - 1] / block_size_ + 1;
-            for (int64_t kvh = 0; kvh < c.num_kv_heads; ++kvh) jobs.push_back({s, kvh, first + t, count, blocks});
+            const int64_t parts = (blocks + part_blocks - 1) / part_blocks;
+            for (int64_t kvh = 0; kvh < c.num_kv_heads; ++kvh) {
+                jobs.push_back({s, kvh, first + t, count, blocks, parts, 0});
+            }
         }
     }
     const int64_t num_jobs = static_cast<int64_t>(jobs.size());
-    const int64_t parts = std::max<int64_t>(1, (2 * pool_.size() + num_jobs - 1) / num_jobs);
-    // Per (job, part, head of the group, token of the tile): the part's softmax state, when a job has parts.
-    const int64_t states = group * kQueryTile;
-    std::vector<float> part_out(parts > 1 ? static_cast<size_t>(num_jobs * parts * states * dim) : 0);
-    std::vector<float> part_max(static_cast<size_t>(num_jobs * parts * states), -INFINITY), part_sum(part_max.size(), 0.0f);
+    const bool split = num_jobs < 2 * pool_.size();
+    struct Item { int64_t job, begin, end; };  // parts [begin, end) of a job
+    std::vector<Item> items;
+    int64_t stored = 0;  // part states kept for the fold at the end, one per (part, head of the group, token)
+    for (int64_t j = 0; j < num_jobs; ++j) {
+        Job& job = jobs[static_cast<size_t>(j)];
+        if (!split) {
+            items.push_back({j, 0, job.parts});
+            continue;
+        }
+        job.state = stored;
+        stored += job.parts * group * job.count;
+        for (int64_t part = 0; part < job.parts; ++part) items.push_back({j, part, part + 1});
+    }
+    if (batch.part_max.size() < static_cast<size_t>(stored)) {
+        batch.part_out.resize(static_cast<size_t>(stored * dim));
+        batch.part_max.resize(static_cast<size_t>(stored));
+        batch.part_sum.resize(static_cast<size_t>(stored));
+    }
     const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
     const int64_t head_bytes = block_size_ * dim * static_cast<int64_t>(kv_element_);
     auto out = [&](const Job& job, int64_t g, int64_t i) {
         return &batch.attn[(job.first + i) * q_size + (job.kv_head * group + g) * dim];
     };
-    // Jobs by decreasing length (a prompt's later tiles read more blocks), taken dynamically: a static split of
+    // Items by decreasing length (a prompt's later tiles read more blocks), taken dynamically: a static split of
     // a prefill's tiles left one thread with most of the work.
-    std::vector<int64_t> order(static_cast<size_t>(num_jobs * parts));
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-        return jobs[static_cast<size_t>(a / parts)].blocks > jobs[static_cast<size_t>(b / parts)].blocks;
-    });
-    pool_.parallel_each(static_cast<int64_t>(order.size()), [&](int64_t index) {
-        // One block's keys and values as float32, and the scores of the group's heads for one token.
-        thread_local std::vector<float> keys, values, scores;
+    auto blocks = [&](const Item& item) {
+        return std::min(jobs[static_cast<size_t>(item.job)].blocks, item.end * part_blocks) - item.begin * part_blocks;
+    };
+    std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return blocks(a) > blocks(b); });
+    pool_.parallel_each(static_cast<int64_t>(items.size()), [&](int64_t index) {
+        // One block's keys and values as float32, the scores of the group's heads for one token, and a part's
+        // softmax states when they fold into the result here.
+        thread_local std::vector<float> keys, values, scores, fresh_out, fresh_max, fresh_sum, total_max, total_sum;
         keys.resize(static_cast<size_t>(block_size_ * dim));
         values.resize(keys.size());
         scores.resize(static_cast<size_t>(group * block_size_));
-        {
-            const int64_t item = order[static_cast<size_t>(index)];
-            const Job& job = jobs[static_cast<size_t>(item / parts)];
-            const int64_t part = item % parts, state0 = item * states;
-            const int64_t last = batch.position[job.first + job.count - 1];
-            const auto& table = slices[job.slice].block_table;
-            auto o_of = [&](int64_t g, int64_t i) {
-                return parts > 1 ? &part_out[static_cast<size_t>((state0 + g * kQueryTile + i) * dim)] : out(job, g, i);
-            };
-            for (int64_t g = 0; g < group; ++g) {
-                for (int64_t i = 0; i < job.count; ++i) std::fill(o_of(g, i), o_of(g, i) + dim, 0.0f);
-            }
-            for (int64_t b = job.blocks * part / parts; b < job.blocks * (part + 1) / parts; ++b) {
+        const Item& item = items[static_cast<size_t>(index)];
+        const Job& job = jobs[static_cast<size_t>(item.job)];
+        const int64_t last = batch.position[job.first + job.count - 1], states = group * job.count;
+        const auto& table = slices[job.slice].block_table;
+        if (!split) {
+            fresh_out.resize(static_cast<size_t>(states * dim));
+            fresh_max.resize(static_cast<size_t>(states));
+            fresh_sum.resize(fresh_max.size());
+            total_max.assign(fresh_max.size(), -INFINITY);
+            total_sum.assign(fresh_max.size(), 0.0f);
+        }
+        for (int64_t part = item.begin; part < item.end; ++part) {
+            // State (g, i) of this part: its slot among the stored ones, or this thread's.
+            const int64_t base = split ? job.state + part * states : 0;
+            float* part_out = split ? &batch.part_out[static_cast<size_t>(base * dim)] : fresh_out.data();
+            float* part_max = split ? &batch.part_max[static_cast<size_t>(base)] : fresh_max.data();
+            float* part_sum = split ? &batch.part_sum[static_cast<size_t>(base)] : fresh_sum.data();
+            std::fill(part_out, part_out + states * dim, 0.0f);
+            std::fill(part_max, part_max + states, -INFINITY);
+            std::fill(part_sum, part_sum + states, 0.0f);
+            for (int64_t b = part * part_blocks; b < std::min(job.blocks, (part + 1) * part_blocks); ++b) {
                 const int64_t p = b * block_size_, rows = std::min(block_size_, last + 1 - p);
                 ops.load(kv(l, table[b], 0) + job.kv_head * head_bytes, rows, dim, keys.data());
                 ops.load(kv(l, table[b], 1) + job.kv_head * head_bytes, rows, dim, values.data());
@@ -335,46 +393,50 @@ void Model::attend(int64_t l, Batch& batch, const std::vector<SequenceSlice>& sl
                                scores.data());
                     for (int64_t g = 0; g < group; ++g) {
                         float* s = &scores[static_cast<size_t>(g * count)];
-                        float& running_max = part_max[static_cast<size_t>(state0 + g * kQueryTile + i)];
-                        const float best = std::max(running_max, *std::max_element(s, s + count));
+                        const int64_t at = g * job.count + i;
+                        const float best = std::max(part_max[at], *std::max_element(s, s + count));
                         // Rescale what was summed under the old maximum, then add this block's terms.
-                        const float correction = std::exp(running_max - best);
-                        float* o = o_of(g, i);
+                        const float correction = std::exp(part_max[at] - best);
+                        float* o = part_out + at * dim;
                         if (correction != 1.0f) {
                             for (int64_t d = 0; d < dim; ++d) o[d] *= correction;
                         }
-                        float& running_sum = part_sum[static_cast<size_t>(state0 + g * kQueryTile + i)];
-                        running_sum = running_sum * correction + ops.exp_shifted(s, count, best);
-                        running_max = best;
+                        part_sum[at] = part_sum[at] * correction + ops.exp_shifted(s, count, best);
+                        part_max[at] = best;
                         ops.accumulate(s, values.data(), count, dim, o);
                     }
                 }
             }
-        }
-    });
-    // Each (head, token): the parts' states merged under their common maximum, then divided by the total.
-    for (int64_t j = 0; j < num_jobs; ++j) {
-        const Job& job = jobs[static_cast<size_t>(j)];
-        for (int64_t g = 0; g < group; ++g) {
-            for (int64_t i = 0; i < job.count; ++i) {
-                float* o = out(job, g, i);
-                auto state = [&](int64_t part) { return static_cast<size_t>((j * parts + part) * states + g * kQueryTile + i); };
-                float best = -INFINITY, total = 0.0f;
-                for (int64_t part = 0; part < parts; ++part) best = std::max(best, part_max[state(part)]);
-                if (parts > 1) std::fill(o, o + dim, 0.0f);
-                for (int64_t part = 0; part < parts; ++part) {
-                    if (part_max[state(part)] == -INFINITY) continue;  // a part with no positions for this token
-                    const float weight = std::exp(part_max[state(part)] - best);
-                    total += part_sum[state(part)] * weight;
-                    if (parts == 1) continue;
-                    const float* partial = &part_out[state(part) * static_cast<size_t>(dim)];
-                    for (int64_t d = 0; d < dim; ++d) o[d] += partial[d] * weight;
+            if (split) continue;
+            for (int64_t g = 0; g < group; ++g) {
+                for (int64_t i = 0; i < job.count; ++i) {
+                    const int64_t at = g * job.count + i;
+                    fold(out(job, g, i), total_max[at], total_sum[at], part_out + at * dim, part_max[at], part_sum[at],
+                         dim);
                 }
-                const float inverse = 1.0f / total;
-                for (int64_t d = 0; d < dim; ++d) o[d] *= inverse;
             }
         }
-    }
+        if (split) return;
+        for (int64_t g = 0; g < group; ++g) {
+            for (int64_t i = 0; i < job.count; ++i) normalize(out(job, g, i), total_sum[g * job.count + i], dim);
+        }
+    });
+    if (!split) return;
+    // Each (head, token): the stored states of its parts folded in order, then divided by the total.
+    pool_.parallel_each(num_jobs, [&](int64_t j) {
+        const Job& job = jobs[static_cast<size_t>(j)];
+        const int64_t states = group * job.count;
+        for (int64_t at = 0; at < states; ++at) {
+            float* o = out(job, at / job.count, at % job.count);
+            float total_max = -INFINITY, total_sum = 0.0f;
+            for (int64_t part = 0; part < job.parts; ++part) {
+                const size_t from = static_cast<size_t>(job.state + part * states + at);
+                fold(o, total_max, total_sum, &batch.part_out[from * static_cast<size_t>(dim)], batch.part_max[from],
+                     batch.part_sum[from], dim);
+            }
+            normalize(o, total_sum, dim);
+        }
+    });
 }
 
 }  // namespace pocketllm

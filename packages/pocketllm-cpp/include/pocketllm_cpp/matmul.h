@@ -19,9 +19,10 @@ struct WeightView {
 // Checks sizes and types; throws std::invalid_argument naming what is wrong.
 void validate(const WeightView& w, int64_t data_bytes);
 
-// Quantizes each of n rows of x [n, cols] to 8-bit blocks (round half to even), as the integer kernels need;
-// many rows are split over `pool` when one is given.
-void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows& out, ThreadPool* pool = nullptr);
+// Quantizes each of n rows of x [n, cols] to 8-bit blocks (round half to even), as the integer kernels need, and
+// fills out.grouped when `grouped`; many rows are split over `pool` when one is given.
+void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows& out, ThreadPool* pool = nullptr,
+                          bool grouped = false);
 
 // One product of a batch that shares its input: y [n, w.rows] (row stride w.rows) = x @ w.T.
 struct Product {

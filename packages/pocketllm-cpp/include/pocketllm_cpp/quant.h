@@ -32,6 +32,9 @@ struct QuantizedRows {
     int64_t rows = 0, cols = 0;
     std::vector<int8_t> qs;
     std::vector<float> d, s;
+    // The codes again, each full group of 8 blocks transposed by 4-byte words (vector v of a group: word v of each
+    // of its blocks), for the x86 batched kernels; empty unless asked for.
+    std::vector<int8_t> grouped;
     int64_t blocks_per_row() const { return cols / kBlock; }
     const int8_t* codes(int64_t row, int64_t block) const { return qs.data() + row * cols + block * kBlock; }
     float scale(int64_t row, int64_t block) const { return d[static_cast<size_t>(row * blocks_per_row() + block)]; }
