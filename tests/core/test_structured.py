@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,7 @@ def test_deep_but_flat_grammars_compile_or_are_refused_and_never_crash(tmp_path:
     ({"json": {"type": "string", "pattern": "[a-z]{100000}"}}, "repetition count of 100000"),
     ({"grammar": "start: " + " | ".join(f'"a{i}"' for i in range(2001))}, "more than 2000 alternatives"),
     ({"grammar": "start: (" + " | ".join(f'"a{i}"' for i in range(2001)) + ")"}, "more than 2000 alternatives"),
+    ({"grammar": 'root ::= "' + "a" * (1 << 18) + '"'}, "GBNF grammar is longer than 131072 characters"),
 ])
 def test_grammars_past_a_bound_are_refused_before_compiling(compiler: GrammarCompiler, fields: dict,
                                                              limit: str) -> None:
@@ -204,6 +206,53 @@ def test_grammar_cache_mb_is_checked() -> None:
     for bad in (-1, 1.5, True, 1 << 40):
         with pytest.raises(ConfigError, match="grammar_cache_mb"):
             EngineArgs(grammar_cache_mb=bad)
+
+
+def test_compiles_share_threads_queue_boundedly_and_give_up_on_time(compiler: GrammarCompiler,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31, item 3: one compile thread, one queued compile; compiles of "held" regexes wait for an event."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pocketllm.errors import OverloadedError
+    from pocketllm.grammar_pool import CompilePool
+    from pocketllm.limits import GRAMMAR_COMPILE_STACK_BYTES
+
+    grammars = GrammarCompiler(compiler._tokenizer, compiler.vocab_size)
+    grammars._pool = CompilePool(1, 1, GRAMMAR_COMPILE_STACK_BYTES, name="test-grammar")
+    release, started, compile = threading.Event(), threading.Semaphore(0), grammars._compile
+    threads: set[str] = set()
+
+    def held(spec: StructuredOutputs):
+        threads.add(threading.current_thread().name)
+        if spec.regex.startswith("held"):
+            started.release()
+            release.wait(60)
+        return compile(spec)
+
+    monkeypatch.setattr(grammars, "_compile", held)
+    with ThreadPoolExecutor(4) as callers:
+        first = [callers.submit(grammars.compile, StructuredOutputs(regex="held-a")) for _ in range(2)]
+        assert started.acquire(timeout=30)
+        queued = callers.submit(grammars.compile, StructuredOutputs(regex="held-b"))
+        while grammars._pool.queued() < 1:
+            threading.Event().wait(0.01)
+        with pytest.raises(OverloadedError, match="1 grammar compiles are waiting"):
+            grammars.compile(StructuredOutputs(regex="c"))
+        release.set()
+        assert first[0].result() is first[1].result()  # one compile for both
+        queued.result()
+    assert threads == {"test-grammar-0"}  # the pool's own thread, with its large stack
+    release.clear()
+    grammars.timeout_s = 0.3
+    with pytest.raises(ConfigError, match=r"took more than 0.3 s to compile \(the limit\)"):
+        grammars.compile(StructuredOutputs(regex="held-slow-1"))  # given up: its thread still runs it
+    with pytest.raises(ConfigError, match=r"took more than 0\.3 s"):
+        grammars.compile(StructuredOutputs(regex="held-slow-2"))  # on a spare thread: one spare per worker
+    with pytest.raises(OverloadedError, match=r"waited 0.3 s for a compile thread"):
+        grammars.compile(StructuredOutputs(regex="d"))  # both threads are taken by given-up compiles
+    release.set()
+    assert grammars.compile(StructuredOutputs(regex="e")) is not None
+    assert not any("held-slow" in key for key in grammars._cache)
 
 
 def test_a_reasoning_section_is_left_free_and_the_grammar_starts_after_it(compiler: GrammarCompiler) -> None:

@@ -150,8 +150,9 @@ def test_forced_tool_calls_of_the_default_model_follow_their_schemas(live_server
 
 
 def test_a_grammar_compiles_off_the_event_loop(smol) -> None:
-    """The first grammar also builds llguidance's vocabulary (~0.5 s): AsyncLLM adds such a request from a worker
-    thread, so a server's event loop keeps answering meanwhile."""
+    """The first grammar also builds llguidance's vocabulary (~0.5 s): AsyncLLM compiles on the core's compile
+    threads and awaits the result, so that a server's event loop keeps answering and none of asyncio's default
+    threads (chat templates, tokenizing) waits for a compile."""
     import asyncio
     import threading
 
@@ -159,20 +160,23 @@ def test_a_grammar_compiles_off_the_event_loop(smol) -> None:
     from pocketllm.structured import StructuredOutputs
 
     llm = smol[1]
-    threads: list[int] = []
-    add = llm.driver.add_request
+    threads: list[str] = []
+    grammars = llm.driver.grammars
+    compile = grammars._compile
 
-    def spy(*args, **kwargs):
-        threads.append(threading.get_ident())
-        return add(*args, **kwargs)
+    def spy(spec):
+        threads.append(threading.current_thread().name)
+        return compile(spec)
+
+    choices = ["yes", "no", "off the loop"]
 
     async def run() -> str:
-        params = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputs(choice=["yes", "no"]))
+        params = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputs(choice=choices))
         return "".join([e.text async for e in llm.stream_ids(llm.tokenizer.encode("Yes or no?"), params)])
 
-    llm.driver.add_request = spy
+    grammars._compile = spy
     try:
-        assert asyncio.run(run()) in ("yes", "no")
+        assert asyncio.run(run()) in choices
     finally:
-        del llm.driver.add_request
-    assert threads and threading.get_ident() not in threads
+        del grammars._compile
+    assert threads and all(name.startswith("pocketllm-grammar") for name in threads), threads

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pocketllm.client import EngineClient, Messages, OutputCollector, Prompt, embedding_of
@@ -88,10 +86,13 @@ class AsyncLLM(EngineClient):
         """Stream a request given as token ids; errors in the request surface before the first event."""
         stream = _AsyncStream(asyncio.get_running_loop())
         params = sampling_params or SamplingParams()
-        # A grammar compiles while the request is added (the first one also builds llguidance's view of the
-        # vocabulary, ~0.5 s): on a worker thread, so that the event loop keeps serving meanwhile.
-        add = functools.partial(self.driver.add_request, prompt_ids, params, stream, request_id)
-        request_id, accepted = await self._add_off_loop(add) if params.structured_outputs is not None else add()
+        grammar = None
+        if params.structured_outputs is not None:
+            # Refused before it compiles; then compiled on the core's compile threads (the first one also builds
+            # llguidance's view of the vocabulary, ~0.5 s) and awaited, so that no thread of this loop's waits.
+            self.driver.check_request(prompt_ids, params)
+            grammar = await self.driver.grammars.compile_async(params.structured_outputs)
+        request_id, accepted = self.driver.add_request(prompt_ids, params, stream, request_id, grammar=grammar)
         finished = False
         try:
             await asyncio.wrap_future(accepted)
@@ -102,16 +103,6 @@ class AsyncLLM(EngineClient):
         finally:
             if not finished:
                 self.driver.abort(request_id)
-
-    async def _add_off_loop(self, add: Callable[[], tuple[str, Future[None]]]) -> tuple[str, Future[None]]:
-        """``add()`` on a worker thread; a caller cancelled meanwhile leaves no request behind."""
-        adding = asyncio.ensure_future(asyncio.to_thread(add))
-        try:
-            return await asyncio.shield(adding)
-        except asyncio.CancelledError:
-            adding.add_done_callback(
-                lambda done: None if done.cancelled() or done.exception() else self.driver.abort(done.result()[0]))
-            raise
 
     async def _collect(self, text: str | None, ids: list[int], params: SamplingParams | None,
                        request_id: str | None) -> RequestOutput:

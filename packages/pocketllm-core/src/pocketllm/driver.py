@@ -46,7 +46,7 @@ from pocketllm.pooling import DEFAULT_POOLING_TYPE, EmbeddingOutput, PoolingPara
 from pocketllm.progress import LoadProgress
 from pocketllm.reasoning import ReasoningSplitter
 from pocketllm.sampling_params import SamplingParams
-from pocketllm.structured import Constraint, GrammarCompiler, short_error
+from pocketllm.structured import CompiledGrammar, Constraint, GrammarCompiler, short_error
 from pocketllm.support import check_embedding_request, check_engine_args, check_request
 from pocketllm.tensor_parallel import LocalRanks, check_world, rank_info
 from pocketllm.tokenizer import Tokenizer
@@ -171,15 +171,22 @@ class EngineDriver:
 
     # -- called from any thread ------------------------------------------------
 
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Refuse what ``add_request`` would refuse before its grammar compiles (see support.check_request)."""
+        return check_request(self.backend_name, self.capabilities, prompt_ids, params,
+                             vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams, sink: Sink,
-                    request_id: str | None = None) -> tuple[str, Future[None]]:
-        """Queue a request; the future resolves once the backend accepted it (or holds its error)."""
-        params = check_request(self.backend_name, self.capabilities, prompt_ids, params,
-                               vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
+                    request_id: str | None = None, grammar: CompiledGrammar | None = None) -> tuple[str, Future[None]]:
+        """Queue a request; the future resolves once the backend accepted it (or holds its error). ``grammar`` is
+        its ``structured_outputs`` already compiled (``self.grammars.compile_async``); else it compiles here,
+        blocking the caller (never the engine's steps) on the compile threads."""
+        params = self.check_request(prompt_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        # Compiled here, on the caller's thread: a large schema must not stall the engine's steps.
-        constraints = ([self.grammars.constraint(params.structured_outputs, params.reasoning) for _ in range(params.n)]
-                       if params.structured_outputs is not None else [None] * params.n)
+        constraints: list[Constraint | None] = [None] * params.n
+        if params.structured_outputs is not None:
+            grammar = grammar or self.grammars.compile(params.structured_outputs)
+            constraints = [self.grammars.constraint(grammar, params.reasoning) for _ in range(params.n)]
         # Stop strings look past the reasoning section unless asked not to.
         splits = None if params.stop_in_reasoning or not params.stop else params.reasoning
         choices = [

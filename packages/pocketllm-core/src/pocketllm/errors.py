@@ -60,5 +60,9 @@ class GrammarError(ConfigError, RequestFailedError):
     (``field`` is ``structured_outputs`` or ``min_tokens``): the request's own doing, and it failed alone."""
 
 
+class OverloadedError(PocketLLMError, RuntimeError):
+    """The engine cannot take this request now (its grammar compiles are all taken, say); it may later."""
+
+
 class RequestCancelledError(PocketLLMError, RuntimeError):
     """A request that has no partial result (an embedding) was aborted, or the engine shut down, before it ended."""

@@ -19,7 +19,13 @@ from typing import Any
 from urllib.parse import unquote
 
 from pocketllm.errors import ConfigError
-from pocketllm.limits import MAX_GRAMMAR_ALTERNATIVES, MAX_GRAMMAR_REPEAT, MAX_GRAMMAR_RULES, MAX_SCHEMA_DEPTH
+from pocketllm.limits import (
+    MAX_GBNF_CHARS,
+    MAX_GRAMMAR_ALTERNATIVES,
+    MAX_GRAMMAR_REPEAT,
+    MAX_GRAMMAR_RULES,
+    MAX_SCHEMA_DEPTH,
+)
 
 _COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 _LARK_COUNT = re.compile(r"~\s*(\d+)(?:\s*\.\.\s*(\d+))?")
@@ -286,7 +292,8 @@ def _line_end(text: str, i: int) -> int:
 
 
 def gbnf_in_dependency_order(text: str) -> str:
-    """A GBNF grammar with each rule moved after the rules it refers to (at most MAX_GRAMMAR_RULES rules).
+    """A GBNF grammar with each rule moved after the rules it refers to (at most MAX_GRAMMAR_RULES rules and
+    MAX_GBNF_CHARS characters).
 
     llguidance's GBNF converter finds the rules that are terminals by passing over all of them until nothing
     changes, one more rule settled per pass along a chain: rules times size (a 1,000-rule chain took 2.4 s, a
@@ -295,6 +302,9 @@ def gbnf_in_dependency_order(text: str) -> str:
     starts = list(_GBNF_RULE.finditer(text))
     if len(starts) > MAX_GRAMMAR_RULES:
         raise refuse(f"the grammar has more than {MAX_GRAMMAR_RULES} rules (the limit)")
+    if len(text) > MAX_GBNF_CHARS:
+        raise refuse(f"the GBNF grammar is longer than {MAX_GBNF_CHARS} characters (the limit; a Lark grammar may "
+                     "be longer)")
     if not starts:
         return text
     blocks = {m[1]: text[m.start():(starts[k + 1].start() if k + 1 < len(starts) else len(text))]

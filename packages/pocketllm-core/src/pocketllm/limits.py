@@ -44,6 +44,10 @@ MAX_GRAMMAR_ALTERNATIVES = 2000
 holds a rule's alternatives in one row of at most this many items (its ``max_items_in_row``), and a request whose
 grammar passes it fails after its first token."""
 
+MAX_GBNF_CHARS = 128 << 10
+"""A GBNF grammar's length at most: llguidance converts GBNF to Lark in Python, holding the GIL, at ~20 us per
+character here (a 417 KB grammar took 8 s even with its rules in dependency order); at this length about 2.5 s."""
+
 MAX_GRAMMAR_REPEAT = 10_000
 """Largest repetition count (``{n}``, ``{n,m}``) in a regex or grammar, nested counts multiplied: llguidance
 expands a counted repetition, a forced one of 10,000 costs ~10 ms of mask per token (a decode step's worth), and
@@ -61,6 +65,15 @@ committed."""
 GRAMMAR_COMPILE_THREADS = 2
 """Threads that compile grammars, per engine: a compile keeps a core busy (llguidance releases the GIL), and more
 at once would slow the engine's steps."""
+
+MAX_QUEUED_GRAMMAR_COMPILES = 16
+"""Distinct grammar compiles that may wait for a compile thread, per engine; one more is refused as overloaded
+(503 with Retry-After). Requests for a spec already being compiled wait for that compile and do not count."""
+
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+"""How long a request waits for its grammar's compile, from the compile's start (a ConfigError naming the limit
+past it, a 400), or for a compile thread while queued (overloaded, a 503). Under the bounds above most compiles
+take milliseconds; a 345 KB schema of 8,600 optional properties took 19.5 s here."""
 
 MAX_THREADS = 1024
 """Most compute threads a backend option may ask for: a typo of 10**6 must be an error, not a million threads."""

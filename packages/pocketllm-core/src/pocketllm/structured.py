@@ -13,11 +13,14 @@ torch, transformers and triton, which the core must not import; llguidance has n
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import wait
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -25,13 +28,15 @@ import numpy as np
 
 from pocketllm import grammar_bounds
 from pocketllm import reasoning as reasoning_tags
-from pocketllm.errors import ConfigError
-from pocketllm.grammar_pool import CompilePool
+from pocketllm.errors import ConfigError, OverloadedError, PocketLLMError
+from pocketllm.grammar_pool import CompilePool, Job
 from pocketllm.limits import (
     GRAMMAR_COMPILE_STACK_BYTES,
     GRAMMAR_COMPILE_THREADS,
+    GRAMMAR_COMPILE_TIMEOUT_S,
     MAX_GRAMMAR_ALTERNATIVES,
     MAX_GRAMMAR_CHARS,
+    MAX_QUEUED_GRAMMAR_COMPILES,
 )
 
 if TYPE_CHECKING:
@@ -243,11 +248,13 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_bytes: int = 64 << 20) -> None:
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
-        self._lock = threading.Lock()
+        self._lock, self._tokenizer_lock = threading.Lock(), threading.Lock()
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._cache_bytes, self._capacity = 0, cache_bytes
-        # Compiles recurse as deep as a grammar's chains: only on threads whose stack the bounds were sized for.
-        self._pool = CompilePool(GRAMMAR_COMPILE_THREADS, GRAMMAR_COMPILE_STACK_BYTES)
+        # Compiles recurse as deep as a grammar's chains: only on threads whose stack the bounds were sized for,
+        # which nothing else uses (see pocketllm.grammar_pool).
+        self._pool = CompilePool(GRAMMAR_COMPILE_THREADS, MAX_QUEUED_GRAMMAR_COMPILES, GRAMMAR_COMPILE_STACK_BYTES)
+        self.timeout_s = GRAMMAR_COMPILE_TIMEOUT_S
 
     @functools.cached_property
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -256,20 +263,81 @@ class GrammarCompiler:
         eos = list(self._tokenizer.eos_token_ids) or None
         return llguidance.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
 
-    def constraint(self, spec: StructuredOutputs, reasoning: str | None = None) -> Constraint:
-        """A fresh constraint for one engine request; ConfigError naming structured_outputs for a bad spec.
-        With ``reasoning`` (a :data:`pocketllm.reasoning.REASONING_PARSERS` format) the grammar starts after
-        the reply's reasoning section."""
-        key = spec.key()
+    def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+        """``spec`` compiled (from the cache, else on a compile thread, waited for up to ``timeout_s``): a
+        ConfigError naming structured_outputs for a bad spec or one too slow to compile, OverloadedError while the
+        compile threads are all taken and ``timeout_s`` passes, or too many compiles wait for them."""
+        cached = self._cached(spec.key())
+        if cached is not None:
+            return cached
+        job = self._submit(spec)
+        try:
+            while not job.future.done():
+                remaining = job.remaining(self.timeout_s)
+                if remaining <= 0:
+                    raise self._late(job)
+                wait([job.future], timeout=remaining)
+            return self._result(job)
+        finally:
+            self._pool.release(job)
+
+    async def compile_async(self, spec: StructuredOutputs) -> CompiledGrammar:
+        """:meth:`compile`, awaited: no thread waits (neither the event loop nor asyncio's default threads, which
+        others need for chat templates and tokenizing); a cancelled caller stops waiting at once."""
+        cached = self._cached(spec.key())
+        if cached is not None:
+            return cached
+        job = self._submit(spec)
+        try:
+            loop, done = asyncio.get_running_loop(), asyncio.Event()
+
+            def wake(_: object) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: no one to wake
+                    loop.call_soon_threadsafe(done.set)
+
+            job.future.add_done_callback(wake)
+            while not job.future.done():
+                remaining = job.remaining(self.timeout_s)
+                if remaining <= 0:
+                    raise self._late(job)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), remaining)
+            return self._result(job)
+        finally:
+            self._pool.release(job)
+
+    def constraint(self, spec: StructuredOutputs | CompiledGrammar, reasoning: str | None = None) -> Constraint:
+        """A fresh constraint for one engine request, from ``spec`` compiled (see :meth:`compile`). With
+        ``reasoning`` (a :data:`pocketllm.reasoning.REASONING_PARSERS` format) the grammar starts after the
+        reply's reasoning section."""
+        compiled = spec if isinstance(spec, CompiledGrammar) else self.compile(spec)
+        return Constraint(compiled.matcher.deep_copy(), self.vocab_size,
+                          self._gate(reasoning) if reasoning else None, stop_ids=self._stop_ids)
+
+    def _cached(self, key: str) -> CompiledGrammar | None:
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
-        if compiled is None:
-            compiled = self._pool.submit(lambda: self._compile(spec)).result()
-            self._keep(key, compiled)
-        return Constraint(compiled.matcher.deep_copy(), self.vocab_size,
-                          self._gate(reasoning) if reasoning else None, stop_ids=self._stop_ids)
+            return compiled
+
+    def _submit(self, spec: StructuredOutputs) -> Job:
+        return self._pool.submit(spec.key(), lambda: self._compile(spec))
+
+    def _result(self, job: Job) -> CompiledGrammar:
+        """A finished job's grammar, kept in the cache, or its error raised (to each of its waiters)."""
+        error = job.future.exception()
+        if error is not None:
+            raise error.with_traceback(None)
+        compiled: CompiledGrammar = job.future.result()
+        self._keep(job.key, compiled)
+        return compiled
+
+    def _late(self, job: Job) -> PocketLLMError:
+        if job.started_at is None:
+            return OverloadedError(f"the grammar waited {self.timeout_s:g} s for a compile thread, all taken by "
+                                   "other compiles: retry later")
+        return ConfigError("structured_outputs", f"took more than {self.timeout_s:g} s to compile (the limit)")
 
     def cache_stats(self) -> GrammarCacheStats:
         with self._lock:
@@ -301,7 +369,7 @@ class GrammarCompiler:
             raise
         except Exception as e:  # llguidance's parsers raise ValueError, RuntimeError and their own types
             raise ConfigError("structured_outputs", f"invalid {_kind(spec)}: {short_error(str(e))}") from None
-        with self._lock:
+        with self._tokenizer_lock:  # the first compile builds it (~0.5 s): not under the cache's lock
             tokenizer = self._ll_tokenizer
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
         if matcher.is_error():

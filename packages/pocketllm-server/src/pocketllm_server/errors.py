@@ -8,6 +8,7 @@ from starlette.responses import Response
 from pocketllm.errors import (
     ConfigError,
     EngineDeadError,
+    OverloadedError,
     PocketLLMError,
     PromptTooLongError,
     RequestCancelledError,
@@ -66,6 +67,8 @@ def from_engine_error(error: PocketLLMError, *, fields: dict[str, str] | None = 
         return APIError(400, str(error), param=fields.get("prompt", "prompt"), code="context_length_exceeded")
     if isinstance(error, EngineDeadError):
         return unavailable(str(error), "engine_dead")
+    if isinstance(error, OverloadedError):
+        return unavailable(str(error), "overloaded")
     if isinstance(error, RequestCancelledError):  # with its client still there, only a shutdown cancels
         return unavailable(f"{error}: the server is shutting down", "request_aborted")
     return APIError(500, f"{type(error).__name__}: {error}", type="internal_server_error")
