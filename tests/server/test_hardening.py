@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from pocketllm import AsyncLLM
 from pocketllm_server import create_app
+from tests.core.grammar_shapes import PAST_THE_BOUNDS
 from tests.server.conftest import LiveServer
 
 CHAT = "/v1/chat/completions"
@@ -60,6 +61,11 @@ def _corpus(vocab: int) -> Iterator[tuple[str, str, Any]]:
     yield "2000 levels in chat_template_kwargs", CHAT, (b'{"messages": [{"role": "user", "content": "hi"}], '
                                                         b'"chat_template_kwargs": {"a": ' + nested + b"}}")
     yield "65 levels of nesting", CHAT, {"messages": MESSAGES, "tools": [_nest(65)]}
+    for name, fields, _ in PAST_THE_BOUNDS:  # issue 31, item 1: these crashed the server (SIGSEGV)
+        field, value = next(iter(fields.items()))
+        spec = ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": value}}}
+                if field == "json" else {"guided_grammar": value})
+        yield f"grammar: {name}", CHAT, {"messages": MESSAGES, **spec}
 
 
 def _nest(depth: int) -> Any:
