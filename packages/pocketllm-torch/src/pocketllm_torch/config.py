@@ -11,6 +11,7 @@ import torch
 from pocketllm.errors import ConfigError, UnsupportedOptionError
 from pocketllm.limits import MAX_THREADS
 from pocketllm_torch.backend import NAME
+from pocketllm_torch.cpus import available_cpus
 from pocketllm_torch.linear import compute_dtype
 
 if TYPE_CHECKING:
@@ -22,11 +23,15 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_STATE_SNAPSHOT_MB = 512  # prefix-cache snapshots of hybrid models' states (Qwen3.5-9B: ~50 MB each)
 CPU_KV_MEMORY_FRACTION = 0.25  # of physical RAM: the weights and the rest of the process need the remainder
 GPU_KV_MEMORY_FRACTION = 0.9  # of the memory still free once the weights are loaded
+# torch's intra-op threads before any engine set them: its own default (the physical cores of the affinity mask
+# it loaded with), or what the process chose. An engine without num_threads takes at most these.
+_THREADS_BEFORE = torch.get_num_threads()
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
 class TorchConfig:
     model: ModelConfig
+    num_threads: int  # torch's intra-op threads (a tensor-parallel rank may take fewer: see tensor_parallel.py)
     device: torch.device
     dtype: torch.dtype
     kv_cache_dtype: torch.dtype
@@ -44,8 +49,9 @@ class TorchConfig:
     def from_args(cls, args: EngineArgs, model: ModelConfig) -> TorchConfig:
         # The core has refused every option outside this backend's Capabilities; values are checked here.
         options = args.backend_options
-        if "num_threads" in options:
-            torch.set_num_threads(_positive_option(options, "num_threads", at_most=MAX_THREADS))
+        threads = (_positive_option(options, "num_threads", at_most=MAX_THREADS) if "num_threads" in options
+                   else default_threads())
+        torch.set_num_threads(threads)  # on the engine's thread, which runs the kernels
         device = _resolve_device(args.device)
         dtype = _resolve_dtype(args.dtype, device)
         # "auto" stores what attention computes in, so that reading the cache converts nothing.
@@ -54,6 +60,7 @@ class TorchConfig:
         assert args.max_model_len is not None  # resolved by the core
         return cls(
             model=model,
+            num_threads=threads,
             device=device,
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
@@ -92,6 +99,12 @@ class TorchConfig:
             raise ConfigError("backend_options", f"{num_blocks} KV blocks of {self.block_size} tokens cannot hold "
                                                  f"one sequence of max_model_len={self.max_model_len}")
         return num_blocks
+
+
+def default_threads() -> int:
+    """Intra-op threads without num_threads: the CPUs this process may use (affinity mask, cgroup quota: see
+    cpus.py), at most torch's own default."""
+    return min(_THREADS_BEFORE, available_cpus())
 
 
 def _resolve_device(name: str) -> torch.device:

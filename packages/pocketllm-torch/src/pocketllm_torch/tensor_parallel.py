@@ -19,7 +19,6 @@ on CUDA (HCCL is an Ascend backend's own).
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +31,7 @@ from torch import Tensor
 from pocketllm.errors import UnsupportedOptionError
 from pocketllm.tensor_parallel import launch_abandoned, rank_info
 from pocketllm_torch.backend import NAME
+from pocketllm_torch.config import default_threads
 
 if TYPE_CHECKING:
     from pocketllm_torch.linear import Linear
@@ -70,8 +70,8 @@ class Group:
             raise UnsupportedOptionError("tensor_parallel_size", NAME, "this process has no rank: launch it with "
                                          "torchrun, pocketllm-server's supervisor or the LLM class")
         self.rank, self.world_size, self.local_world_size = info.rank, info.world_size, info.local_world_size
-        if device.type == "cpu" and not threads_chosen:  # the ranks on this machine share its cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
+        if device.type == "cpu" and not threads_chosen:  # the ranks on this machine share the CPUs it may use
+            torch.set_num_threads(max(1, default_threads() // info.local_world_size))
         if device.type == "cuda":  # one GPU per local rank; "cuda" then means this one
             torch.cuda.set_device(info.local_rank)
         store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=info.rank == 0,
