@@ -8,7 +8,6 @@
 
 #include <memory>
 #include <stdexcept>
-#include <thread>
 
 #include "pocketllm_cpp/isa.h"
 #include "pocketllm_cpp/matmul.h"
@@ -30,7 +29,7 @@ WeightView weight_view(const Bytes& data, const std::string& type, int64_t rows,
 }
 
 ThreadPool& default_pool() {
-    static ThreadPool pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+    static ThreadPool pool(available_cpus());
     return pool;
 }
 
@@ -106,6 +105,11 @@ NB_MODULE(_native, m) {
     m.def("set_isa", &set_isa, nb::arg("name"), "Use 'scalar', 'avx2', 'avx512', 'neon' or 'auto'; ValueError if unavailable.");
     m.def("available_isas", [] { return available_isas(); }, "Every ISA this CPU and build can run, scalar first.");
     m.def("num_threads", [] { return default_pool().size(); }, "Threads of the kernels' pool.");
+    m.def("available_cpus", &available_cpus,
+          "The CPUs this process may use: its affinity mask, capped by its cgroup CPU quota (rounded up); at least 1.");
+    m.def("cgroup_cpu_quota", &cgroup_cpu_quota, nb::arg("root") = "",
+          "The cgroup CPU quota in CPUs (v2 cpu.max, v1 cfs quota over period, the smallest up the hierarchy), 0 for "
+          "none; `root` prefixes the /proc and cgroup paths read (tests).");
     m.def(
         "matmul",
         [](const Bytes& weight, const std::string& type, int64_t rows, int64_t cols, const Matrix& x, bool exact) {

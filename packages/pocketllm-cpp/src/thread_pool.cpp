@@ -2,6 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -10,14 +14,34 @@
 #define POCKETLLM_PAUSE() std::this_thread::yield()
 #endif
 
+#ifdef __linux__
+#include <sched.h>
+#endif
+
 namespace pocketllm {
-namespace {
 
-// How long an idle worker spins before it sleeps: long enough to span the serial work between two regions of
-// a step (norms, RoPE), short enough that an idle engine stops burning a core at once.
-constexpr auto kSpin = std::chrono::microseconds(2000);
+using Clock = std::chrono::steady_clock;
 
-}  // namespace
+bool Spinner::wait(const std::function<bool()>& ready) {
+    const Clock::time_point start = Clock::now();
+    const Clock::time_point spin_end = start + limit_, yield_end = start + kYield;
+    for (int64_t i = 1;; ++i) {
+        if (ready()) {
+            // Spinning paid: spin as long again next time, and longer, back up to kSpin.
+            limit_ = std::min<Clock::duration>(kSpin, limit_ * 2 + std::chrono::microseconds(1));
+            return true;
+        }
+        POCKETLLM_PAUSE();
+        if (i % 16 == 0 && Clock::now() > spin_end) break;  // a clock read costs a few pauses
+    }
+    // It did not: where threads outnumber the CPUs they get, every wait ends here, and the spins shrink to none.
+    limit_ /= 2;
+    while (!ready()) {
+        if (Clock::now() > yield_end) return false;
+        std::this_thread::yield();
+    }
+    return true;
+}
 
 ThreadPool::ThreadPool(int num_threads) {
     for (int i = 1; i < std::max(1, num_threads); ++i) workers_.emplace_back([this, i] { work(i); });
@@ -60,10 +84,18 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
     }
     run_range(0);
     ++regions_;
-    if (pending_.load() > 0) {
-        const auto idle = std::chrono::steady_clock::now();
-        while (pending_.load() > 0) POCKETLLM_PAUSE();
-        wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - idle).count();
+    const std::function<bool()> finished = [this] { return pending_.load() == 0; };
+    if (!finished()) {
+        const Clock::time_point idle = Clock::now();
+        if (!spinner_.wait(finished)) {
+            // The last worker to finish sees the flag (both sides are sequentially consistent: either it sees the
+            // flag and notifies under the mutex, or this predicate sees its decrement) and wakes this thread.
+            std::unique_lock<std::mutex> lock(mutex_);
+            caller_asleep_.store(true);
+            done_.wait(lock, finished);
+            caller_asleep_.store(false);
+        }
+        wait_seconds_ += std::chrono::duration<double>(Clock::now() - idle).count();
     }
     task_ = nullptr;
     if (error_) std::rethrow_exception(error_);
@@ -78,24 +110,128 @@ void ThreadPool::parallel_each(int64_t n, const std::function<void(int64_t)>& fn
 
 void ThreadPool::work(int index) {
     uint64_t seen = 0;
+    const std::function<bool()> moved = [&] { return generation_.load() != seen || stopping_.load(); };
+    Spinner spinner;
     for (;;) {
-        const auto deadline = std::chrono::steady_clock::now() + kSpin;
-        int spins = 0;
-        while (generation_.load() == seen && !stopping_.load()) {
-            if (++spins % 1024 == 0 && std::chrono::steady_clock::now() > deadline) {
-                std::unique_lock<std::mutex> lock(mutex_);
-                sleepers_.fetch_add(1);
-                wake_.wait(lock, [&] { return generation_.load() != seen || stopping_.load(); });
-                sleepers_.fetch_sub(1);
-                break;
-            }
-            POCKETLLM_PAUSE();
+        if (!spinner.wait(moved)) {
+            std::unique_lock<std::mutex> lock(mutex_);
+            sleepers_.fetch_add(1);
+            wake_.wait(lock, moved);
+            sleepers_.fetch_sub(1);
         }
         if (stopping_.load()) return;
         seen = generation_.load();
         run_range(index);
-        pending_.fetch_sub(1);
+        if (pending_.fetch_sub(1) == 1 && caller_asleep_.load()) {
+            std::lock_guard<std::mutex> lock(mutex_);
+            done_.notify_one();
+        }
     }
+}
+
+namespace {
+
+std::string first_line(const std::string& path) {
+    std::ifstream file(path);
+    std::string line;
+    std::getline(file, line);
+    return line;
+}
+
+std::vector<std::string> split(const std::string& text, char separator) {
+    std::vector<std::string> parts;
+    std::istringstream in(text);
+    for (std::string part; std::getline(in, part, separator);) parts.push_back(part);
+    return parts;
+}
+
+// A positive number from the start of `text`, else 0 ("max", "-1", empty: no limit).
+double positive(const std::string& text) {
+    char* end = nullptr;
+    const double value = std::strtod(text.c_str(), &end);
+    return end != text.c_str() && value > 0 && std::isfinite(value) ? value : 0.0;
+}
+
+// The CPUs a cgroup's own files allow, 0 for none: v2's "quota period" (or "max period") in cpu.max, v1's two files.
+double quota_at(const std::string& dir, bool v2) {
+    if (v2) {
+        const std::vector<std::string> fields = split(first_line(dir + "/cpu.max"), ' ');
+        if (fields.size() != 2) return 0.0;
+        const double quota = positive(fields[0]), period = positive(fields[1]);
+        return quota > 0 && period > 0 ? quota / period : 0.0;
+    }
+    const double quota = positive(first_line(dir + "/cpu.cfs_quota_us"));
+    const double period = positive(first_line(dir + "/cpu.cfs_period_us"));
+    return quota > 0 && period > 0 ? quota / period : 0.0;
+}
+
+// The smallest quota from the process's cgroup up to the top of the hierarchy's mount at `point`. `mount_root` is
+// the cgroup the mount shows at its top (in a container, usually the container's own): a process path outside it
+// is not visible there, and the mount's top is the nearest cgroup that is.
+double hierarchy_quota(const std::string& root, const std::string& point, const std::string& mount_root,
+                       const std::string& path, bool v2) {
+    std::string relative;
+    if (mount_root == "/") relative = path;
+    else if (path.compare(0, mount_root.size(), mount_root) == 0) relative = path.substr(mount_root.size());
+    double smallest = 0.0;
+    for (;;) {
+        const double quota = quota_at(root + point + relative, v2);
+        if (quota > 0 && (smallest == 0 || quota < smallest)) smallest = quota;
+        const size_t slash = relative.find_last_of('/');
+        if (relative.empty() || slash == std::string::npos) break;
+        relative.resize(slash);
+    }
+    return smallest;
+}
+
+}  // namespace
+
+double cgroup_cpu_quota(const std::string& root) {
+    // This process's cgroup per hierarchy: "0::/path" (v2), "4:cpu,cpuacct:/path" (v1).
+    std::string v2_path, v1_path;
+    bool v2 = false, v1 = false;
+    std::ifstream cgroups(root + "/proc/self/cgroup");
+    for (std::string line; std::getline(cgroups, line);) {
+        const size_t first = line.find(':'), second = line.find(':', first + 1);
+        if (first == std::string::npos || second == std::string::npos) continue;
+        const std::string controllers = line.substr(first + 1, second - first - 1), path = line.substr(second + 1);
+        const std::vector<std::string> names = split(controllers, ',');
+        if (line.compare(0, first, "0") == 0 && controllers.empty()) {
+            v2 = true, v2_path = path;
+        } else if (std::find(names.begin(), names.end(), "cpu") != names.end()) {
+            v1 = true, v1_path = path;
+        }
+    }
+    // Where those hierarchies are mounted: mountinfo's 4th (the cgroup at the mount's top) and 5th (the mount
+    // point) fields, the file system type and its options after the " - " separator.
+    double smallest = 0.0;
+    std::ifstream mounts(root + "/proc/self/mountinfo");
+    for (std::string line; std::getline(mounts, line);) {
+        const std::vector<std::string> fields = split(line, ' ');
+        const auto dash = std::find(fields.begin(), fields.end(), "-");
+        if (fields.size() < 5 || fields.end() - dash < 4) continue;
+        const std::string& type = dash[1];
+        const std::vector<std::string> options = split(dash[3], ',');
+        double quota = 0.0;
+        if (type == "cgroup2" && v2) {
+            quota = hierarchy_quota(root, fields[4], fields[3], v2_path, true);
+        } else if (type == "cgroup" && v1 && std::find(options.begin(), options.end(), "cpu") != options.end()) {
+            quota = hierarchy_quota(root, fields[4], fields[3], v1_path, false);
+        }
+        if (quota > 0 && (smallest == 0 || quota < smallest)) smallest = quota;
+    }
+    return smallest;
+}
+
+int available_cpus() {
+    int cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+#ifdef __linux__
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) cpus = std::max(1, CPU_COUNT(&set));
+#endif
+    const double quota = cgroup_cpu_quota();
+    if (quota > 0) cpus = std::min(cpus, std::max(1, static_cast<int>(std::ceil(quota))));
+    return cpus;
 }
 
 }  // namespace pocketllm

@@ -1,11 +1,14 @@
 // The library from C++ alone: every ISA this CPU has gives the scalar path's results; bad shapes throw.
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <cstdio>
+#include <ctime>
 #include <random>
 #include <stdexcept>
 #include <string>
 #include <algorithm>
+#include <thread>
 #include <vector>
 
 #include "pocketllm_cpp/block_manager.h"
@@ -155,6 +158,25 @@ int main() {
             blocks.release(again);
         }
     }
+
+    // Waiting threads do not spin for long: while one worker's range sleeps, the caller and the other workers
+    // (their ranges done at once) sleep too, and an idle pool sleeps; the process's CPU time stays far below the
+    // time waited. A spinning caller burns all of it: on a busy host, the CPU time the sleeping worker needs.
+    {
+        ThreadPool waiting(4);
+        waiting.parallel_for(4, [](int64_t, int64_t) {});
+        const auto cpu_seconds = [] { return static_cast<double>(std::clock()) / CLOCKS_PER_SEC; };
+        double start = cpu_seconds();
+        waiting.parallel_for(4, [](int64_t begin, int64_t) {
+            if (begin == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        });
+        CHECK(cpu_seconds() - start < 0.05);
+        start = cpu_seconds();
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        CHECK(cpu_seconds() - start < 0.05);
+    }
+    CHECK(available_cpus() >= 1);
+    CHECK(available_cpus() <= static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
 
     bool threw = false;
     try {

@@ -101,9 +101,11 @@ class CppEngine:
         if num_blocks < per_sequence:  # a sequence alone must always fit, or preemption could not make progress
             raise ConfigError("backend_options", f"{num_blocks} KV blocks of {block_size} tokens cannot hold one "
                                                  f"sequence of max_model_len={args.max_model_len}")
-        threads = _positive(options, "num_threads", os.cpu_count() or 1)
+        # By default one thread per CPU this process may use (its affinity and cgroup quota), not the machine's.
+        threads = _positive(options, "num_threads", min(_native.available_cpus(), MAX_THREADS))
         if threads > MAX_THREADS:
             raise ConfigError("backend_options", f"num_threads must be at most {MAX_THREADS}, got {threads}")
+        self.num_threads = threads
         self.eos = tuple(config.eos_token_ids)
         self.model = build_model(checkpoint, num_blocks=num_blocks, block_size=block_size, num_threads=threads,
                                  exact_activations=exact, kv_cache_dtype=kv_dtype)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -63,7 +62,7 @@ def build_model(checkpoint: Checkpoint, *, num_blocks: int, block_size: int, num
         "kv_cache_dtype": kv_cache_dtype,
     }
     return _native.Model(native_config, _matrix(embedding), layers, _vector(take("model.norm.weight")),
-                         _matrix(lm_head), num_blocks, block_size, num_threads or os.cpu_count() or 1)
+                         _matrix(lm_head), num_blocks, block_size, num_threads or _native.available_cpus())
 
 
 def _matrix(tensor: CheckpointTensor) -> tuple[np.ndarray, str, int, int]:
