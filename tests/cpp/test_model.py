@@ -196,6 +196,42 @@ def test_corrupt_gguf_is_a_checkpoint_error_on_the_cpp_backend(damage: str, pock
         LLM(str(path), backend="cpp").shutdown()
 
 
+def test_an_eos_id_outside_the_vocabulary_fails_the_load(pocketllm_kit_checkpoint, tmp_path, monkeypatch) -> None:
+    """An EOS id of 2^32 - 1 (a mutated GGUF): a CheckpointError naming the file and the field at load, where every
+    request used to fail with std::bad_cast while /health said ok."""
+    from pocketllm import LLM, CheckpointError
+
+    monkeypatch.setattr(checkpoints, "EOS_TOKEN_ID", 2**32 - 1)
+    path = checkpoints.make_tiny_gguf(tmp_path / "eos.gguf")
+    with pytest.raises(CheckpointError, match=r"eos\.gguf.*eos_token_id"):
+        LLM(str(path), backend="cpp").shutdown()
+
+
+def test_native_arguments_that_do_not_convert_are_value_errors(pocketllm_kit_checkpoint) -> None:
+    """What the native module is given is checked there too: a typed error naming the field, never std::bad_cast."""
+    from pocketllm_cpp import _native
+
+    model = build_model(load_checkpoint(str(pocketllm_kit_checkpoint("llama"))), num_blocks=8, block_size=BLOCK,
+                        num_threads=1)
+    engine = _native.Engine(model, 2, 16, 16, 0)
+    sampling = {"max_tokens": 2, "min_tokens": 0, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "seed": None,
+                "stop_ids": [0], "request_stop_ids": [], "logit_bias": [], "logprobs": -1}
+    for change, message in [({"stop_ids": [2**32 - 1]}, r"'stop_ids' must be a list of 32-bit token ids"),
+                            ({"logit_bias": [(2**40, 1.0)]}, r"'logit_bias' must be"),
+                            ({"temperature": "hot"}, r"'temperature' must be a number, got 'hot'"),
+                            ({"seed": 2**70}, r"'seed' must be a 64-bit integer"),
+                            ({"stop_ids": [10**6]}, r"token id out of range")]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("a", [5, 6], {**sampling, **change})
+    del sampling["logprobs"]
+    with pytest.raises(ValueError, match=r"sampling has no 'logprobs'"):
+        engine.add_request("a", [5, 6], sampling)
+    with pytest.raises(TypeError, match=r"must be a pocketllm_cpp\._native\.Model"):
+        _native.Engine(object(), 2, 16, 16, 0)
+    assert not engine.has_unfinished()
+
+
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
 @pytest.mark.parametrize("scaling", [
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -56,6 +56,35 @@ struct PyModel {
     }
 };
 
+// What a value from Python must be, for the errors of field().
+template <class T> constexpr const char* kKind = "of another type";
+template <> constexpr const char* kKind<int64_t> = "a 64-bit integer";
+template <> constexpr const char* kKind<int> = "a 32-bit integer";
+template <> constexpr const char* kKind<float> = "a number";
+template <> constexpr const char* kKind<bool> = "true or false";
+template <> constexpr const char* kKind<std::string> = "a string";
+template <> constexpr const char* kKind<std::vector<float>> = "a list of numbers";
+template <> constexpr const char* kKind<std::vector<int32_t>> = "a list of 32-bit token ids";
+template <> constexpr const char* kKind<std::vector<std::pair<int32_t, float>>> = "a list of (32-bit token id, number)";
+template <> constexpr const char* kKind<Matmul> = "(uint8 bytes, storage type, rows, cols)";
+template <> constexpr const char* kKind<Vector> = "a 1-D float32 array";
+
+// d[key] as T. A missing key, or a value that does not convert (a token id past 32 bits, a string for a number),
+// is a ValueError naming `what` and the key, never nanobind's bare std::bad_cast: a malformed checkpoint's
+// metadata (an EOS id of 2^32 - 1) must fail as what it is, not as an internal error on every request.
+template <class T>
+T field(const nb::dict& d, const char* key, const std::string& what) {
+    if (!d.contains(key)) throw std::invalid_argument(what + " has no '" + key + "'");
+    const nb::object value = d[key];
+    T out{};
+    if (!nb::try_cast<T>(value, out)) {
+        std::string shown = nb::repr(value).c_str();
+        if (shown.size() > 80) shown = shown.substr(0, 77) + "...";
+        throw std::invalid_argument(what + " '" + key + "' must be " + kKind<T> + ", got " + shown);
+    }
+    return out;
+}
+
 std::vector<float> to_vector(const Vector& v, int64_t size, const char* what) {
     if (static_cast<int64_t>(v.size()) != size) {
         throw std::invalid_argument(std::string(what) + " has " + std::to_string(v.size()) + " values, expected " +
@@ -71,22 +100,23 @@ struct PyEngine {
 };
 
 SamplingConfig sampling_config(const nb::dict& d) {
+    const std::string what = "sampling";
     SamplingConfig c;
-    c.max_tokens = nb::cast<int64_t>(d["max_tokens"]);
-    c.min_tokens = nb::cast<int64_t>(d["min_tokens"]);
-    c.temperature = nb::cast<float>(d["temperature"]);
-    c.top_p = nb::cast<float>(d["top_p"]);
-    c.top_k = nb::cast<int64_t>(d["top_k"]);
-    c.min_p = nb::cast<float>(d["min_p"]);
-    c.presence_penalty = nb::cast<float>(d["presence_penalty"]);
-    c.frequency_penalty = nb::cast<float>(d["frequency_penalty"]);
-    c.repetition_penalty = nb::cast<float>(d["repetition_penalty"]);
-    c.has_seed = !d["seed"].is_none();
-    if (c.has_seed) c.seed = static_cast<uint64_t>(nb::cast<int64_t>(d["seed"]));  // two's complement of negatives
-    c.stop_ids = nb::cast<std::vector<int32_t>>(d["stop_ids"]);
-    c.request_stop_ids = nb::cast<std::vector<int32_t>>(d["request_stop_ids"]);
-    c.logit_bias = nb::cast<std::vector<std::pair<int32_t, float>>>(d["logit_bias"]);
-    c.logprobs = nb::cast<int>(d["logprobs"]);
+    c.max_tokens = field<int64_t>(d, "max_tokens", what);
+    c.min_tokens = field<int64_t>(d, "min_tokens", what);
+    c.temperature = field<float>(d, "temperature", what);
+    c.top_p = field<float>(d, "top_p", what);
+    c.top_k = field<int64_t>(d, "top_k", what);
+    c.min_p = field<float>(d, "min_p", what);
+    c.presence_penalty = field<float>(d, "presence_penalty", what);
+    c.frequency_penalty = field<float>(d, "frequency_penalty", what);
+    c.repetition_penalty = field<float>(d, "repetition_penalty", what);
+    c.has_seed = d.contains("seed") && !d["seed"].is_none();
+    if (c.has_seed) c.seed = static_cast<uint64_t>(field<int64_t>(d, "seed", what));  // two's complement of negatives
+    c.stop_ids = field<std::vector<int32_t>>(d, "stop_ids", what);
+    c.request_stop_ids = field<std::vector<int32_t>>(d, "request_stop_ids", what);
+    c.logit_bias = field<std::vector<std::pair<int32_t, float>>>(d, "logit_bias", what);
+    c.logprobs = field<int>(d, "logprobs", what);
     return c;
 }
 
@@ -148,20 +178,22 @@ NB_MODULE(_native, m) {
                const Vector& final_norm, const Matmul& lm_head, int64_t num_blocks, int64_t block_size,
                int num_threads) {
                 new (self) PyModel();
-                auto get = [&](const char* key) { return nb::cast<int64_t>(config[key]); };
+                const std::string what = "model config";
+                auto get = [&](const char* key) { return field<int64_t>(config, key, what); };
+                auto flag = [&](const char* key) { return field<bool>(config, key, what); };
                 ModelConfig c{get("vocab_size"), get("hidden_size"), get("intermediate_size"), get("num_layers"),
                               get("num_heads"), get("num_kv_heads"), get("head_dim"),
-                              nb::cast<float>(config["rms_norm_eps"]),
-                              nb::cast<bool>(config["rope_pairs_adjacent"]), nb::cast<bool>(config["qk_norm"]),
-                              nb::cast<bool>(config["exact_activations"]),
-                              nb::cast<std::vector<float>>(config["inv_freq"]),
-                              nb::cast<float>(config["rope_attention_factor"]),
-                              parse_kv_type(nb::cast<std::string>(config["kv_cache_dtype"]))};
+                              field<float>(config, "rms_norm_eps", what), flag("rope_pairs_adjacent"),
+                              flag("qk_norm"), flag("exact_activations"),
+                              field<std::vector<float>>(config, "inv_freq", what),
+                              field<float>(config, "rope_attention_factor", what),
+                              parse_kv_type(field<std::string>(config, "kv_cache_dtype", what))};
                 std::vector<LayerWeights> weights;
                 for (const nb::dict& layer : layers) {
-                    auto mat = [&](const char* key) { return self->view(nb::cast<Matmul>(layer[key])); };
+                    const std::string where = "layer " + std::to_string(weights.size());
+                    auto mat = [&](const char* key) { return self->view(field<Matmul>(layer, key, where)); };
                     auto norm = [&](const char* key, int64_t size) {
-                        return to_vector(nb::cast<Vector>(layer[key]), size, key);
+                        return to_vector(field<Vector>(layer, key, where), size, key);
                     };
                     LayerWeights w{mat("q"), mat("k"), mat("v"), mat("o"), mat("gate"), mat("up"), mat("down"),
                                    norm("input_norm", c.hidden_size), norm("post_attention_norm", c.hidden_size),
@@ -217,6 +249,7 @@ NB_MODULE(_native, m) {
             "__init__",
             [](PyEngine* self, nb::object model, int64_t max_num_seqs, int64_t max_num_batched_tokens,
                int64_t prefill_chunk_size, int64_t seed, bool prefix_caching) {
+                if (!nb::isinstance<PyModel>(model)) throw nb::type_error("model must be a pocketllm_cpp._native.Model");
                 PyModel& owner = nb::cast<PyModel&>(model);
                 new (self) PyEngine{model, std::make_unique<Engine>(
                     owner.model, SchedulerConfig{max_num_seqs, max_num_batched_tokens, prefill_chunk_size,

@@ -17,7 +17,7 @@ from pocketllm.backend import (
     SampledLogprobs,
     TokenLogprob,
 )
-from pocketllm.errors import ConfigError
+from pocketllm.errors import CheckpointError, ConfigError
 from pocketllm.limits import MAX_THREADS
 from pocketllm.pooling import POOLING_TYPES
 from pocketllm.structured import bitmask_words, fill_bitmasks
@@ -106,6 +106,11 @@ class CppEngine:
         if threads > MAX_THREADS:
             raise ConfigError("backend_options", f"num_threads must be at most {MAX_THREADS}, got {threads}")
         self.num_threads = threads
+        # Every request stops at these: one outside the vocabulary (metadata of 2^32 - 1) would fail them all.
+        outside = [t for t in config.eos_token_ids if not 0 <= t < config.vocab_size]
+        if outside:
+            raise CheckpointError(f"{checkpoint.path}: eos_token_id {outside[0]} is outside the vocabulary "
+                                  f"(vocab_size {config.vocab_size})")
         self.eos = tuple(config.eos_token_ids)
         self.model = build_model(checkpoint, num_blocks=num_blocks, block_size=block_size, num_threads=threads,
                                  exact_activations=exact, kv_cache_dtype=kv_dtype)
