@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import threading
 import uuid
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -160,6 +161,11 @@ class EngineDriver:
                     self._ranks.abandon()
                     self._thread.join(timeout=5)  # its wait for the ranks ends: the next engine may start
                 raise
+        # A script may exit without shutdown() (the README's does). The engine thread is a daemon: left to the
+        # interpreter's teardown, it is frozen mid-step or with the backend's objects alive (nanobind reports them
+        # as leaks; a step under way aborts the process). Stop it in order at exit, while the interpreter is whole;
+        # the hook holds the driver weakly, so that it keeps nothing alive.
+        weakref.finalize(self, _shutdown_if_alive, weakref.ref(self))
         self.registry.pm.hook.pocketllm_engine_started(args=self.args, backend_name=plugin.name)
         progress.done(f"{checkpoint.config.architecture} model on backend {plugin.name} "
                       f"(max_model_len {self.max_model_len})")
@@ -480,6 +486,12 @@ class EngineDriver:
                 request.sink(dead)
             except Exception:
                 log.warning("could not tell request %s that the engine died", request.request_id)
+
+
+def _shutdown_if_alive(driver: weakref.ref[EngineDriver]) -> None:
+    alive = driver()
+    if alive is not None:
+        alive.shutdown()
 
 
 def _failure(request: _Request, message: str) -> RequestFailedError:
