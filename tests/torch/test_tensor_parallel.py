@@ -13,8 +13,11 @@ import pytest
 from pocketllm import LLM, PoolingParams, SamplingParams
 from pocketllm.errors import UnsupportedOptionError
 from pocketllm.testing.checkpoints import write_checkpoint
+from tests.conftest import requires_default_model
 
 pytest.importorskip("pocketllm_torch")
+
+import torch
 
 from pocketllm.model_config import ModelConfig
 from pocketllm_torch.groups import Int4Groups
@@ -41,6 +44,52 @@ def test_two_ranks_generate_what_one_does(kind: str, tmp_path: Path) -> None:
     an uneven split of KV heads (the default model's 3 go 2 + 1)."""
     path = "smollm2-135m-instruct" if kind == "default" else str(write_checkpoint(kind, tmp_path))
     assert _greedy(path, 2) == _greedy(path, 1)
+
+
+def _logprobs(llm: LLM, prompts: list[str], tokens: int) -> list[list[tuple[int, float, list[tuple[int, float]]]]]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=3))
+    return [[(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in o.outputs[0].logprobs]
+            for o in outs]
+
+
+@requires_default_model
+def test_two_ranks_give_the_logprobs_of_one() -> None:
+    """64 greedy tokens of the default model on three prompts: the same tokens, logprobs within 1e-4, in float32
+    (where both sides do the same arithmetic but for the order of the ranks' sums)."""
+    prompts = ["The capital of France is", "Explain why the sky is blue.", "def fibonacci(n):"]
+    results = {}
+    for tp in (1, 2):
+        llm = LLM("smollm2-135m-instruct", backend="torch", dtype="float32", tensor_parallel_size=tp)
+        try:
+            results[tp] = _logprobs(llm, prompts, 64)
+        finally:
+            llm.shutdown()
+    for one, two in zip(results[1], results[2], strict=True):
+        assert [t for t, _, _ in two] == [t for t, _, _ in one]
+        for (_, lp1, top1), (_, lp2, top2) in zip(one, two, strict=True):
+            assert abs(lp1 - lp2) < 1e-4
+            assert [t for t, _ in top2] == [t for t, _ in top1]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(top1, top2, strict=True)) < 1e-4
+
+
+@requires_default_model
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logits_keep_float32_in_the_default_dtype(tp: int) -> None:
+    """bf16 activations (the default dtype where the CPU has bf16 instructions) still give float32 logits: the LM
+    head's 8-bit kernel computes them in float32, and rank 0 gathers them so. Rounded to bf16 (0.125 apart at
+    the default model's logits), near-ties became exact ties: a few in 64 tokens of three prompts."""
+    llm = LLM("smollm2-135m-instruct", backend="torch", tensor_parallel_size=tp)
+    try:
+        if tp == 1:  # at TP=2 the head is a collective, which only the engine's steps may run
+            model = llm.driver.engine.runner.model
+            hidden = torch.randn(4, llm.driver.model_config.hidden_size, generator=torch.Generator().manual_seed(0))
+            logits = model.compute_logits(hidden.to(model.dtype))
+            assert logits.dtype == torch.float32 and not torch.equal(logits, logits.bfloat16().float())
+        positions = [p for out in _logprobs(llm, ["The capital of France is", "Explain why the sky is blue.",
+                                                  "def fibonacci(n):"], 64) for p in out]
+        assert not [top for _, _, top in positions if top[0][1] == top[1][1]], "top-2 logprobs tie exactly"
+    finally:
+        llm.shutdown()
 
 
 def test_two_ranks_embed_what_one_does_beside_a_generation(tmp_path: Path) -> None:

@@ -160,10 +160,11 @@ class NativeGrouped:
     out_features: int
     max_rows = math.inf
 
-    def __call__(self, x: Tensor) -> Tensor:
-        y = self.op(x.float(), self.packed, native.packed_outputs(self.packed)).to(x.dtype)
-        # Outputs padded to whole blocks (a vocabulary, say) are cut off.
-        return y if y.shape[1] == self.out_features else y[:, :self.out_features].contiguous()
+    def __call__(self, x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+        y = self.op(x.float(), self.packed, native.packed_outputs(self.packed))
+        if y.shape[1] != self.out_features:  # outputs padded to whole blocks (a vocabulary, say) are cut off
+            y = y[:, :self.out_features].contiguous()
+        return y.to(out_dtype or x.dtype)
 
 
 @dataclass(slots=True)
@@ -177,9 +178,9 @@ class TorchInt4:
     scale_zero: Tensor  # [in / 32, out, 2] bf16
     max_rows = TORCH_INT4_MAX_ROWS
 
-    def __call__(self, x: Tensor) -> Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE,
-                                                          self.scale_zero)
+    def __call__(self, x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scale_zero)
+        return y if out_dtype is None else y.to(out_dtype)
 
 
 @dataclass(slots=True)
@@ -189,11 +190,15 @@ class GroupedLinear:
     kernel: NativeGrouped | TorchInt4
     bias: Tensor | None
     dense: Linear | None
+    # The outputs' dtype; None: the kernel's. float32 keeps what the native kernel computes where bf16 would round
+    # it: logits, and partial sums that tensor-parallel ranks add up.
+    out_dtype: torch.dtype | None = None
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.dense is not None and x.shape[0] > self.kernel.max_rows:
-            return self.dense(x)
-        y = self.kernel(x)
+            y = self.dense(x)
+            return y if self.out_dtype is None else y.to(self.out_dtype)
+        y = self.kernel(x, self.out_dtype)
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -213,13 +218,16 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 
 def make_linear(weight: Tensor | Int4Weight | Int8Weight, bias: Tensor | None, device: torch.device,
-                dtype: torch.dtype) -> Linear:
-    """Build a linear layer from a weight of shape [out_features, in_features]: any float dtype, or groups."""
+                dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> Linear:
+    """Build a linear layer from a weight of shape [out_features, in_features]: any float dtype, or groups.
+
+    ``out_dtype`` float32: the 4- and 8-bit kernels' outputs stay float32 (see GroupedLinear.out_dtype); the
+    other layers' outputs are their kernels' (the caller converts them)."""
     if isinstance(weight, Int8Weight):
         if not (uses_int8(device) and native.packs(weight.codes.shape)):
             return make_linear(weight.dequantize(), bias, device, dtype)
         kernel = NativeGrouped(native.int8_linear, native.pack_int8(*astuple(weight)), len(weight.codes))
-        return GroupedLinear(kernel, None if bias is None else bias.to(compute_dtype(device, dtype)), None)
+        return GroupedLinear(kernel, None if bias is None else bias.to(compute_dtype(device, dtype)), None, out_dtype)
     if isinstance(weight, Int4Weight):
         if not (uses_int4(device, dtype) and native.packs(weight.codes.shape)
                 and (native.enabled() or len(weight.codes) % native.BLOCK_OUT == 0)):  # torch's takes whole blocks
@@ -227,11 +235,11 @@ def make_linear(weight: Tensor | Int4Weight | Int8Weight, bias: Tensor | None, d
         kernel_bias = None if bias is None else bias.to(compute_dtype(device, dtype))
         if native.enabled():
             kernel = NativeGrouped(native.int4_linear, native.pack_int4(*astuple(weight)), len(weight.codes))
-            return GroupedLinear(kernel, kernel_bias, None)
+            return GroupedLinear(kernel, kernel_bias, None, out_dtype)
         # torch's kernel takes few rows. The dense copy is exact in fp32 where bf16 GEMM is slow, else it is what
         # plain bf16 would use anyway.
         dense = make_linear(weight.dequantize(), bias, device, compute_dtype(device, dtype))
-        return GroupedLinear(_torch_int4(weight), kernel_bias, dense)
+        return GroupedLinear(_torch_int4(weight), kernel_bias, dense, out_dtype)
     if _split_bf16(device, dtype):
         weight = weight.to(torch.bfloat16)
         packed_bias = None if bias is None else bias.to(torch.bfloat16).float()

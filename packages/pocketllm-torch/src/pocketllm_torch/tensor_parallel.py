@@ -32,6 +32,7 @@ from pocketllm.errors import UnsupportedOptionError
 from pocketllm.tensor_parallel import launch_abandoned, rank_info
 from pocketllm_torch.backend import NAME
 from pocketllm_torch.config import default_threads
+from pocketllm_torch.linear import GroupedLinear
 
 if TYPE_CHECKING:
     from pocketllm_torch.linear import Linear
@@ -131,13 +132,14 @@ class Group:
 
 @dataclass(slots=True)
 class AllReduced:
-    """A row-parallel linear layer: this rank's partial product, summed over the ranks."""
+    """A row-parallel linear layer: this rank's partial product, summed over the ranks in float32 and rounded to
+    the activations' dtype once, as one rank's kernel rounds its whole sum (bf16 partials would round twice)."""
 
     linear: Linear
     group: Group
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self.group.all_reduce(self.linear(x).contiguous())
+        return self.group.all_reduce(self.linear(x).float().contiguous()).to(x.dtype)
 
 
 @dataclass(slots=True)
@@ -171,12 +173,19 @@ def parallelize(model: Any, split: Split, group: Group, vocab_size: int) -> None
     for layer in model.layers:
         mixer = getattr(layer, "attn", None) or layer.mixer
         if hasattr(mixer, "o_proj"):  # attention
-            mixer.o_proj = AllReduced(mixer.o_proj, group)
+            mixer.o_proj = AllReduced(_float32_outputs(mixer.o_proj), group)
         else:  # Gated DeltaNet
-            mixer.out_proj = AllReduced(mixer.out_proj, group)
+            mixer.out_proj = AllReduced(_float32_outputs(mixer.out_proj), group)
         if hasattr(layer.mlp, "down_proj"):
-            layer.mlp.down_proj = AllReduced(layer.mlp.down_proj, group)
+            layer.mlp.down_proj = AllReduced(_float32_outputs(layer.mlp.down_proj), group)
         else:  # experts and the shared expert: their partial outputs sum once
             layer.mlp = AllReduced(layer.mlp, group)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, *split.vocab, group)
     model.lm_head = VocabParallelHead(model.lm_head, group, vocab_size)
+
+
+def _float32_outputs(linear: Linear) -> Linear:
+    """The layer with its 4- or 8-bit kernel's outputs kept in float32 for the sum over the ranks."""
+    if isinstance(linear, GroupedLinear):
+        linear.out_dtype = torch.float32
+    return linear

@@ -216,7 +216,7 @@ class LlamaModel:
             embed_tokens=Embedding(dense(embed, dtype).to(device)),
             layers=layers,
             norm=final_norm,
-            lm_head=make_linear(embed if head is None else head, None, device, dtype),
+            lm_head=make_linear(embed if head is None else head, None, device, dtype, out_dtype=torch.float32),
             rope=torch.polar(torch.full_like(angles, attention_factor), angles).to(device),  # YaRN scales cos, sin
             dtype=act_dtype,
             cache_specs=[AttentionSpec(config.num_key_value_heads, config.head_dim)] * config.num_hidden_layers,

@@ -411,7 +411,7 @@ class Qwen3_5Model:
             embed_tokens=Embedding(dense(embed, dtype).to(device)),
             layers=layers,
             norm=final_norm,
-            lm_head=make_linear(embed if head is None else head, None, device, dtype),
+            lm_head=make_linear(embed if head is None else head, None, device, dtype, out_dtype=torch.float32),
             cos=(angles.cos() * attention_factor).to(device, act_dtype),
             sin=(angles.sin() * attention_factor).to(device, act_dtype),
             dtype=act_dtype,
