@@ -22,9 +22,20 @@ namespace pocketllm {
 
 using Clock = std::chrono::steady_clock;
 
+namespace {
+
+constexpr int64_t kChunksPerThread = 4;  // small enough that a late or descheduled thread leaves little undone
+constexpr uint64_t kMaxChunks = 0xFFFF;  // what claim_'s fields hold
+
+uint64_t claim_word(uint32_t generation, uint64_t chunks, uint64_t next) {
+    return static_cast<uint64_t>(generation) << 32 | chunks << 16 | next;
+}
+
+}  // namespace
+
 bool Spinner::wait(const std::function<bool()>& ready) {
     const Clock::time_point start = Clock::now();
-    const Clock::time_point spin_end = start + limit_, yield_end = start + kYield;
+    const Clock::time_point spin_end = start + limit_;
     for (int64_t i = 1;; ++i) {
         if (ready()) {
             // Spinning paid: spin as long again next time, and longer, back up to kSpin.
@@ -34,8 +45,8 @@ bool Spinner::wait(const std::function<bool()>& ready) {
         POCKETLLM_PAUSE();
         if (i % 16 == 0 && Clock::now() > spin_end) break;  // a clock read costs a few pauses
     }
-    // It did not: where threads outnumber the CPUs they get, every wait ends here, and the spins shrink to none.
     limit_ /= 2;
+    const Clock::time_point yield_end = Clock::now() + kYield;
     while (!ready()) {
         if (Clock::now() > yield_end) return false;
         std::this_thread::yield();
@@ -44,7 +55,7 @@ bool Spinner::wait(const std::function<bool()>& ready) {
 }
 
 ThreadPool::ThreadPool(int num_threads) {
-    for (int i = 1; i < std::max(1, num_threads); ++i) workers_.emplace_back([this, i] { work(i); });
+    for (int i = 1; i < std::max(1, num_threads); ++i) workers_.emplace_back([this] { work(); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -56,40 +67,51 @@ ThreadPool::~ThreadPool() {
     for (auto& worker : workers_) worker.join();
 }
 
-void ThreadPool::run_range(int index) {
-    const int64_t threads = size();
-    const int64_t begin = n_ * index / threads, end = n_ * (index + 1) / threads;
-    if (begin >= end) return;
-    try {
-        (*task_)(begin, end);
-    } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (!error_) error_ = std::current_exception();
+void ThreadPool::help(uint32_t generation) {
+    uint64_t word = claim_.load();
+    for (;;) {
+        const uint64_t chunks = (word >> 16) & kMaxChunks, chunk = word & kMaxChunks;
+        if (static_cast<uint32_t>(word >> 32) != generation || chunk >= chunks) return;
+        if (!claim_.compare_exchange_weak(word, word + 1)) continue;  // `word` is reloaded
+        const int64_t begin = n_ * static_cast<int64_t>(chunk) / static_cast<int64_t>(chunks);
+        const int64_t end = n_ * static_cast<int64_t>(chunk + 1) / static_cast<int64_t>(chunks);
+        try {
+            if (begin < end) (*task_)(begin, end);
+        } catch (...) {
+            std::lock_guard<std::mutex> lock(mutex_);
+            if (!error_) error_ = std::current_exception();
+        }
+        // The last chunk wakes a sleeping caller. Both sides are sequentially consistent: either this sees the
+        // caller's flag and notifies under the mutex, or the caller's predicate sees this increment.
+        if (completed_.fetch_add(1) + 1 == static_cast<int64_t>(chunks) && caller_asleep_.load()) {
+            std::lock_guard<std::mutex> lock(mutex_);
+            done_.notify_one();
+        }
+        word = claim_.load();
     }
 }
 
-void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
-    if (workers_.empty() || n <= 1) {
+void ThreadPool::run(int64_t n, int64_t chunks, const std::function<void(int64_t, int64_t)>& fn) {
+    chunks = std::min<int64_t>({chunks, n, static_cast<int64_t>(kMaxChunks)});
+    if (workers_.empty() || chunks <= 1) {
         if (n > 0) fn(0, n);
         return;
     }
     task_ = &fn;
     n_ = n;
     error_ = nullptr;
-    pending_.store(static_cast<int>(workers_.size()));
-    generation_.fetch_add(1);  // publishes task_ and n_ to the workers
+    completed_.store(0);
+    claim_.store(claim_word(++generation_, static_cast<uint64_t>(chunks), 0));  // publishes task_ and n_
     if (sleepers_.load() > 0) {
         std::lock_guard<std::mutex> lock(mutex_);
         wake_.notify_all();
     }
-    run_range(0);
+    help(generation_);
     ++regions_;
-    const std::function<bool()> finished = [this] { return pending_.load() == 0; };
+    const std::function<bool()> finished = [this, chunks] { return completed_.load() == chunks; };
     if (!finished()) {
         const Clock::time_point idle = Clock::now();
         if (!spinner_.wait(finished)) {
-            // The last worker to finish sees the flag (both sides are sequentially consistent: either it sees the
-            // flag and notifies under the mutex, or this predicate sees its decrement) and wakes this thread.
             std::unique_lock<std::mutex> lock(mutex_);
             caller_asleep_.store(true);
             done_.wait(lock, finished);
@@ -97,20 +119,24 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
         }
         wait_seconds_ += std::chrono::duration<double>(Clock::now() - idle).count();
     }
-    task_ = nullptr;
     if (error_) std::rethrow_exception(error_);
 }
 
+void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+    run(n, size() * kChunksPerThread, fn);
+}
+
 void ThreadPool::parallel_each(int64_t n, const std::function<void(int64_t)>& fn) {
-    std::atomic<int64_t> next{0};
-    parallel_for(std::min<int64_t>(n, size()), [&](int64_t, int64_t) {
-        for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+    run(n, n, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) fn(i);
     });
 }
 
-void ThreadPool::work(int index) {
-    uint64_t seen = 0;
-    const std::function<bool()> moved = [&] { return generation_.load() != seen || stopping_.load(); };
+void ThreadPool::work() {
+    uint32_t seen = 0;
+    const std::function<bool()> moved = [&] {
+        return static_cast<uint32_t>(claim_.load() >> 32) != seen || stopping_.load();
+    };
     Spinner spinner;
     for (;;) {
         if (!spinner.wait(moved)) {
@@ -120,12 +146,8 @@ void ThreadPool::work(int index) {
             sleepers_.fetch_sub(1);
         }
         if (stopping_.load()) return;
-        seen = generation_.load();
-        run_range(index);
-        if (pending_.fetch_sub(1) == 1 && caller_asleep_.load()) {
-            std::lock_guard<std::mutex> lock(mutex_);
-            done_.notify_one();
-        }
+        seen = static_cast<uint32_t>(claim_.load() >> 32);
+        help(seen);
     }
 }
 

@@ -159,9 +159,9 @@ int main() {
         }
     }
 
-    // Waiting threads do not spin for long: while one worker's range sleeps, the caller and the other workers
-    // (their ranges done at once) sleep too, and an idle pool sleeps; the process's CPU time stays far below the
-    // time waited. A spinning caller burns all of it: on a busy host, the CPU time the sleeping worker needs.
+    // Waiting threads do not spin for long: while one range sleeps (on whichever thread claimed it), the other
+    // threads, their ranges done at once, sleep too, and an idle pool sleeps; the process's CPU time stays far
+    // below the time waited. A spinning caller burns all of it: on a busy host, the CPU time the others need.
     {
         ThreadPool waiting(4);
         waiting.parallel_for(4, [](int64_t, int64_t) {});
