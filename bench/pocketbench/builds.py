@@ -1,7 +1,7 @@
 """Two builds of the cpp backend side by side, idle and beside busy processes.
 
     python -m pocketbench.builds --baseline DIR [--threads default 1] [--burners 0 2] \\
-        [--workloads prefill decode batch forward] [--new-tokens 128] [--runs 5] [--out results/]
+        [--workloads prefill decode batch forward] [--new-tokens 128] [--runs 5] [--out results/] [--name N]
 
 DIR holds another build's ``pocketllm_cpp`` package (its Python files and ``_native`` module: e.g. a copy of
 ``packages/pocketllm-cpp/src/pocketllm_cpp`` with the extension built from an older commit); the installed package
@@ -15,7 +15,8 @@ runs it, the least of 20 tries: tokens per CPU second of a 512-token prefill, of
 and of one step of 8 such sequences. Where other work shares the machine (CI, a shared host), wall times vary
 several-fold from run to run, and CPU time far less. Ratios: this build over the
 baseline per thread setting, and default threads over 1 thread per build (the contention check: a pool that spins
-while one of its workers is descheduled collapses there). Prints a table, writes ``<date>-<machine>-builds.{md,json}``.
+while one of its workers is descheduled collapses there). Prints a table, writes
+``<date>-<machine>-builds[-NAME].{md,json}``.
 """
 
 from __future__ import annotations
@@ -248,8 +249,9 @@ def run(args: argparse.Namespace) -> None:
     title = (f"cpp backend builds side by side: {args.model}, {os.cpu_count()} CPUs, baseline {args.baseline}, "
              f"{args.runs} runs")
     text, data = report(values, measurements, sides, title)
-    write_report(args.out, "builds", text, {"model": args.model, "baseline": str(args.baseline),
-                                            "engines": {w.side.label: w.info for w in workers}, **data})
+    figures = {"model": args.model, "baseline": str(args.baseline), "engines": {w.side.label: w.info for w in workers},
+               **data}
+    write_report(args.out, "-".join(filter(None, ["builds", args.name])), text, figures)
 
 
 def worker_main(model: str, threads: str, new_tokens: str) -> None:
@@ -290,6 +292,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "results")
+    parser.add_argument("--name", default="", help="suffix of the result files: <date>-<machine>-builds-NAME")
     args = parser.parse_args()
     if not (args.baseline / "pocketllm_cpp").is_dir():
         parser.error(f"{args.baseline} holds no pocketllm_cpp package")
