@@ -13,9 +13,8 @@ import gguf
 import numpy as np
 import torch
 
-from pocketllm.args import EngineArgs
+from pocketllm.args import EngineArgs, resolve_max_model_len
 from pocketllm.checkpoint import CheckpointTensor
-from pocketllm.driver import resolve_max_model_len
 from pocketllm.model_config import ModelConfig
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.support import check_engine_args, check_request

@@ -7,10 +7,13 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pocketllm.errors import ConfigError
 from pocketllm.limits import MAX_GRAMMAR_CACHE_MB, MAX_MODEL_LEN_CAP
+
+if TYPE_CHECKING:
+    from pocketllm.model_config import ModelConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ENV_PREFIX = "POCKETLLM_"
@@ -121,3 +124,11 @@ def _positive(args: EngineArgs, *names: str) -> None:
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ConfigError(field_name, message)
+
+
+def resolve_max_model_len(args: EngineArgs, config: ModelConfig) -> int:
+    """``args.max_model_len``, or the model's own limit capped at MAX_MODEL_LEN_CAP; never beyond the model's."""
+    limit = config.max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > limit:
+        raise ConfigError("max_model_len", f"{args.max_model_len} exceeds the model's limit of {limit} positions")
+    return args.max_model_len or min(limit, MAX_MODEL_LEN_CAP)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pocketllm.args import EngineArgs
+from pocketllm.args import EngineArgs, resolve_max_model_len
 from pocketllm.backend import (
     BackendPlugin,
     BackendStats,
@@ -39,8 +39,6 @@ from pocketllm.errors import (
     RequestFailedError,
     UnsupportedOptionError,
 )
-from pocketllm.limits import MAX_MODEL_LEN_CAP
-from pocketllm.model_config import ModelConfig
 from pocketllm.outputs import StreamEvent, Usage
 from pocketllm.plugins import BackendRegistry
 from pocketllm.pooling import DEFAULT_POOLING_TYPE, EmbeddingOutput, PoolingParams
@@ -519,14 +517,6 @@ def _pooling_of(checkpoint: Checkpoint) -> str | CheckpointError:
     except CheckpointError as e:
         log.warning("%s: embeddings must name their pooling_type", e)
         return e
-
-
-def resolve_max_model_len(args: EngineArgs, config: ModelConfig) -> int:
-    """``args.max_model_len``, or the model's own limit capped at MAX_MODEL_LEN_CAP; never beyond the model's."""
-    limit = config.max_position_embeddings
-    if args.max_model_len is not None and args.max_model_len > limit:
-        raise ConfigError("max_model_len", f"{args.max_model_len} exceeds the model's limit of {limit} positions")
-    return args.max_model_len or min(limit, MAX_MODEL_LEN_CAP)
 
 
 def _settle(future: Future[None], error: BaseException | None) -> None:

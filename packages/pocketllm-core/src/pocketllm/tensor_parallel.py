@@ -98,8 +98,8 @@ def mark_ready(rank: int) -> None:
 def run_worker(args: EngineArgs, ready: Callable[[], None] | None = None) -> None:
     """Serve as a non-zero rank: load the checkpoint, pick the backend as rank 0 does, and run its worker loop
     until rank 0 shuts down. ``ready`` is called once the rank has joined its group and holds its weights."""
+    from pocketllm.args import resolve_max_model_len
     from pocketllm.checkpoint import load_checkpoint
-    from pocketllm.driver import resolve_max_model_len
     from pocketllm.plugins import BackendRegistry
     from pocketllm.support import check_engine_args
 
