@@ -21,6 +21,7 @@ from pocketllm.errors import CheckpointError, ConfigError
 from pocketllm.limits import MAX_THREADS
 from pocketllm.pooling import POOLING_TYPES
 from pocketllm.structured import bitmask_words, fill_bitmasks
+from pocketllm_cpp.name import NAME
 
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from pocketllm.sampling_params import SamplingParams
     from pocketllm.structured import Constraint
 
-NAME = "cpp"
 BACKEND_OPTIONS = ("block_size", "exact_activations", "num_kv_blocks", "num_threads")
 DEFAULT_BLOCK_SIZE = 16
 # KV-cache element types and their bytes; "auto" is float16, half the bytes attention reads per position.

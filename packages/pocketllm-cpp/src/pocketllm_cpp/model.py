@@ -9,11 +9,11 @@ import numpy as np
 from pocketllm.errors import CheckpointError, UnsupportedOptionError
 from pocketllm.rope import rope_frequencies
 from pocketllm_cpp import _native
+from pocketllm_cpp.name import NAME
 
 if TYPE_CHECKING:
     from pocketllm.checkpoint import Checkpoint, CheckpointTensor
 
-NAME = "cpp"
 ARCHITECTURES = ("llama", "qwen3")
 STORAGE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # read in place
 _MATRICES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from pocketllm.backend import API_VERSION, FLOAT_STORAGE_TYPES, SAMPLING_OPTIONS, Capabilities
 from pocketllm.pooling import POOLING_TYPES
 from pocketllm_torch.models import MODELS
+from pocketllm_torch.name import NAME
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
     from pocketllm.checkpoint import Checkpoint
     from pocketllm_torch.engine import TorchEngine
 
-NAME = "torch"
 ARCHITECTURES = tuple(MODELS)
 BACKEND_OPTIONS = ("block_size", "decode_graphs", "num_kv_blocks", "num_threads", "state_snapshot_mb")
 # Every GGUF block type the gguf package dequantizes (4- and 8-bit groups stay so where a kernel reads them).

@@ -10,9 +10,9 @@ import torch
 
 from pocketllm.errors import ConfigError, UnsupportedOptionError
 from pocketllm.limits import MAX_THREADS
-from pocketllm_torch.backend import NAME
 from pocketllm_torch.cpus import available_cpus
 from pocketllm_torch.linear import compute_dtype
+from pocketllm_torch.name import NAME
 
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs

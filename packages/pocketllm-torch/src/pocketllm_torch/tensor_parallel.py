@@ -30,9 +30,9 @@ from torch import Tensor
 
 from pocketllm.errors import UnsupportedOptionError
 from pocketllm.tensor_parallel import launch_abandoned, rank_info
-from pocketllm_torch.backend import NAME
 from pocketllm_torch.config import default_threads
 from pocketllm_torch.linear import GroupedLinear
+from pocketllm_torch.name import NAME
 
 if TYPE_CHECKING:
     from pocketllm_torch.linear import Linear

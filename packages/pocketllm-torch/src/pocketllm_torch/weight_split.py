@@ -26,8 +26,8 @@ import numpy as np
 
 from pocketllm.errors import UnsupportedOptionError
 from pocketllm.model_config import ModelConfig
-from pocketllm_torch.backend import NAME
 from pocketllm_torch.groups import GROUP_SIZE, Int4Groups, Int8Groups
+from pocketllm_torch.name import NAME
 
 Weight = np.ndarray | Int4Groups | Int8Groups
 TP_ARCHITECTURES = ("llama", "qwen3", "qwen3_5_text", "qwen3_5_moe_text")

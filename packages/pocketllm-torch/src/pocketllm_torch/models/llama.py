@@ -21,10 +21,10 @@ from torch import Tensor
 from pocketllm.rope import rope_frequencies
 from pocketllm_torch import native
 from pocketllm_torch.attention import AttentionMetadata, paged_attention
-from pocketllm_torch.backend import NAME
 from pocketllm_torch.cache_spec import AttentionSpec, LayerCacheSpec
 from pocketllm_torch.linear import Int4Weight, Int8Weight, Linear, compute_dtype, make_linear, map_rows
 from pocketllm_torch.models.weights import Weights, dense
+from pocketllm_torch.name import NAME
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

@@ -29,11 +29,11 @@ from pocketllm.errors import CheckpointError
 from pocketllm.rope import rope_frequencies
 from pocketllm_torch import native
 from pocketllm_torch.attention import paged_attention
-from pocketllm_torch.backend import NAME
 from pocketllm_torch.cache_spec import AttentionSpec, LayerCacheSpec, StateSpec
 from pocketllm_torch.linear import Linear, compute_dtype, make_linear
 from pocketllm_torch.models.llama import MLP, Embedding, RMSNorm
 from pocketllm_torch.models.weights import Weights, dense
+from pocketllm_torch.name import NAME
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
