@@ -2,13 +2,15 @@
 
 The harness (``bench/pocketbench`` in the repository) ships in no distribution, since it drives peer engines
 that are never product dependencies; ``nox -s bench`` installs those. It is looked up in
-``$POCKETLLM_BENCH_DIR``, then in the current directory and its parents, then above this file (editable installs).
+``$POCKETLLM_BENCH_DIR``, then in the current directory and its parents, then above this file (editable installs),
+and runs as ``python -m pocketbench`` in a process of its own, with that directory on its ``PYTHONPATH``: the core
+never imports it, and relative paths in the arguments mean what they meant where the command was typed.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +26,7 @@ def find_bench_dir() -> Path | None:
     else:
         starts = (Path.cwd(), Path(__file__).resolve().parent)
         candidates = [folder / "bench" for start in starts for folder in (start, *start.parents)]
-    return next((c for c in candidates if (c / HARNESS / "__init__.py").is_file()), None)
+    return next((c for c in candidates if (c / HARNESS / "__main__.py").is_file()), None)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -33,5 +35,10 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: `pocketllm bench` runs from a PocketLLM checkout: run it inside the repository, or set "
               f"{BENCH_DIR_ENV} to its bench/ directory", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(bench_dir))
-    return importlib.import_module(f"{HARNESS}.cli").main(argv)
+    path = os.pathsep.join(filter(None, [str(bench_dir.resolve()), os.environ.get("PYTHONPATH")]))
+    harness = subprocess.Popen([sys.executable, "-m", HARNESS, *argv], env={**os.environ, "PYTHONPATH": path})
+    while True:
+        try:
+            return harness.wait()
+        except KeyboardInterrupt:  # the harness had the same Ctrl-C: it stops its workers and exits in its own time
+            continue

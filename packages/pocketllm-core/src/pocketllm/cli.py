@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
 from pocketllm.cli_args import add_engine_args, engine_args_from
 from pocketllm.errors import PocketLLMError
@@ -62,11 +63,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+SERVER_SCRIPT = "pocketllm-server"  # the server distribution's console script
+
+
 def _serve(argv: list[str]) -> int:
-    try:
-        from pocketllm_server.cli import main as server_main
-    except ImportError:
+    """The server's own command line, reached through its console script's entry point: the core knows the server
+    by that name only, and never imports it."""
+    script = next(iter(entry_points(group="console_scripts", name=SERVER_SCRIPT)), None)
+    if script is None:
         print("error: `pocketllm serve` needs the server: pip install pocketllm-server", file=sys.stderr)
+        return 2
+    try:
+        server_main = script.load()
+    except ImportError as e:
+        print(f"error: `pocketllm serve`: the installed pocketllm-server does not load ({e}); reinstall it: "
+              "pip install pocketllm-server", file=sys.stderr)
         return 2
     return server_main(argv, prog="pocketllm serve")
 
