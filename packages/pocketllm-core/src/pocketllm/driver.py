@@ -44,6 +44,7 @@ from pocketllm.plugins import BackendRegistry
 from pocketllm.pooling import DEFAULT_POOLING_TYPE, EmbeddingOutput, PoolingParams
 from pocketllm.progress import LoadProgress
 from pocketllm.reasoning import ReasoningSplitter
+from pocketllm.sampling_defaults import recommended_defaults
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.structured import CompiledGrammar, Constraint, GrammarCompiler, short_error
 from pocketllm.support import check_embedding_request, check_engine_args, check_request
@@ -106,7 +107,7 @@ class EngineDriver:
             self.args = dataclasses.replace(args, max_model_len=resolve_max_model_len(args, checkpoint.config))
             self.model_config = checkpoint.config
             self.checkpoint_path = checkpoint.path
-            self.sampling_defaults = checkpoint.sampling_defaults()
+            self.sampling_defaults = recommended_defaults(checkpoint)
             self.default_pooling = _pooling_of(checkpoint)
             self.tokenizer = Tokenizer.from_checkpoint(checkpoint)
         # After the checkpoint: "auto" picks among the backends that can serve this model with these options.

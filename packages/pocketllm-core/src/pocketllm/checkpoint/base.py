@@ -6,10 +6,19 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
+import msgspec
 import numpy as np
 
 from pocketllm.checkpoint.tensor import CheckpointTensor
 from pocketllm.model_config import ModelConfig
+
+
+class RecommendedSetting(msgspec.Struct, frozen=True):
+    """One sampling setting as a checkpoint recommends it, before anything checked it."""
+
+    key: str  # as the file spells it: ``max_new_tokens`` in generation_config.json, ``general.sampling.temp``
+    field: str  # the SamplingParams field it sets
+    value: Any
 
 
 class Checkpoint:
@@ -38,10 +47,11 @@ class Checkpoint:
         for tensor in self._tensors:
             yield tensor.name, tensor.dequantize()
 
-    def sampling_defaults(self) -> dict[str, Any]:
-        """Sampling settings the checkpoint recommends, as SamplingParams fields (``temperature``, ``top_p``,
-        ``top_k``, ``min_p``, ``repetition_penalty``, ``max_tokens``); empty when it recommends none."""
-        return {}
+    def recommended_sampling(self) -> list[RecommendedSetting]:
+        """Sampling settings the checkpoint recommends, each mapped to its SamplingParams field (``temperature``,
+        ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_tokens``) but unchecked; empty when it
+        recommends none. ``pocketllm.sampling_defaults`` keeps those SamplingParams accepts."""
+        return []
 
     def pooling_type(self) -> str | None:
         """How the checkpoint says its embeddings are pooled (a :data:`pocketllm.pooling.POOLING_TYPES` name, or

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
 
-from pocketllm.errors import CheckpointError, ConfigError
+from pocketllm.checkpoint.base import RecommendedSetting
+from pocketllm.errors import CheckpointError
 from pocketllm.model_config import ModelConfig
-from pocketllm.sampling_params import SamplingParams
-
-log = logging.getLogger(__name__)
 
 # config.json keys read into ModelConfig fields; every other key goes to ``extra``.
 _HF_CONSUMED = frozenset(
@@ -340,17 +337,8 @@ GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.
                       "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
-def sampling_fields(source_values: Mapping[str, Any], keys: Mapping[str, str], *, source: str) -> dict[str, Any]:
-    """The recommended settings that SamplingParams accepts; others are logged and left out, never fatal."""
-    fields: dict[str, Any] = {}
-    for key, field in keys.items():
-        value = source_values.get(key)
-        if value is None:
-            continue
-        try:
-            SamplingParams(**{"max_tokens": None, field: value})
-        except (ConfigError, TypeError) as e:
-            log.warning("%s: ignoring the recommended %s=%r: %s", source, key, value, e)
-            continue
-        fields[field] = value
-    return fields
+def recommended_settings(source_values: Mapping[str, Any], keys: Mapping[str, str]) -> list[RecommendedSetting]:
+    """The settings ``source_values`` recommends, unchecked: whether SamplingParams accepts each is
+    ``pocketllm.sampling_defaults``'s to say (this package reads files and never imports the request types)."""
+    return [RecommendedSetting(key, field, source_values[key]) for key, field in keys.items()
+            if source_values.get(key) is not None]

@@ -14,13 +14,13 @@ from typing import Any
 
 import gguf
 
-from pocketllm.checkpoint.base import Checkpoint
+from pocketllm.checkpoint.base import Checkpoint, RecommendedSetting
 from pocketllm.checkpoint.configs import (
     GGUF_ARCHITECTURES,
     GGUF_SAMPLING_KEYS,
     config_from_gguf,
     gguf_key_of,
-    sampling_fields,
+    recommended_settings,
 )
 from pocketllm.checkpoint.gguf_file import GGUFFile, GGUFFormatError, TensorHeader, read_gguf
 from pocketllm.checkpoint.shapes import check_shapes
@@ -111,8 +111,8 @@ class GGUFCheckpoint(Checkpoint):
     def config_key(self, field: str) -> str:
         return gguf_key_of(field, self._metadata)
 
-    def sampling_defaults(self) -> dict[str, Any]:
-        return sampling_fields(self._metadata, GGUF_SAMPLING_KEYS, source=str(self.path))
+    def recommended_sampling(self) -> list[RecommendedSetting]:
+        return recommended_settings(self._metadata, GGUF_SAMPLING_KEYS)
 
     def pooling_type(self) -> str | None:
         value = self._metadata.get(f"{self._metadata.get('general.architecture')}.pooling_type")

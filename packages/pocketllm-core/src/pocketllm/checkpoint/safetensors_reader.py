@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from pocketllm.checkpoint.base import Checkpoint
+from pocketllm.checkpoint.base import Checkpoint, RecommendedSetting
 from pocketllm.checkpoint.configs import (
     GENERATION_CONFIG_KEYS,
     TEXT_WRAPPERS,
     config_from_hf,
     hf_key_of,
-    sampling_fields,
+    recommended_settings,
 )
 from pocketllm.checkpoint.jsonfile import read_json_object
 from pocketllm.checkpoint.shapes import check_shapes
@@ -66,9 +66,9 @@ class SafetensorsCheckpoint(Checkpoint):
         check_shapes(tensors, config, hf_key_of)
         super().__init__(directory, config, tensors)
 
-    def sampling_defaults(self) -> dict[str, Any]:
+    def recommended_sampling(self) -> list[RecommendedSetting]:
         # As vLLM reads generation_config.json: these keys only, max_new_tokens as the default max_tokens.
-        return sampling_fields(self._generation, GENERATION_CONFIG_KEYS, source=str(self.path))
+        return recommended_settings(self._generation, GENERATION_CONFIG_KEYS)
 
     def pooling_type(self) -> str | None:
         # sentence-transformers' layout: modules.json names the pooling module's folder, whose config flags one mode.
