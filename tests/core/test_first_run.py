@@ -110,17 +110,24 @@ def test_help_texts_are_plain_text_and_every_server_flag_has_one(capsys: pytest.
     assert "(default: %(default)s)" in log_level.help
 
 
-def test_backends_command_lists_each_backend_s_option_keys(capsys: pytest.CaptureFixture[str]) -> None:
-    """--backend-options' help sends people to `pocketllm backends` for the keys."""
+def test_backends_command_lists_each_backend_s_options_with_type_default_and_help(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--backend-options' help sends people to `pocketllm backends`, which lists each key with what it takes."""
+    from pocketllm.backend_options import describe
     from pocketllm.plugins import BackendRegistry
 
     assert main(["backends"]) == 0
-    blocks = capsys.readouterr().out.split("\n")
+    lines = capsys.readouterr().out.split("\n")
     for entry in BackendRegistry().entries():
-        start = next(i for i, line in enumerate(blocks) if line.startswith(f"{entry.name}  ("))
-        [options] = [line for line in blocks[start + 1:start + 6] if "backend options" in line]
-        assert options.endswith(": " + (", ".join(entry.capabilities.backend_options) or "none")), options
-    assert "keys: see `pocketllm backends`" in next(
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"{entry.name}  ("))
+        heading = next(i for i in range(start + 1, start + 6) if "backend options" in lines[i])
+        options = describe(entry.capabilities.backend_options)
+        if not options:
+            assert lines[heading].endswith(": none"), lines[heading]
+        for i, option in enumerate(options, heading + 1):
+            assert lines[i].split() == (f"{option.name} ({option.expects}; default {option.default})"
+                                        f"{': ' if option.help else ''}{option.help}").split(), lines[i]
+    assert "see `pocketllm backends`" in next(
         f.metadata["help"] for f in dataclasses.fields(EngineArgs) if f.name == "backend_options")
 
 

@@ -46,7 +46,7 @@ class _Fake:
     def capabilities(self) -> Capabilities:
         return Capabilities(architectures=self.architectures)
 
-    def create_engine(self, args, checkpoint):
+    def create_engine(self, args, checkpoint, options):
         raise NotImplementedError
 
 
@@ -105,6 +105,20 @@ def test_contract_version_compatibility_is_checked_and_reported() -> None:
     assert f"contract {major}.{minor + 1}" in failures["fakes:newer-minor"]
     assert "(major, minor)" in failures["fakes:bare-int"]
     assert all(f.distribution == "fake-dist" for f in registry.failures)
+
+
+def test_a_backend_whose_options_are_not_a_backend_options_class_is_broken() -> None:
+    """Contract 2 declared the option keys as a tuple of names: a backend that still does is reported, and skipped."""
+    from pocketllm.errors import BrokenBackendError
+
+    class KeysOnly(_Fake):
+        def capabilities(self) -> Capabilities:
+            return Capabilities(architectures=self.architectures, backend_options=("block_size",))  # type: ignore
+
+    registry = _registry(KeysOnly("keys-only", 5), _Fake("typed", 1))
+    assert registry.select(EngineArgs()).name == "typed"
+    with pytest.raises(BrokenBackendError, match=r"not a pocketllm\.backend_options\.BackendOptions subclass"):
+        registry.get("keys-only")
 
 
 def test_backends_command_shows_why_a_backend_did_not_load(monkeypatch: pytest.MonkeyPatch,
@@ -166,7 +180,7 @@ class OldBackend:
     def capabilities(self):
         return Capabilities(architectures=("llama",), batching=True)
 
-    def create_engine(self, args, checkpoint):
+    def create_engine(self, args, checkpoint, options):
         raise AssertionError("a broken backend must never be asked for an engine")
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
 import pytest
 
 from pocketllm import LLM, Capabilities, ConfigError, EngineArgs, SamplingParams, UnsupportedOptionError
 from pocketllm.backend import SAMPLING_OPTIONS
+from pocketllm.backend_options import BackendOptions, OptionInfo, describe
 from pocketllm.checkpoint import load_checkpoint
 from pocketllm.support import check_engine_args, check_request, sampling_options_in_use
 
@@ -47,6 +50,56 @@ def test_max_batch_and_architecture_are_refused(pocketllm_tiny_llama: Path) -> N
     with pytest.raises(UnsupportedOptionError, match="'llama' is not one of qwen3") as err:
         check_engine_args("b", Capabilities(architectures=("qwen3",)), EngineArgs(), checkpoint)
     assert err.value.option == "model"
+
+
+class _Options(BackendOptions, kw_only=True):
+    size: Annotated[int, msgspec.Meta(ge=1, le=64, description="how big")] = 8
+    fast: Annotated[bool, msgspec.Meta(description="go faster")] = False
+    limit: Annotated[int, msgspec.Meta(gt=0)] | None = None
+
+
+OPTION_CAPS = Capabilities(architectures=("llama",), backend_options=_Options)
+
+
+def test_backend_options_arrive_as_the_backend_s_class_with_its_defaults(pocketllm_tiny_llama: Path) -> None:
+    checkpoint = load_checkpoint(str(pocketllm_tiny_llama))
+    assert check_engine_args("b", OPTION_CAPS, EngineArgs(), checkpoint) == _Options()
+    given = EngineArgs(backend_options={"size": 64, "fast": True, "limit": None})
+    assert check_engine_args("b", OPTION_CAPS, given, checkpoint) == _Options(size=64, fast=True)
+    assert check_engine_args("b", CAPS, EngineArgs(), checkpoint) == BackendOptions()
+    assert describe(_Options) == [
+        OptionInfo(name="size", expects="an integer from 1 to 64", default="8", help="how big"),
+        OptionInfo(name="fast", expects="true or false", default="false", help="go faster"),
+        OptionInfo(name="limit", expects="an integer > 0", default="chosen by the backend", help=""),
+    ]
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"size": 0}, "backend 'b' takes an integer from 1 to 64, got 0"),
+    ({"size": 65}, "backend 'b' takes an integer from 1 to 64, got 65"),
+    ({"size": True}, "got True"),  # a bool is no integer, though Python says it is one
+    ({"size": "8"}, "got '8'"),
+    ({"size": 8.0}, "got 8.0"),
+    ({"fast": 1}, "backend 'b' takes true or false, got 1"),
+    ({"limit": 0}, "backend 'b' takes an integer > 0, got 0"),
+    ({"size": 4, "limit": [1]}, "got [1]"),
+])
+def test_a_backend_option_of_a_wrong_type_or_out_of_range_is_a_config_error(
+    pocketllm_tiny_llama: Path, options: dict[str, object], message: str
+) -> None:
+    checkpoint = load_checkpoint(str(pocketllm_tiny_llama))
+    with pytest.raises(ConfigError) as err:
+        check_engine_args("b", OPTION_CAPS, EngineArgs(backend_options=options), checkpoint)
+    assert err.value.field == f"backend_options.{list(options)[-1]}" and message in str(err.value)
+
+
+def test_an_unknown_backend_option_names_the_keys_the_backend_takes(pocketllm_tiny_llama: Path) -> None:
+    checkpoint = load_checkpoint(str(pocketllm_tiny_llama))
+    with pytest.raises(UnsupportedOptionError, match="accepted keys: size, fast, limit") as err:
+        check_engine_args("b", OPTION_CAPS, EngineArgs(backend_options={"size": 4, "sise": 4}), checkpoint)
+    assert (err.value.option, err.value.backend) == ("backend_options.sise", "b")
+    with pytest.raises(UnsupportedOptionError, match="accepted keys: none"):
+        check_engine_args("b", CAPS, EngineArgs(backend_options={"size": 4}), checkpoint)
 
 
 def test_max_model_len_beyond_the_model_is_refused(pocketllm_tiny_llama: Path) -> None:

@@ -298,4 +298,4 @@ def test_absurd_backend_options_are_config_errors(backend: str, option: str, val
     with pytest.raises(ConfigError) as err:
         LLM(str(pocketllm_kit_checkpoint("llama")), backend=backend, dtype="float32",
             backend_options={option: value}).shutdown()
-    assert err.value.field == "backend_options" and str(value) in str(err.value)
+    assert err.value.field in ("backend_options", f"backend_options.{option}") and str(value) in str(err.value)

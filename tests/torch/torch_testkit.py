@@ -97,8 +97,8 @@ def make_engine(checkpoint: FakeCheckpoint, **args: Any) -> TorchEngine:
     engine_args = EngineArgs(**({"device": DEVICE, "dtype": "float32", "max_model_len": 256} | args))
     backend = TorchBackend()
     engine_args = dataclasses.replace(engine_args, max_model_len=resolve_max_model_len(engine_args, checkpoint.config))
-    check_engine_args(backend.name, backend.capabilities(), engine_args, checkpoint)
-    return backend.create_engine(engine_args, checkpoint)
+    options = check_engine_args(backend.name, backend.capabilities(), engine_args, checkpoint)
+    return backend.create_engine(engine_args, checkpoint, options)
 
 
 def add(engine: TorchEngine, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:

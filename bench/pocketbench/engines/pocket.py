@@ -32,7 +32,8 @@ class BackendSetup:
         plugin = registry.get(spec.backend)
         entry = next(e for e in registry.entries() if e.name == spec.backend)
         # Backends without a thread option follow OMP_NUM_THREADS, which the harness sets for every worker.
-        options = {THREADS_OPTION: spec.threads} if THREADS_OPTION in plugin.capabilities().backend_options else {}
+        declared = plugin.capabilities().backend_options.__struct_fields__
+        options = {THREADS_OPTION: spec.threads} if THREADS_OPTION in declared else {}
         return cls(registry, f"{entry.distribution} {entry.version}", options)
 
     def engine_kwargs(self, spec: EngineSpec) -> dict[str, Any]:

@@ -51,7 +51,8 @@ class EngineArgs:
     grammar_cache_mb: int = _option(64, "memory for compiled structured-output grammars kept for reuse, in MiB "
                                         "(estimated from each spec's size); 0 keeps none")
     backend_options: dict[str, Any] = field(default_factory=dict, metadata={
-        "help": "backend-specific settings as a JSON object (keys: see `pocketllm backends`)"})
+        "help": "backend-specific settings as a JSON object (each backend's keys, with their types, ranges, "
+                "defaults and meaning: see `pocketllm backends`)"})
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")

@@ -9,7 +9,8 @@ What the core does before a backend sees anything
 * ``create_engine`` is called only after every :class:`EngineArgs` field was
   checked against :class:`Capabilities` (architecture, storage types of the
   checkpoint's tensors, device, dtype, KV-cache dtype, tensor parallelism,
-  speculative decoding, ``max_num_seqs``, ``backend_options`` keys), and after
+  speculative decoding, ``max_num_seqs``, ``backend_options``: see
+  :mod:`pocketllm.backend_options`), and after
   every tensor's shape was checked against the model config, and (for the
   architectures the core has rules for) every tensor the model needs found. A
   refusal is an :class:`~pocketllm.errors.UnsupportedOptionError` naming the
@@ -65,6 +66,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
+from pocketllm.backend_options import BackendOptions
 from pocketllm.limits import MAX_LOGPROBS, MAX_N
 
 if TYPE_CHECKING:
@@ -118,8 +120,10 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     devices: tuple[str, ...] = ("cpu",)
     dtypes: tuple[str, ...] = ("float32",)
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
-    backend_options: tuple[str, ...] = ()
-    """Keys accepted in ``EngineArgs.backend_options``."""
+    backend_options: type[BackendOptions] = BackendOptions
+    """The backend's options: a :class:`~pocketllm.backend_options.BackendOptions` subclass, one typed field
+    (range, help text, default) per key accepted in ``EngineArgs.backend_options``. The core converts the
+    user's dict into it, refusing unknown keys and bad values, and hands the instance to ``create_engine``."""
 
     @property
     def logprobs(self) -> bool:
@@ -259,9 +263,14 @@ class BackendPlugin(Protocol):
     def capabilities(self) -> Capabilities:
         """Describe this backend; must be cheap and must not load a model."""
 
-    def create_engine(self, args: EngineArgs, checkpoint: Checkpoint) -> Engine:
+    def create_engine(self, args: EngineArgs, checkpoint: Checkpoint, options: BackendOptions) -> Engine:
         """Build an engine for ``checkpoint`` on the engine thread, reading its tensors (see
         :class:`~pocketllm.checkpoint.CheckpointTensor`) in whatever form suits the backend.
+
+        ``options`` is ``args.backend_options`` converted into this backend's ``Capabilities.backend_options``
+        class: every key known, every value of its declared type and in its range, the defaults filled in.
+        Checks that need the model (a KV pool that holds no sequence, say: see :mod:`pocketllm.kv_budget`) are
+        the backend's, raising :class:`~pocketllm.errors.ConfigError` on ``backend_options``.
 
         With ``args.tensor_parallel_size`` > 1 this runs on rank 0 (see :mod:`pocketllm.tensor_parallel`): the
         engine joins the other ranks (their place is in torchrun's environment variables) and schedules."""
@@ -271,12 +280,14 @@ class BackendPlugin(Protocol):
 class TensorParallelBackend(BackendPlugin, Protocol):
     """A backend that declares ``Capabilities.tensor_parallel`` also implements this (contract 2.2)."""
 
-    def run_tp_worker(self, args: EngineArgs, checkpoint: Checkpoint, ready: Callable[[], None]) -> None:
+    def run_tp_worker(self, args: EngineArgs, checkpoint: Checkpoint, options: BackendOptions,
+                      ready: Callable[[], None]) -> None:
         """Serve as a rank other than 0 of a ``args.tensor_parallel_size``-rank engine, until rank 0 shuts down.
 
-        Called in that rank's own process, on its main thread, with the same ``args`` and checkpoint as rank 0
-        (the rank and the rendezvous are in torchrun's environment variables: ``RANK``, ``WORLD_SIZE``,
-        ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). Join rank 0's group, load this rank's share of the
-        weights, call ``ready()`` once, then run whatever rank 0's engine asks of this rank each step (its worker
-        protocol is the backend's own) and return when rank 0's engine shuts down. Raise if rank 0 goes away or
-        the rank cannot load: the process then exits non-zero, which a supervisor reports with the rank."""
+        Called in that rank's own process, on its main thread, with the same ``args``, checkpoint and ``options``
+        (resolved as for ``create_engine``) as rank 0 (the rank and the rendezvous are in torchrun's environment
+        variables: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). Join rank 0's
+        group, load this rank's share of the weights, call ``ready()`` once, then run whatever rank 0's engine asks
+        of this rank each step (its worker protocol is the backend's own) and return when rank 0's engine shuts
+        down. Raise if rank 0 goes away or the rank cannot load: the process then exits non-zero, which a
+        supervisor reports with the rank."""

@@ -94,6 +94,7 @@ def _sampling(ns: argparse.Namespace, model_defaults: dict[str, object]) -> Samp
 
 
 def _backends() -> int:
+    from pocketllm.backend_options import describe
     from pocketllm.plugins import BackendRegistry
 
     registry = BackendRegistry()
@@ -108,7 +109,11 @@ def _backends() -> int:
               f"tensor parallel: {caps.tensor_parallel}; speculative: {', '.join(caps.speculative_methods) or '-'}")
         print(f"    sampling: greedy, {', '.join(caps.sampling_options) or '-'}; storage types: "
               f"{', '.join(caps.quantization_formats)}")
-        print(f"    backend options (--backend-options JSON keys): {', '.join(caps.backend_options) or 'none'}")
+        options = describe(caps.backend_options)
+        print(f"    backend options (--backend-options JSON keys):{'' if options else ' none'}")
+        for option in options:
+            print(f"      {option.name} ({option.expects}; default {option.default}){': ' if option.help else ''}"
+                  f"{option.help}")
     for failure in registry.failures:
         state = "BROKEN" if failure.broken else "FAILED TO LOAD"
         print(f"{failure.entry_point}  ({failure.distribution} {failure.version}, {state}: {failure.error})")

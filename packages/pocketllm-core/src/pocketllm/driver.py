@@ -116,7 +116,7 @@ class EngineDriver:
             plugin = self.registry.select(self.args, checkpoint)
             self.backend_name = plugin.name
             self.capabilities = plugin.capabilities()
-            check_engine_args(plugin.name, self.capabilities, self.args, checkpoint)
+            self.backend_options = check_engine_args(plugin.name, self.capabilities, self.args, checkpoint)
 
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                         cache_bytes=self.args.grammar_cache_mb << 20)
@@ -282,7 +282,7 @@ class EngineDriver:
         # The engine is built on the thread that steps it: torch's OpenMP thread team belongs to the thread
         # that created it, and stepping from another thread measured ~40% slower on 2 cores.
         try:
-            self.engine = plugin.create_engine(self.args, checkpoint)
+            self.engine = plugin.create_engine(self.args, checkpoint, self.backend_options)
         except BaseException as e:
             built.set_exception(e)
             return

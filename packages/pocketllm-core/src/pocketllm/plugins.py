@@ -12,6 +12,7 @@ import pluggy
 
 from pocketllm import hookspecs
 from pocketllm.backend import API_VERSION, BackendPlugin, Capabilities
+from pocketllm.backend_options import BackendOptions, describe, resolve
 from pocketllm.errors import BackendNotFoundError, BrokenBackendError, UnsupportedOptionError
 from pocketllm.support import check_engine_args
 
@@ -133,11 +134,24 @@ class BackendRegistry:
                 capabilities = plugin.capabilities()
                 if not isinstance(capabilities, Capabilities):
                     raise TypeError(f"it returned {type(capabilities).__name__}, not pocketllm.backend.Capabilities")
+                declared = capabilities.backend_options
+                if not (isinstance(declared, type) and issubclass(declared, BackendOptions)):
+                    raise TypeError(f"its backend_options is {declared!r}, not a pocketllm.backend_options."
+                                    "BackendOptions subclass")
+                describe(declared)  # raises for annotations that cannot be resolved: no user's option could pass
             except Exception as e:
                 raise self._fail(self._plugin_of.get(name, "?"), name,
                                  f"capabilities() raised {type(e).__name__}: {e}", declared=plugin.api_version) from e
             self._capabilities[name] = capabilities
         return self._capabilities[name]
+
+    def check_backend_options(self, args: EngineArgs) -> None:
+        """Refuse ``args.backend_options`` that the backend ``args`` names does not take, before any model is read
+        (the server checks them before it binds its port). Under ``backend="auto"`` the backend, and so this
+        check, waits for the checkpoint: see ``select``."""
+        if args.backend != "auto":
+            self.get(args.backend)  # BackendNotFoundError, or BrokenBackendError, first
+            resolve(args.backend, self.capabilities(args.backend).backend_options, args.backend_options)
 
     def entries(self) -> list[BackendEntry]:
         """Every working backend (the broken ones are in ``failures`` afterwards)."""

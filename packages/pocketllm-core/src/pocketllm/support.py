@@ -9,19 +9,23 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from pocketllm import backend_options
 from pocketllm.errors import ConfigError, PromptTooLongError, UnsupportedOptionError
 from pocketllm.pooling import POOLING_TYPES
 
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
     from pocketllm.backend import Capabilities
+    from pocketllm.backend_options import BackendOptions
     from pocketllm.checkpoint import Checkpoint
     from pocketllm.pooling import PoolingParams
     from pocketllm.sampling_params import SamplingParams
 
 
-def check_engine_args(backend: str, caps: Capabilities, args: EngineArgs, checkpoint: Checkpoint) -> None:
-    """Raise UnsupportedOptionError for the first engine option or checkpoint property ``caps`` rules out."""
+def check_engine_args(backend: str, caps: Capabilities, args: EngineArgs, checkpoint: Checkpoint) -> BackendOptions:
+    """Raise UnsupportedOptionError for the first engine option or checkpoint property ``caps`` rules out, or
+    ConfigError for a backend option of the wrong type or out of range; return the backend options, resolved
+    into the backend's ``Capabilities.backend_options`` class, for ``create_engine``."""
     architecture = checkpoint.config.architecture
     if architecture not in caps.architectures:
         raise UnsupportedOptionError("model", backend, f"architecture {architecture!r} is not one of "
@@ -47,10 +51,7 @@ def check_engine_args(backend: str, caps: Capabilities, args: EngineArgs, checkp
     if args.kv_cache_dtype not in caps.kv_cache_dtypes:
         raise UnsupportedOptionError("kv_cache_dtype", backend,
                                      f"{args.kv_cache_dtype!r}; supported: {', '.join(caps.kv_cache_dtypes)}")
-    for key in args.backend_options:
-        if key not in caps.backend_options:
-            raise UnsupportedOptionError(f"backend_options.{key}", backend,
-                                         f"accepted keys: {', '.join(caps.backend_options) or 'none'}")
+    return backend_options.resolve(backend, caps.backend_options, args.backend_options)
 
 
 def sampling_options_in_use(params: SamplingParams) -> list[str]:

@@ -110,7 +110,7 @@ def run_worker(args: EngineArgs, ready: Callable[[], None] | None = None) -> Non
     checkpoint = load_checkpoint(args.model, args.model_format)
     args = dataclasses.replace(args, max_model_len=resolve_max_model_len(args, checkpoint.config))
     plugin = BackendRegistry().select(args, checkpoint)
-    check_engine_args(plugin.name, plugin.capabilities(), args, checkpoint)
+    options = check_engine_args(plugin.name, plugin.capabilities(), args, checkpoint)
     if not isinstance(plugin, TensorParallelBackend):
         raise UnsupportedOptionError("tensor_parallel_size", plugin.name, "it declares tensor parallelism but has "
                                      "no run_tp_worker (pocketllm.backend.TensorParallelBackend)")
@@ -119,7 +119,7 @@ def run_worker(args: EngineArgs, ready: Callable[[], None] | None = None) -> Non
         # the collectives to fail, if rank 0 is gone) rather than dying under a collective in flight.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
-    plugin.run_tp_worker(args, checkpoint, ready or (lambda: mark_ready(info.rank)))
+    plugin.run_tp_worker(args, checkpoint, options, ready or (lambda: mark_ready(info.rank)))
 
 
 def free_port() -> int:

@@ -22,6 +22,7 @@ from pocketllm.limits import MAX_THREADS
 from pocketllm.pooling import POOLING_TYPES
 from pocketllm.structured import bitmask_words, fill_bitmasks
 from pocketllm_cpp.name import NAME
+from pocketllm_cpp.options import CppOptions
 
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
     from pocketllm.sampling_params import SamplingParams
     from pocketllm.structured import Constraint
 
-BACKEND_OPTIONS = ("block_size", "exact_activations", "num_kv_blocks", "num_threads")
-DEFAULT_BLOCK_SIZE = 16
 # KV-cache element types and their bytes; "auto" is float16, half the bytes attention reads per position.
 KV_CACHE_DTYPES = {"float16": 2, "float32": 4}
 KV_MEMORY_FRACTION = 0.25  # of physical RAM, as the torch backend
@@ -65,28 +64,26 @@ class CppBackend:
             devices=("cpu",),
             dtypes=("float32",),
             kv_cache_dtypes=("auto", *KV_CACHE_DTYPES),
-            backend_options=BACKEND_OPTIONS,
+            backend_options=CppOptions,
         )
 
-    def create_engine(self, args: EngineArgs, checkpoint: Checkpoint) -> CppEngine:
-        return CppEngine(args, checkpoint)
+    def create_engine(self, args: EngineArgs, checkpoint: Checkpoint, options: CppOptions) -> CppEngine:
+        return CppEngine(args, checkpoint, options)
 
 
 class CppEngine:
     """pocketllm.backend.Engine over the native engine: conversions only, the work is in C++."""
 
-    def __init__(self, args: EngineArgs, checkpoint: Checkpoint) -> None:
+    def __init__(self, args: EngineArgs, checkpoint: Checkpoint, options: CppOptions) -> None:
         from pocketllm_cpp import _native
         from pocketllm_cpp.model import build_model
 
-        options = args.backend_options
-        block_size = _positive(options, "block_size", DEFAULT_BLOCK_SIZE)
-        if block_size > args.max_model_len:
-            raise ConfigError("backend_options", f"block_size {block_size} is larger than max_model_len")
-        exact = options.get("exact_activations", False)
-        if not isinstance(exact, bool):
-            raise ConfigError("backend_options", f"exact_activations must be true or false, got {exact!r}")
+        # The core has checked every option against this backend's Capabilities, options' types and ranges too.
         assert args.max_model_len is not None  # resolved by the core
+        block_size = options.block_size
+        if block_size > args.max_model_len:
+            raise ConfigError("backend_options.block_size", f"{block_size} is larger than max_model_len "
+                                                            f"{args.max_model_len}")
         per_sequence = -(-args.max_model_len // block_size)
         config = checkpoint.config
         kv_dtype = "float16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
@@ -94,7 +91,7 @@ class CppEngine:
                            * KV_CACHE_DTYPES[kv_dtype] * block_size)
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         budget = int(physical * KV_MEMORY_FRACTION) // bytes_per_block
-        num_blocks = _positive(options, "num_kv_blocks", min(args.max_num_seqs * per_sequence, budget))
+        num_blocks = options.num_kv_blocks or min(args.max_num_seqs * per_sequence, budget)
         if num_blocks * bytes_per_block > physical:
             raise ConfigError("backend_options", f"{num_blocks} KV blocks of {bytes_per_block} bytes need more "
                                                  "memory than this machine has")
@@ -102,9 +99,7 @@ class CppEngine:
             raise ConfigError("backend_options", f"{num_blocks} KV blocks of {block_size} tokens cannot hold one "
                                                  f"sequence of max_model_len={args.max_model_len}")
         # By default one thread per CPU this process may use (its affinity and cgroup quota), not the machine's.
-        threads = _positive(options, "num_threads", min(_native.available_cpus(), MAX_THREADS))
-        if threads > MAX_THREADS:
-            raise ConfigError("backend_options", f"num_threads must be at most {MAX_THREADS}, got {threads}")
+        threads = options.num_threads or min(_native.available_cpus(), MAX_THREADS)
         self.num_threads = threads
         # Every request stops at these: one outside the vocabulary (metadata of 2^32 - 1) would fail them all.
         outside = [t for t in config.eos_token_ids if not 0 <= t < config.vocab_size]
@@ -113,7 +108,7 @@ class CppEngine:
                                   f"(vocab_size {config.vocab_size})")
         self.eos = tuple(config.eos_token_ids)
         self.model = build_model(checkpoint, num_blocks=num_blocks, block_size=block_size, num_threads=threads,
-                                 exact_activations=exact, kv_cache_dtype=kv_dtype)
+                                 exact_activations=options.exact_activations, kv_cache_dtype=kv_dtype)
         self.engine = _native.Engine(self.model, args.max_num_seqs, args.max_num_batched_tokens,
                                      args.prefill_chunk_size, args.seed, args.enable_prefix_caching)
         self.vocab_size = config.vocab_size
@@ -209,10 +204,3 @@ class CppEngine:
 
     def shutdown(self) -> None:
         del self.engine, self.model  # the KV pool and the worker threads go with them
-
-
-def _positive(options: dict[str, Any], key: str, default: int) -> int:
-    value = options.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError("backend_options", f"{key} must be a positive integer, got {value!r}")
-    return value

@@ -18,6 +18,7 @@ from starlette.applications import Starlette
 from pocketllm.args import DEFAULT_MODEL
 from pocketllm.cli_args import add_engine_args, engine_args_from
 from pocketllm.errors import PocketLLMError
+from pocketllm.plugins import BackendRegistry
 from pocketllm.pooling import POOLING_TYPES
 from pocketllm.reasoning import REASONING_PARSERS
 from pocketllm.supervisor import supervise
@@ -95,6 +96,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "pocketllm-server") -> i
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine_args = engine_args_from(ns)
+        if engine_args.backend_options:  # a named backend's, before the port is bound and the model read
+            BackendRegistry().check_backend_options(engine_args)
         rank = rank_info() if engine_args.tensor_parallel_size > 1 else None
         if rank is not None:
             check_world(engine_args, rank)

@@ -15,6 +15,7 @@ from pocketllm.backend import API_VERSION, FLOAT_STORAGE_TYPES, SAMPLING_OPTIONS
 from pocketllm.pooling import POOLING_TYPES
 from pocketllm_torch.models import MODELS
 from pocketllm_torch.name import NAME
+from pocketllm_torch.options import TorchOptions
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from pocketllm_torch.engine import TorchEngine
 
 ARCHITECTURES = tuple(MODELS)
-BACKEND_OPTIONS = ("block_size", "decode_graphs", "num_kv_blocks", "num_threads", "state_snapshot_mb")
 # Every GGUF block type the gguf package dequantizes (4- and 8-bit groups stay so where a kernel reads them).
 BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M",
                "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")
@@ -52,18 +52,19 @@ class TorchBackend:
             devices=("cpu", "cuda"),
             dtypes=("float32", "bfloat16", "float16"),
             kv_cache_dtypes=("auto", "float32", "bfloat16", "float16"),
-            backend_options=BACKEND_OPTIONS,
+            backend_options=TorchOptions,
         )
 
-    def create_engine(self, args: EngineArgs, checkpoint: Checkpoint) -> TorchEngine:
+    def create_engine(self, args: EngineArgs, checkpoint: Checkpoint, options: TorchOptions) -> TorchEngine:
         from pocketllm_torch.engine import TorchEngine
 
-        return TorchEngine(args, checkpoint)
+        return TorchEngine(args, checkpoint, options)
 
-    def run_tp_worker(self, args: EngineArgs, checkpoint: Checkpoint, ready: Callable[[], None]) -> None:
+    def run_tp_worker(self, args: EngineArgs, checkpoint: Checkpoint, options: TorchOptions,
+                      ready: Callable[[], None]) -> None:
         from pocketllm_torch.engine import serve_as_worker
 
-        serve_as_worker(args, checkpoint, ready)
+        serve_as_worker(args, checkpoint, options, ready)
 
 
 # torch/version.py records the toolkit a build was made for ("cuda: Optional[str] = '12.4'"; None in a CPU build).

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from pocketllm.errors import ConfigError, UnsupportedOptionError
-from pocketllm.limits import MAX_THREADS
 from pocketllm_torch.cpus import available_cpus
 from pocketllm_torch.linear import compute_dtype
 from pocketllm_torch.name import NAME
@@ -17,10 +16,9 @@ from pocketllm_torch.name import NAME
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
     from pocketllm.model_config import ModelConfig
+    from pocketllm_torch.options import TorchOptions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_STATE_SNAPSHOT_MB = 512  # prefix-cache snapshots of hybrid models' states (Qwen3.5-9B: ~50 MB each)
 CPU_KV_MEMORY_FRACTION = 0.25  # of physical RAM: the weights and the rest of the process need the remainder
 GPU_KV_MEMORY_FRACTION = 0.9  # of the memory still free once the weights are loaded
 # torch's intra-op threads before any engine set them: its own default (the physical cores of the affinity mask
@@ -46,11 +44,9 @@ class TorchConfig:
     state_snapshot_bytes: int  # budget of the state layers' prefix-cache snapshots (see state_snapshots.py)
 
     @classmethod
-    def from_args(cls, args: EngineArgs, model: ModelConfig) -> TorchConfig:
-        # The core has refused every option outside this backend's Capabilities; values are checked here.
-        options = args.backend_options
-        threads = (_positive_option(options, "num_threads", at_most=MAX_THREADS) if "num_threads" in options
-                   else default_threads())
+    def from_args(cls, args: EngineArgs, model: ModelConfig, options: TorchOptions) -> TorchConfig:
+        # The core has checked every option against this backend's Capabilities, options' types and ranges too.
+        threads = options.num_threads or default_threads()
         torch.set_num_threads(threads)  # on the engine's thread, which runs the kernels
         device = _resolve_device(args.device)
         dtype = _resolve_dtype(args.dtype, device)
@@ -68,13 +64,12 @@ class TorchConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             prefill_chunk_size=args.prefill_chunk_size,
-            block_size=_positive_option(options, "block_size") if "block_size" in options else DEFAULT_BLOCK_SIZE,
-            num_kv_blocks=_positive_option(options, "num_kv_blocks") if "num_kv_blocks" in options else None,
+            block_size=options.block_size,
+            num_kv_blocks=options.num_kv_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
             # On by default where it was measured: CPUs, where a small model's decode is bound by Python overhead.
-            decode_graphs=_bool_option(options, "decode_graphs", default=device.type == "cpu"),
-            state_snapshot_bytes=(_positive_option(options, "state_snapshot_mb", at_most=1 << 30)
-                                  if "state_snapshot_mb" in options else DEFAULT_STATE_SNAPSHOT_MB) << 20,
+            decode_graphs=device.type == "cpu" if options.decode_graphs is None else options.decode_graphs,
+            state_snapshot_bytes=options.state_snapshot_mb << 20,
         )
 
     def kv_bytes_per_block(self, num_attention_layers: int) -> int:
@@ -125,22 +120,6 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "float16" and device.type == "cpu":
         raise UnsupportedOptionError("dtype", NAME, "float16 needs a CUDA device")
     return DTYPES[name]
-
-
-def _positive_option(options: dict, key: str, at_most: int | None = None) -> int:
-    value = options[key]
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError("backend_options", f"{key} must be a positive integer, got {value!r}")
-    if at_most is not None and value > at_most:
-        raise ConfigError("backend_options", f"{key} must be at most {at_most}, got {value}")
-    return value
-
-
-def _bool_option(options: dict, key: str, *, default: bool) -> bool:
-    value = options.get(key, default)
-    if not isinstance(value, bool):
-        raise ConfigError("backend_options", f"{key} must be true or false, got {value!r}")
-    return value
 
 
 def _physical_memory(device: torch.device) -> int:

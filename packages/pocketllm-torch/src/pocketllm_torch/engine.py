@@ -27,23 +27,25 @@ if TYPE_CHECKING:
     from pocketllm.pooling import PoolingParams
     from pocketllm.sampling_params import SamplingParams
     from pocketllm.structured import Constraint
+    from pocketllm_torch.options import TorchOptions
 
 
 # What an embedding request's Sequence carries where a generation's parameters go: nothing samples it.
 _EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
 
 
-def join_group(args: EngineArgs, config: TorchConfig) -> Group | None:
+def join_group(args: EngineArgs, config: TorchConfig, options: TorchOptions) -> Group | None:
     """This rank's tensor-parallel group (None at tensor_parallel_size 1)."""
     if args.tensor_parallel_size == 1:
         return None
-    return Group(config.device, threads_chosen="num_threads" in args.backend_options)
+    return Group(config.device, threads_chosen=options.num_threads is not None)
 
 
-def serve_as_worker(args: EngineArgs, checkpoint: Checkpoint, ready: Callable[[], None]) -> None:
+def serve_as_worker(args: EngineArgs, checkpoint: Checkpoint, options: TorchOptions,
+                    ready: Callable[[], None]) -> None:
     """A rank other than 0 (see pocketllm.backend.TensorParallelBackend)."""
-    config = TorchConfig.from_args(args, checkpoint.config)
-    tp = join_group(args, config)
+    config = TorchConfig.from_args(args, checkpoint.config, options)
+    tp = join_group(args, config, options)
     assert tp is not None
     try:
         runner = ModelRunner(config, checkpoint, tp)
@@ -54,9 +56,9 @@ def serve_as_worker(args: EngineArgs, checkpoint: Checkpoint, ready: Callable[[]
 
 
 class TorchEngine:
-    def __init__(self, args: EngineArgs, checkpoint: Checkpoint) -> None:
-        self.config = TorchConfig.from_args(args, checkpoint.config)
-        self.tp = join_group(args, self.config)
+    def __init__(self, args: EngineArgs, checkpoint: Checkpoint, options: TorchOptions) -> None:
+        self.config = TorchConfig.from_args(args, checkpoint.config, options)
+        self.tp = join_group(args, self.config, options)
         try:
             self.runner = ModelRunner(self.config, checkpoint, self.tp)
         except BaseException:

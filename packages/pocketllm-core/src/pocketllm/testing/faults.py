@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pocketllm.backend import BackendPlugin, BackendStats, Capabilities, RequestDelta
+from pocketllm.backend_options import BackendOptions
 from pocketllm.errors import UnsupportedOptionError
 from pocketllm.hookspecs import hookimpl
 from pocketllm.sampling_params import SamplingParams
@@ -27,8 +28,8 @@ class FaultyAddBackend:
     def capabilities(self) -> Capabilities:
         return self.inner.capabilities()
 
-    def create_engine(self, args: Any, checkpoint: Any) -> _FaultyAddEngine:
-        return _FaultyAddEngine(self.inner.create_engine(args, checkpoint), self.name)
+    def create_engine(self, args: Any, checkpoint: Any, options: BackendOptions) -> _FaultyAddEngine:
+        return _FaultyAddEngine(self.inner.create_engine(args, checkpoint, options), self.name)
 
     def as_plugin(self) -> object:
         """An object carrying the registration hook, for ``BackendRegistry.register_plugin``."""

@@ -14,10 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
+import msgspec
+import msgspec.inspect
 import pytest
 
 from pocketllm.backend import SAMPLING_OPTIONS, Capabilities
-from pocketllm.errors import PromptTooLongError, UnsupportedOptionError
+from pocketllm.backend_options import BackendOptions
+from pocketllm.errors import ConfigError, PromptTooLongError, UnsupportedOptionError
 from pocketllm.limits import MAX_LOGPROBS, MAX_N
 from pocketllm.plugins import BackendRegistry
 from pocketllm.pooling import PoolingParams
@@ -518,6 +521,42 @@ class ProtocolConformance(KitBase):
         with pytest.raises(UnsupportedOptionError) as err:
             self.make_llm(model_path, **{option: value}).shutdown()
         assert err.value.option.startswith(option) and err.value.backend == self.backend
+
+    def test_backend_options_of_a_wrong_type_or_out_of_range_are_config_errors(self, llm: Any,
+                                                                              model_path: Path) -> None:
+        """Each option the backend declares refuses a value of another type (true where it takes an integer)
+        and each bound of its range, with a ConfigError naming the key and the backend."""
+        values = _bad_option_values(self.caps(llm).backend_options)
+        if not values:
+            pytest.skip(f"{self.backend} declares no backend options")
+        for key, value in values:
+            with pytest.raises(ConfigError) as err:
+                self.make_llm(model_path, backend_options={key: value}).shutdown()
+            assert err.value.field == f"backend_options.{key}", (key, value)
+            assert f"backend {self.backend!r}" in str(err.value), (key, value)
+
+
+def _bad_option_values(spec: type[BackendOptions]) -> list[tuple[str, Any]]:
+    """For each field of ``spec``: a list (no option's type here takes one), true for an integer field and 1 for a
+    boolean one (neither passes for the other), and the values just outside each bound of a number's range."""
+    values: list[tuple[str, Any]] = []
+    info = msgspec.inspect.type_info(spec)
+    assert isinstance(info, msgspec.inspect.StructType)
+    for field in info.fields:
+        union = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
+        kinds = [t.type if isinstance(t, msgspec.inspect.Metadata) else t for t in union]
+        if not any(isinstance(t, msgspec.inspect.ListType) for t in kinds):
+            values.append((field.encode_name, []))
+        ints, bools = (any(isinstance(t, kind) for t in kinds)
+                       for kind in (msgspec.inspect.IntType, msgspec.inspect.BoolType))
+        if ints != bools:
+            values.append((field.encode_name, True if ints else 1))
+        for t in kinds:
+            if isinstance(t, msgspec.inspect.IntType | msgspec.inspect.FloatType):
+                step = 1 if isinstance(t, msgspec.inspect.IntType) else 1e-3
+                bounds = [t.gt, None if t.ge is None else t.ge - step, t.lt, None if t.le is None else t.le + step]
+                values += [(field.encode_name, bound) for bound in bounds if bound is not None]
+    return values
 
 
 def _unsupported_value(caps: Capabilities, option: str) -> Any:
