@@ -28,6 +28,7 @@ except ImportError as e:
                       "pip install 'pocketllm-core[testing]'") from e
 
 from pocketllm.testing.checkpoints import KIT_CHECKPOINTS, make_tiny_gguf, make_tiny_llama, make_tiny_qwen3
+from pocketllm.testing.gates import GatedBackend, StepGate
 from pocketllm.testing.model import ModelConformance
 from pocketllm.testing.protocol import ProtocolConformance
 from pocketllm.testing.tensor_parallel import TensorParallelConformance
@@ -37,5 +38,5 @@ class BackendConformance(ProtocolConformance, ModelConformance):
     """Both classes at once, for a backend that runs models (and what contract 1's kit was called)."""
 
 
-__all__ = ["KIT_CHECKPOINTS", "BackendConformance", "ModelConformance", "ProtocolConformance",
-           "TensorParallelConformance", "make_tiny_gguf", "make_tiny_llama", "make_tiny_qwen3"]
+__all__ = ["KIT_CHECKPOINTS", "BackendConformance", "GatedBackend", "ModelConformance", "ProtocolConformance",
+           "StepGate", "TensorParallelConformance", "make_tiny_gguf", "make_tiny_llama", "make_tiny_qwen3"]
