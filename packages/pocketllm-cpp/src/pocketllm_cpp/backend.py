@@ -18,6 +18,7 @@ from pocketllm.backend import (
     TokenLogprob,
 )
 from pocketllm.errors import CheckpointError, ConfigError
+from pocketllm.kv_budget import KVBudget, bytes_per_block
 from pocketllm.limits import MAX_THREADS
 from pocketllm.pooling import POOLING_TYPES
 from pocketllm.structured import bitmask_words, fill_bitmasks
@@ -84,20 +85,14 @@ class CppEngine:
         if block_size > args.max_model_len:
             raise ConfigError("backend_options.block_size", f"{block_size} is larger than max_model_len "
                                                             f"{args.max_model_len}")
-        per_sequence = -(-args.max_model_len // block_size)
         config = checkpoint.config
         kv_dtype = "float16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-        bytes_per_block = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-                           * KV_CACHE_DTYPES[kv_dtype] * block_size)
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        budget = int(physical * KV_MEMORY_FRACTION) // bytes_per_block
-        num_blocks = options.num_kv_blocks or min(args.max_num_seqs * per_sequence, budget)
-        if num_blocks * bytes_per_block > physical:
-            raise ConfigError("backend_options", f"{num_blocks} KV blocks of {bytes_per_block} bytes need more "
-                                                 "memory than this machine has")
-        if num_blocks < per_sequence:  # a sequence alone must always fit, or preemption could not make progress
-            raise ConfigError("backend_options", f"{num_blocks} KV blocks of {block_size} tokens cannot hold one "
-                                                 f"sequence of max_model_len={args.max_model_len}")
+        per_block = bytes_per_block(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+                                    head_dim=config.head_dim, itemsize=KV_CACHE_DTYPES[kv_dtype], block_size=block_size)
+        num_blocks = KVBudget(block_size=block_size, bytes_per_block=per_block, max_model_len=args.max_model_len,
+                              max_num_seqs=args.max_num_seqs, memory_bytes=int(physical * KV_MEMORY_FRACTION),
+                              device_bytes=physical).num_blocks(options.num_kv_blocks)
         # By default one thread per CPU this process may use (its affinity and cgroup quota), not the machine's.
         threads = options.num_threads or min(_native.available_cpus(), MAX_THREADS)
         self.num_threads = threads

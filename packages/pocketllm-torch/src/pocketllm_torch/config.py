@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pocketllm.errors import ConfigError, UnsupportedOptionError
+from pocketllm.errors import UnsupportedOptionError
+from pocketllm.kv_budget import KVBudget, bytes_per_block
 from pocketllm_torch.cpus import available_cpus
 from pocketllm_torch.linear import compute_dtype
 from pocketllm_torch.name import NAME
@@ -74,26 +75,21 @@ class TorchConfig:
 
     def kv_bytes_per_block(self, num_attention_layers: int) -> int:
         m = self.model
-        per_token = 2 * num_attention_layers * m.num_key_value_heads * m.head_dim * self.kv_cache_dtype.itemsize
-        return per_token * self.block_size
+        return bytes_per_block(num_layers=num_attention_layers, num_kv_heads=m.num_key_value_heads,
+                               head_dim=m.head_dim, itemsize=self.kv_cache_dtype.itemsize, block_size=self.block_size)
 
-    def resolve_num_kv_blocks(self, num_attention_layers: int, state_bytes: int = 0, ranks_here: int = 1) -> int:
-        """Blocks for every sequence at full length, unless that exceeds the memory budget (less ``state_bytes``,
-        the state layers' slots of max_num_seqs requests and their prefix-cache snapshots' budget). On a CPU,
-        ``ranks_here`` tensor-parallel ranks share the machine's budget."""
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        per_block = self.kv_bytes_per_block(num_attention_layers)
+    def resolve_num_kv_blocks(self, num_attention_layers: int, state_slot_bytes: int = 0, snapshot_bytes: int = 0,
+                              ranks_here: int = 1) -> int:
+        """The ``num_kv_blocks`` option, else what this device's budget holds (see pocketllm.kv_budget), measured
+        now: on a GPU, once the weights are loaded. On a CPU, ``ranks_here`` tensor-parallel ranks share the
+        machine's budget."""
         share = ranks_here if self.device.type == "cpu" else 1
-        budget = _kv_memory_budget(self.device) // share - state_bytes
-        num_blocks = self.num_kv_blocks or min(self.max_num_seqs * blocks_per_seq, max(0, budget) // per_block)
-        if self.num_kv_blocks and self.num_kv_blocks * per_block + state_bytes > _physical_memory(self.device):
-            raise ConfigError("backend_options", f"{self.num_kv_blocks} KV blocks of {per_block} bytes "
-                                                 "need more memory than this device has")
-        if num_blocks < blocks_per_seq:
-            # A sequence alone must always fit, or preemption could never make progress.
-            raise ConfigError("backend_options", f"{num_blocks} KV blocks of {self.block_size} tokens cannot hold "
-                                                 f"one sequence of max_model_len={self.max_model_len}")
-        return num_blocks
+        budget = KVBudget(block_size=self.block_size, bytes_per_block=self.kv_bytes_per_block(num_attention_layers),
+                          max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                          memory_bytes=_kv_memory_budget(self.device) // share,
+                          device_bytes=_physical_memory(self.device), state_slot_bytes=state_slot_bytes,
+                          snapshot_bytes=snapshot_bytes)
+        return budget.num_blocks(self.num_kv_blocks)
 
 
 def default_threads() -> int:

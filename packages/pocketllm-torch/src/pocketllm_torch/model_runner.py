@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pocketllm.errors import ConfigError
+from pocketllm.kv_budget import snapshot_capacity
 from pocketllm_torch import groups
 from pocketllm_torch.attention import KVCache, build_metadata
 from pocketllm_torch.cache_spec import AttentionSpec, StateSpec
@@ -54,8 +54,7 @@ class ModelRunner:
         state_bytes = StateCache.bytes_per_slot(len(states), states[0], self.model.dtype) if states else 0
         # The snapshots' budget is memory they may come to hold: it is not the KV cache's to take.
         snapshot_bytes = config.state_snapshot_bytes if states and config.enable_prefix_caching else 0
-        self.num_kv_blocks = config.resolve_num_kv_blocks(len(attention),
-                                                          config.max_num_seqs * state_bytes + snapshot_bytes,
+        self.num_kv_blocks = config.resolve_num_kv_blocks(len(attention), state_bytes, snapshot_bytes,
                                                           ranks_here=tp.local_world_size if tp else 1)
         if tp is not None:  # every rank holds the same blocks: as many as the tightest rank can
             self.num_kv_blocks = tp.min(self.num_kv_blocks)
@@ -72,13 +71,11 @@ class ModelRunner:
         self._capture_ends: list[tuple[Sequence, int]] = []  # rank 0: whose they are, and where
         self._pending_saves: tuple[list[tuple[int, int]], list[tuple[int, int]]] = [], []
         if states and config.enable_prefix_caching:
-            capacity = config.state_snapshot_bytes // state_bytes
-            if tp is not None:  # every rank files and evicts the same snapshots
-                capacity = tp.min(capacity)
-            if capacity == 0:
-                raise ConfigError("backend_options", f"state_snapshot_mb {config.state_snapshot_bytes >> 20} holds no "
-                                                     f"snapshot of this model's states ({state_bytes} bytes each)")
-            self.snapshots = StateSnapshots(capacity)
+            # Every rank files and evicts the same snapshots: as many as the rank with the largest states holds (all
+            # of them agree, so that all refuse together when none fits).
+            largest = -tp.min(-state_bytes) if tp is not None else state_bytes
+            self.snapshots = StateSnapshots(snapshot_capacity(config.state_snapshot_bytes, largest,
+                                                                option="state_snapshot_mb"))
         # A trace would freeze the collectives of a tensor-parallel step: those run eagerly.
         self.decode_graphs = (DecodeGraphs(self.model, self.caches, self.state_cache)
                               if config.decode_graphs and self.model.traceable and tp is None else None)
