@@ -81,7 +81,7 @@ class BuildEngine(PocketEngine):
         import pocketllm_cpp
 
         return {"package": str(Path(pocketllm_cpp.__file__).parent),
-                "threads": getattr(self.llm.driver.engine, "num_threads", None)}
+                "threads": getattr(self.llm.backend_engine, "num_threads", None)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -150,7 +150,7 @@ def worker_main(model: str, threads: str) -> None:
         if request["op"] == "info":
             import torch
 
-            result: dict[str, Any] = {"threads": torch.get_num_threads(), "dtype": str(llm.driver.engine.config.dtype),
+            result: dict[str, Any] = {"threads": torch.get_num_threads(), "dtype": str(llm.backend_engine.config.dtype),
                                       **{k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
         else:
             started = time.perf_counter()

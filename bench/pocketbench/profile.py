@@ -59,7 +59,7 @@ def weight_bytes(model: str) -> int:
 
 
 def profile(llm: Any, context: int) -> dict[str, float]:
-    engine = llm.driver.engine.engine  # the native engine of pocketllm_cpp.backend.CppEngine
+    engine = llm.backend_engine.engine  # the native engine of pocketllm_cpp.backend.CppEngine
     prompt = np.random.default_rng(context).integers(100, 20000, context).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     stream = llm.generate_stream(prompt, params)
@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "results")
     args = parser.parse_args()
     llm = LLM(args.model, backend="cpp", backend_options={"num_threads": args.threads})
-    config = llm.driver.model_config
+    config = llm.model_config
     weights = weight_bytes(args.model)
     bandwidth = read_bandwidth(args.threads)
     rows = []

@@ -66,7 +66,7 @@ def main() -> None:
                                          "free_tok_s": statistics.median(free_rates),
                                          "slowdown_median": statistics.median(slowdowns),
                                          "slowdowns": slowdowns}
-        compiler = GrammarCompiler(llm.tokenizer, llm.driver.model_config.vocab_size)
+        compiler = GrammarCompiler(llm.tokenizer, llm.model_config.vocab_size)
         compiler.constraint(StructuredOutputs(regex="warm"))
         started = time.perf_counter()
         constraint = compiler.constraint(StructuredOutputs(json=SCHEMA | {"title": "fresh"}))

@@ -85,7 +85,7 @@ def main() -> None:
     figures = {f"TP={tp}, batch {b}": decode(args.model, tp, threads, b)
                for tp, threads in ((1, 2), (2, 1)) for b in (1, 8)}
     llm = LLM(args.model, backend="torch", dtype="float32")
-    config = llm.driver.model_config
+    config = llm.model_config
     llm.shutdown()
     reduce = all_reduce_seconds(config.hidden_size)
     collectives = 2 * config.num_hidden_layers + 4

@@ -2,39 +2,55 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pocketllm import LLM, EngineDeadError, SamplingParams
+from pocketllm.plugins import BackendRegistry
+from pocketllm.testing import GatedBackend, StepGate, engine_driver
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 
 @pytest.fixture
-def llm(pocketllm_tiny_llama: Path):
-    llm = LLM(str(pocketllm_tiny_llama), backend="echo")
-    yield llm
+def gated(pocketllm_tiny_llama: Path) -> Iterator[tuple[LLM, StepGate]]:
+    registry = BackendRegistry()
+    backend = GatedBackend.install(registry, "echo")
+    llm = LLM(str(pocketllm_tiny_llama), backend=backend.name, registry=registry)
+    yield llm, backend.gate
     llm.shutdown()
 
 
-def test_a_caller_that_cancels_before_acceptance_does_not_kill_the_loop(llm: LLM) -> None:
+def test_a_caller_that_cancels_before_acceptance_does_not_kill_the_loop(gated: tuple[LLM, StepGate]) -> None:
     """The race behind issue 11's finding 2: a batch's caller gave up (cancelled the future) before the
     engine thread accepted the request."""
+    llm, _ = gated
+    driver = engine_driver(llm)
+    held, release = threading.Event(), threading.Event()
+
+    def holding_sink(event: object) -> None:  # holds the engine thread (in its events) until the future is cancelled
+        held.set()
+        release.wait(10)
+
+    driver.add_request([1, 2], GREEDY, holding_sink)
+    assert held.wait(10)
     events: list[object] = []
-    with llm.driver._cond:  # hold the loop off until the future is cancelled
-        request_id, accepted = llm.driver.add_request([5, 6, 7], GREEDY, events.append)
+    try:
+        request_id, accepted = driver.add_request([5, 6, 7], GREEDY, events.append)
         assert accepted.cancel()
+    finally:
+        release.set()
     llm.abort(request_id)
     assert llm.generate([5, 6, 7], GREEDY)[0].outputs[0].token_ids == [5, 6, 7, 5]
     assert llm.is_alive
 
 
-def test_a_dead_engine_fails_every_request_and_says_so(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken_step():
-        raise RuntimeError("device lost")
-
-    monkeypatch.setattr(llm.driver.engine, "step", broken_step)
+def test_a_dead_engine_fails_every_request_and_says_so(gated: tuple[LLM, StepGate]) -> None:
+    llm, gate = gated
+    gate.fail_next_step(RuntimeError("device lost"))
     stream = llm.generate_stream([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=400))
     with pytest.raises(EngineDeadError, match="device lost"):
         list(stream)

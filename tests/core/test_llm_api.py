@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pocketllm import LLM, AsyncLLM, ConfigError, SamplingParams, StreamEvent
+from pocketllm.testing import engine_driver
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -48,7 +49,7 @@ def test_request_ids_are_honoured_and_unique(llm: LLM) -> None:
         events.append(event)
         release.wait(10)
 
-    _, accepted = llm.driver.add_request(llm.tokenizer.encode("x"), GREEDY, blocking_sink, "busy")
+    _, accepted = engine_driver(llm).add_request(llm.tokenizer.encode("x"), GREEDY, blocking_sink, "busy")
     try:
         with pytest.raises(ConfigError, match="request_id"):
             llm.generate("x", GREEDY, request_ids=["busy"])
@@ -65,13 +66,13 @@ def test_a_late_abort_spares_a_new_request_reusing_the_id(llm: LLM) -> None:
             finished.set()
             release.wait(10)
 
-    _, accepted = llm.driver.add_request(llm.tokenizer.encode("x"), GREEDY, blocking_sink, "reused")
+    _, accepted = engine_driver(llm).add_request(llm.tokenizer.encode("x"), GREEDY, blocking_sink, "reused")
     accepted.result()
     assert finished.wait(10)
     try:
         # The client cancels the request it saw running and reuses its id at once: both commands reach the
         # engine thread together, and the abort must not hit the new request.
-        llm.driver.abort("reused")
+        llm.abort("reused")
         second: list[StreamEvent] = []
         second_done = threading.Event()
 
@@ -80,7 +81,7 @@ def test_a_late_abort_spares_a_new_request_reusing_the_id(llm: LLM) -> None:
             if event.finish_reason is not None:
                 second_done.set()
 
-        _, accepted = llm.driver.add_request(llm.tokenizer.encode("x"), GREEDY, sink, "reused")
+        _, accepted = engine_driver(llm).add_request(llm.tokenizer.encode("x"), GREEDY, sink, "reused")
     finally:
         release.set()
     accepted.result()
@@ -143,10 +144,10 @@ def test_async_stream_and_cancellation(pocketllm_tiny_llama: Path) -> None:
             await anext(stream)
             await stream.aclose()  # closing the iterator cancels the request
             for _ in range(200):
-                if llm.driver.stats().num_running == 0:
+                if llm.stats().num_running == 0:
                     break
                 await asyncio.sleep(0.01)
-            assert llm.driver.stats().num_running == 0
+            assert llm.stats().num_running == 0
         finally:
             llm.shutdown()
 

@@ -4,7 +4,6 @@ whose grammar leaves no token fails alone)."""
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -32,7 +31,7 @@ def llm():
 def test_embeddings_equal_transformers_pooling(llm) -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    path = Path(str(llm.driver.checkpoint_path))
+    path = llm.checkpoint_path
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            dtype=torch.float32).eval()
     for kind in ("last", "mean", "cls"):

@@ -29,7 +29,7 @@ def test_the_default_thread_count_honours_the_affinity_mask(pocketllm_tiny_llama
         from pocketllm import LLM
         from pocketllm_cpp import _native, kernels
         llm = LLM(sys.argv[1], backend="cpp", show_progress=False)
-        print(_native.available_cpus(), kernels.num_threads(), llm.driver.engine.num_threads)
+        print(_native.available_cpus(), kernels.num_threads(), llm.backend_engine.num_threads)
         llm.shutdown()
         """, str(pocketllm_tiny_llama))
     assert out == "1 1 1"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import socket
@@ -22,6 +23,8 @@ from hypercorn.config import Config
 from starlette.applications import Starlette
 
 from pocketllm import AsyncLLM, EngineArgs
+from pocketllm.plugins import BackendRegistry
+from pocketllm.testing import GatedBackend, StepGate
 from pocketllm_server import create_app
 
 MODEL_NAME = "tiny"
@@ -143,6 +146,36 @@ def echo_llm(tiny_args: EngineArgs) -> Iterator[AsyncLLM]:
     llm.shutdown()
 
 
+def gated_echo(args: EngineArgs) -> tuple[AsyncLLM, StepGate]:
+    """An engine on ``args`` whose backend is echo behind a GatedBackend, and the gate its steps wait on."""
+    registry = BackendRegistry()
+    gated = GatedBackend.install(registry, "echo")
+    return AsyncLLM(engine_args=dataclasses.replace(args, backend=gated.name), registry=registry), gated.gate
+
+
+@pytest.fixture(scope="session")
+def gated(tiny_args: EngineArgs) -> Iterator[tuple[AsyncLLM, StepGate]]:
+    llm, gate = gated_echo(tiny_args)
+    yield llm, gate
+    gate.reset()  # a held gate must not keep the engine from ending its requests
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def gated_llm(gated: tuple[AsyncLLM, StepGate]) -> AsyncLLM:
+    """The session's echo engine whose steps a test controls through the ``gate`` fixture."""
+    return gated[0]
+
+
+@pytest.fixture
+def gate(gated: tuple[AsyncLLM, StepGate]) -> Iterator[StepGate]:
+    """The gate of ``gated_llm``'s steps: open, with nothing seen, at the start of each test and after it."""
+    gate = gated[1]
+    gate.reset()
+    yield gate
+    gate.reset()
+
+
 @pytest.fixture(scope="session")
 def torch_llm(pocketllm_tiny_llama: Path) -> Iterator[AsyncLLM]:
     pytest.importorskip("pocketllm_torch")
@@ -184,6 +217,11 @@ def serve_app() -> Callable[[Starlette], Any]:
 @pytest.fixture(scope="session")
 def echo_server(live_server: Callable[..., LiveServer], tiny_args: EngineArgs, echo_llm: AsyncLLM) -> LiveServer:
     return live_server(create_app(tiny_args, served_model_name=MODEL_NAME, llm=echo_llm))
+
+
+@pytest.fixture(scope="session")
+def gated_server(live_server: Callable[..., LiveServer], gated_llm: AsyncLLM) -> LiveServer:
+    return live_server(create_app(gated_llm.args, served_model_name=MODEL_NAME, llm=gated_llm))
 
 
 @pytest.fixture(scope="session")

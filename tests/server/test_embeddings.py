@@ -106,7 +106,7 @@ def test_each_input_counts_against_the_queue(serve_app, torch_llm, monkeypatch) 
         response = httpx.post(f"{server.url}/v1/embeddings", json={"input": ["a"] * (slots + 3)}, timeout=30)
         assert response.status_code == 400 and response.json()["error"]["code"] == "too_many_sequences"
         assert response.json()["error"]["param"] == "input"
-        monkeypatch.setattr(torch_llm.driver, "stats", lambda: BackendStats(num_running=slots))
+        monkeypatch.setattr(torch_llm, "stats", lambda: BackendStats(num_running=slots))
         response = httpx.post(f"{server.url}/v1/embeddings", json={"input": ["a", "b", "c"]}, timeout=30)
         assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
         assert httpx.post(f"{server.url}/v1/embeddings", json={"input": ["a", "b"]}, timeout=30).status_code == 200

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
 from typing import Any
 
 import httpx
 import pytest
 
 from pocketllm import AsyncLLM, PromptTooLongError
+from pocketllm.testing import StepGate
 from pocketllm_server import create_app
 
 MODEL = "tiny"
@@ -185,49 +185,34 @@ def test_engine_prompt_too_long_error_is_a_400(client: httpx.Client, echo_llm: A
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise PromptTooLongError("prompt does not fit in the KV cache")
 
-    monkeypatch.setattr(echo_llm.driver.engine, "add_request", refuse)
+    monkeypatch.setattr(echo_llm.backend_engine, "add_request", refuse)
     assert_error(client.post(COMPLETIONS, json=completion()), 400, "prompt", code="context_length_exceeded")
     assert_error(client.post(CHAT, json=chat()), 400, "messages", code="context_length_exceeded")
 
 
-def test_clients_may_send_the_same_request_id_at_once(client: httpx.Client, echo_llm: AsyncLLM,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_clients_may_send_the_same_request_id_at_once(gated_server, gate: StepGate) -> None:
     """40 requests in flight together, 34 with X-Request-Id "coll" (3 of them two-prompt batches, whose engine
     requests were once "coll-0" and "coll-1") and 6 with "coll-1": all 200, each with its own body id and the
     client's id in its header. The engine used to be keyed by the client's ids: 35 of 40 were refused."""
     sent = [("coll", completion())] * 31 + [("coll", completion(prompt=["a", "b"]))] * 3
     sent += [("coll-1", completion())] * 6
-    engine_ids: list[str] = []
-    all_added, released = threading.Event(), threading.Event()
-    add_request, step = echo_llm.driver.add_request, echo_llm.driver.engine.step
-
-    def counting_add_request(*args: Any, **kwargs: Any) -> Any:
-        added = add_request(*args, **kwargs)
-        engine_ids.append(added[0])
-        if len(engine_ids) == len(sent) + 3:
-            all_added.set()
-        return added
-
-    def held_step() -> Any:  # no request ends before every one of them is in the engine
-        released.wait(30)
-        return step()
-
-    monkeypatch.setattr(echo_llm.driver, "add_request", counting_add_request)
-    monkeypatch.setattr(echo_llm.driver.engine, "step", held_step)
+    gate.hold()  # no request ends before every one of them is in the engine
 
     async def main() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=client.base_url, timeout=60,
+        async with httpx.AsyncClient(base_url=gated_server.url, timeout=60,
                                      limits=httpx.Limits(max_connections=64)) as http:
             requests = asyncio.gather(*(http.post(COMPLETIONS, json=body, headers={"X-Request-Id": client_id})
                                         for client_id, body in sent))
             try:
-                assert await asyncio.to_thread(all_added.wait, 30), f"{len(engine_ids)} of {len(sent) + 3} added"
+                assert await asyncio.to_thread(gate.wait_added, len(sent) + 3), \
+                    f"{len(gate.added)} of {len(sent) + 3} added"
             finally:
-                released.set()
+                gate.open()
             return await requests
 
     responses = asyncio.run(main())
     assert [(r.status_code, r.headers["x-request-id"]) for r in responses] == [(200, i) for i, _ in sent]
+    engine_ids = gate.added
     assert len({r.json()["id"] for r in responses}) == len(sent) and len(set(engine_ids)) == len(engine_ids)
 
 

@@ -18,6 +18,7 @@ from pocketllm import AsyncLLM, EngineArgs
 from pocketllm.grammar_pool import CompilePool
 from pocketllm.limits import GRAMMAR_COMPILE_STACK_BYTES
 from pocketllm.structured import CompiledGrammar, GrammarCompiler, StructuredOutputs
+from pocketllm.testing import engine_driver
 from pocketllm_server import create_app
 from tests.server.conftest import LiveServer
 
@@ -53,7 +54,7 @@ def served(live_server: Callable[..., LiveServer], pocketllm_tiny_llama: Path) -
 @pytest.fixture
 def held(served: tuple[str, AsyncLLM], monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldCompiles]:
     """One compile thread, one queued compile at most, and compiles that wait where a test says."""
-    grammars = served[1].driver.grammars
+    grammars = engine_driver(served[1]).grammars
     monkeypatch.setattr(grammars, "_pool", CompilePool(1, 1, GRAMMAR_COMPILE_STACK_BYTES, name="test-grammar"))
     held = HeldCompiles(grammars)
     monkeypatch.setattr(grammars, "_compile", held)
@@ -71,7 +72,7 @@ def test_plain_requests_do_not_wait_behind_compiles_and_a_full_queue_is_a_503(
     """Eight held compiles: more than asyncio's default threads here (min(32, CPUs + 4)), which they used to
     hold while they waited, so that a plain chat's template rendering waited behind them."""
     url, llm = served
-    grammars = llm.driver.grammars
+    grammars = engine_driver(llm).grammars
     monkeypatch.setattr(grammars, "_pool", CompilePool(1, 8, GRAMMAR_COMPILE_STACK_BYTES, name="test-grammar"))
     assert post(url, guided_regex="cached[0-9]").status_code == 200  # compiled before the threads are taken
     with ThreadPoolExecutor(9) as clients:
@@ -93,7 +94,7 @@ def test_a_compile_past_its_time_limit_is_a_400_and_keeps_no_thread(
         served: tuple[str, AsyncLLM], held: HeldCompiles, monkeypatch: pytest.MonkeyPatch,
         wait_for: Callable[..., bool]) -> None:
     url, llm = served
-    grammars = llm.driver.grammars
+    grammars = engine_driver(llm).grammars
     monkeypatch.setattr(grammars, "timeout_s", 0.5)
     late = post(url, guided_regex="held-late[0-9]")
     assert late.status_code == 400, late.text

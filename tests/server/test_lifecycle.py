@@ -12,15 +12,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 import pocketllm_server.state
 from pocketllm import AsyncLLM, BackendStats, EngineArgs
+from pocketllm.testing import StepGate
 from pocketllm_server import create_app
-from tests.server.conftest import free_port, server_process
+from tests.server.conftest import free_port, gated_echo, server_process
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 3}
 
@@ -53,7 +53,7 @@ def test_ready_is_503_until_the_model_is_loaded(serve_app, tiny_args: EngineArgs
         assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
         llm = server.app.state.server.llm
     # The app loaded this engine, so stopping the app shut it down.
-    assert not llm.driver.is_alive
+    assert not llm.is_alive
 
 
 def test_a_model_that_fails_to_load(serve_app, wait_for) -> None:
@@ -79,7 +79,7 @@ def test_health_reports_the_engine(client: httpx.Client) -> None:
 def test_queue_full_is_503_with_retry_after(serve_app, tiny_args: EngineArgs, echo_llm: AsyncLLM,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     waiting = 0
-    monkeypatch.setattr(echo_llm.driver, "stats", lambda: BackendStats(num_waiting=waiting))
+    monkeypatch.setattr(echo_llm, "stats", lambda: BackendStats(num_waiting=waiting))
     app = create_app(tiny_args, served_model_name="tiny", max_queue_len=3, llm=echo_llm)
     with serve_app(app) as server, httpx.Client(base_url=server.url) as client:
         waiting = 2
@@ -115,18 +115,23 @@ def test_queue_full_with_a_real_queue(serve_app, pocketllm_tiny_llama: Path, wai
         llm.shutdown()
 
 
-def test_shutdown_aborts_in_flight_requests(serve_app, tiny_args: EngineArgs, wait_for) -> None:
+def test_shutdown_aborts_in_flight_requests(serve_app, tiny_args: EngineArgs, wait_for,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    gates: list[StepGate] = []
+
+    def load_gated(args: EngineArgs) -> AsyncLLM:  # the app's own engine, which its shutdown stops
+        llm, gate = gated_echo(args)
+        gates.append(gate)
+        return llm
+
+    monkeypatch.setattr(pocketllm_server.state, "load_engine", load_gated)
     app = create_app(tiny_args, served_model_name="tiny")
     with serve_app(app) as server, httpx.Client(base_url=server.url, timeout=30) as client:
         state = app.state.server
         assert wait_for(lambda: client.get("/ready").status_code == 200)
-        step = state.llm.driver.engine.step
-
-        def slow_step() -> Any:
-            time.sleep(0.005)
-            return step()
-
-        state.llm.driver.engine.step = slow_step
+        [gate] = gates
+        gate.hold()  # after a few tokens: the request is in flight until something ends it
+        gate.release(3)
         body = {**CHAT, "stream": True, "max_tokens": 400, "ignore_eos": True}
         with client.stream("POST", "/v1/chat/completions", json=body) as response:
             lines = response.iter_lines()
@@ -195,17 +200,9 @@ def test_console_script_exits_1_when_the_port_is_taken(pocketllm_tiny_llama: Pat
 
 
 def test_engine_death_is_reported_not_hidden(serve_app, tiny_args: EngineArgs) -> None:
-    llm = AsyncLLM(engine_args=tiny_args)
-    step, steps = llm.driver.engine.step, []
-
-    def failing_step() -> Any:
-        steps.append(1)
-        if len(steps) == 5:
-            raise RuntimeError("the accelerator fell off")
-        time.sleep(0.002)
-        return step()
-
-    llm.driver.engine.step = failing_step
+    llm, gate = gated_echo(tiny_args)
+    gate.release(4)
+    gate.fail_next_step(RuntimeError("the accelerator fell off"))
     body = {**CHAT, "stream": True, "max_tokens": 50}
     try:
         with serve_app(create_app(tiny_args, served_model_name="tiny", llm=llm)) as server, \

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from pocketllm import AsyncLLM, BackendStats, EngineArgs
+from pocketllm.testing import engine_driver
 from pocketllm_server import create_app
 from pocketllm_server.protocol import MAX_LOGIT_BIAS_TOKENS, MAX_PROMPTS
 
@@ -82,7 +83,8 @@ def test_a_batch_of_2048_prompts_leaves_the_event_loop_free(serve_app, echo_llm:
     """Each prompt's parameters and engine request used to be made on the event loop, all in one turn of it:
     20,000 one-token prompts held it for seconds (/health took 9 s). Here each add takes a millisecond, and
     /health, sent once the first is added, must be answered while the rest are still being added."""
-    add_request = echo_llm.driver.add_request
+    driver = engine_driver(echo_llm)
+    add_request = driver.add_request
     added = 0
     adding = threading.Event()
 
@@ -93,7 +95,7 @@ def test_a_batch_of_2048_prompts_leaves_the_event_loop_free(serve_app, echo_llm:
         added += 1
         return add_request(*args, **kwargs)
 
-    monkeypatch.setattr(echo_llm.driver, "add_request", slow_add_request)
+    monkeypatch.setattr(driver, "add_request", slow_add_request)
     body = {"prompt": [[5]] * MAX_PROMPTS, "max_tokens": 1, "temperature": 0}
     with serve_app(create_app(echo_llm.args, served_model_name="tiny", llm=echo_llm)) as server:
         async def main() -> tuple[httpx.Response, httpx.Response, int]:
@@ -120,7 +122,7 @@ def test_max_queue_len_counts_every_prompt_and_choice(serve_app, echo_llm: Async
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """--max-queue-len 3 with 32 slots. A batch used to count as one request, whatever its prompts and n."""
     stats = BackendStats(num_running=32, num_waiting=1)  # every slot taken, one waiting
-    monkeypatch.setattr(echo_llm.driver, "stats", lambda: stats)
+    monkeypatch.setattr(echo_llm, "stats", lambda: stats)
     completion = {"prompt": ["a", "b"], "max_tokens": 2, "temperature": 0}
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0, "n": 2}
     with serve_app(create_app(echo_llm.args, served_model_name="tiny", llm=echo_llm, max_queue_len=3)) as server, \

@@ -56,7 +56,7 @@ def test_engine_gauges_and_counters_are_read_at_scrape_time(client: httpx.Client
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     stats = BackendStats(num_running=3, num_waiting=2, num_kv_blocks_total=10, num_kv_blocks_used=4,
                          num_preemptions=7, num_prefix_cache_queries=100, num_prefix_cache_hits=40)
-    monkeypatch.setattr(echo_llm.driver, "stats", lambda: stats)
+    monkeypatch.setattr(echo_llm, "stats", lambda: stats)
     samples = scrape(client)
     assert value(samples, "pocketllm:num_requests_running") == 3
     assert value(samples, "pocketllm:num_requests_waiting") == 2

@@ -158,10 +158,11 @@ def test_a_grammar_compiles_off_the_event_loop(smol) -> None:
 
     from pocketllm import SamplingParams
     from pocketllm.structured import StructuredOutputs
+    from pocketllm.testing import engine_driver
 
     llm = smol[1]
     threads: list[str] = []
-    grammars = llm.driver.grammars
+    grammars = engine_driver(llm).grammars
     compile = grammars._compile
 
     def spy(spec):

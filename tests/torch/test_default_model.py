@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -26,7 +25,7 @@ def hf_model(llm: LLM):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    path = Path(str(llm.driver.checkpoint_path))
+    path = llm.checkpoint_path
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                               dtype=torch.float32)
     return model.eval()
@@ -58,7 +57,7 @@ def test_default_dtype_keeps_q4_matrices_4bit_and_stays_coherent() -> None:
     llm = LLM("smollm2-135m-instruct", backend="torch")  # dtype auto: bf16 on AVX2/AVX-512 CPUs
     try:
         [out] = llm.chat([{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0.0, max_tokens=24))
-        engine = llm.driver.engine
+        engine = llm.backend_engine
         if uses_int4(engine.config.device, engine.config.dtype):
             assert isinstance(engine.runner.model.layers[0].attn.qkv_proj, GroupedLinear)
         assert "Paris" in out.outputs[0].text

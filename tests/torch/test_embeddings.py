@@ -35,7 +35,7 @@ def test_default_model_embeddings_equal_transformers_pooling() -> None:
     transformers = pytest.importorskip("transformers")
     llm = LLM("smollm2-135m-instruct", backend="torch", dtype="float32", show_progress=False)
     try:
-        path = Path(str(llm.driver.checkpoint_path))
+        path = llm.checkpoint_path
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                dtype=torch.float32).eval()
         for kind in ("last", "mean"):

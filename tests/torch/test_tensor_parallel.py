@@ -81,8 +81,8 @@ def test_logits_keep_float32_in_the_default_dtype(tp: int) -> None:
     llm = LLM("smollm2-135m-instruct", backend="torch", tensor_parallel_size=tp)
     try:
         if tp == 1:  # at TP=2 the head is a collective, which only the engine's steps may run
-            model = llm.driver.engine.runner.model
-            hidden = torch.randn(4, llm.driver.model_config.hidden_size, generator=torch.Generator().manual_seed(0))
+            model = llm.backend_engine.runner.model
+            hidden = torch.randn(4, llm.model_config.hidden_size, generator=torch.Generator().manual_seed(0))
             logits = model.compute_logits(hidden.to(model.dtype))
             assert logits.dtype == torch.float32 and not torch.equal(logits, logits.bfloat16().float())
         positions = [p for out in _logprobs(llm, ["The capital of France is", "Explain why the sky is blue.",

@@ -44,7 +44,7 @@ def test_the_default_thread_count_honours_the_affinity_mask(pocketllm_tiny_llama
         from pocketllm import LLM
         for options in ({}, {"num_threads": 2}):
             llm = LLM(sys.argv[1], backend="torch", dtype="float32", backend_options=options)
-            print(llm.driver.engine.config.num_threads)
+            print(llm.backend_engine.config.num_threads)
             llm.shutdown()
         print(before)
         """, str(pocketllm_tiny_llama), env=_clean_env())

@@ -72,14 +72,14 @@ class AsyncLLM(EngineClient):
         def sink(item: StreamEvent | EmbeddingOutput | BaseException) -> None:
             loop.call_soon_threadsafe(lambda: result.done() or result.set_result(item))
 
-        request_id, accepted = self.driver.add_embedding(prompt_ids, pooling_params or PoolingParams(), sink,
+        request_id, accepted = self._driver.add_embedding(prompt_ids, pooling_params or PoolingParams(), sink,
                                                          request_id)
         try:
             await asyncio.wrap_future(accepted)
             return embedding_of(await result)
         finally:
             if not result.done():
-                self.driver.abort(request_id)
+                self._driver.abort(request_id)
 
     async def stream_ids(self, prompt_ids: list[int], sampling_params: SamplingParams | None = None, *,
                          request_id: str | None = None) -> AsyncIterator[StreamEvent]:
@@ -90,9 +90,9 @@ class AsyncLLM(EngineClient):
         if params.structured_outputs is not None:
             # Refused before it compiles; then compiled on the core's compile threads (the first one also builds
             # llguidance's view of the vocabulary, ~0.5 s) and awaited, so that no thread of this loop's waits.
-            self.driver.check_request(prompt_ids, params)
-            grammar = await self.driver.grammars.compile_async(params.structured_outputs)
-        request_id, accepted = self.driver.add_request(prompt_ids, params, stream, request_id, grammar=grammar)
+            self._driver.check_request(prompt_ids, params)
+            grammar = await self._driver.grammars.compile_async(params.structured_outputs)
+        request_id, accepted = self._driver.add_request(prompt_ids, params, stream, request_id, grammar=grammar)
         finished = False
         try:
             await asyncio.wrap_future(accepted)
@@ -102,7 +102,7 @@ class AsyncLLM(EngineClient):
                 yield event
         finally:
             if not finished:
-                self.driver.abort(request_id)
+                self._driver.abort(request_id)
 
     async def _collect(self, text: str | None, ids: list[int], params: SamplingParams | None,
                        request_id: str | None) -> RequestOutput:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Union
 
 from pocketllm.args import EngineArgs
-from pocketllm.backend import BackendStats, Capabilities
+from pocketllm.backend import BackendStats, Capabilities, Engine
 from pocketllm.chat import ChatPromptBuilder
 from pocketllm.driver import EngineDriver
 from pocketllm.errors import ConfigError, PromptTooLongError, RequestCancelledError
@@ -39,64 +40,76 @@ class EngineClient:
             engine_args = EngineArgs.from_env(**({"model": model} if model else {}), **kwargs)
         elif model is not None or kwargs:
             raise ConfigError("engine_args", "pass either EngineArgs or keyword arguments, not both")
-        self.driver = EngineDriver(engine_args, registry, LoadProgress(show_progress))
-        self.tokenizer = self.driver.tokenizer
+        # Private: what callers need of it is below; tests reach it through pocketllm.testing.engine_driver.
+        self._driver = EngineDriver(engine_args, registry, LoadProgress(show_progress))
+        self.tokenizer = self._driver.tokenizer
         self.chat_builder = ChatPromptBuilder(self.tokenizer)
 
     @property
     def args(self) -> EngineArgs:
         """The engine's arguments as resolved at start (``max_model_len`` is an int)."""
-        return self.driver.args
+        return self._driver.args
 
     @property
     def max_model_len(self) -> int:
-        return self.driver.max_model_len
+        return self._driver.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.driver.model_config.vocab_size
+        return self._driver.model_config.vocab_size
 
     @property
     def model_config(self) -> ModelConfig:
-        return self.driver.model_config
+        return self._driver.model_config
 
     @property
     def sampling_defaults(self) -> dict[str, Any]:
         """The sampling settings the checkpoint recommends (generation_config.json, or GGUF's
         general.sampling.*), as SamplingParams fields: what the server and CLI use for fields a request leaves
         out, unless told not to. The library itself applies them only where asked: ``SamplingParams(**defaults)``."""
-        return dict(self.driver.sampling_defaults)
+        return dict(self._driver.sampling_defaults)
 
     @property
     def backend_name(self) -> str:
-        return self.driver.backend_name
+        return self._driver.backend_name
 
     @property
     def capabilities(self) -> Capabilities:
-        return self.driver.capabilities
+        return self._driver.capabilities
+
+    @property
+    def checkpoint_path(self) -> Path:
+        """Where the checkpoint was read from: a model name or alias resolved to its local file or directory."""
+        return self._driver.checkpoint_path
+
+    @property
+    def backend_engine(self) -> Engine:
+        """The backend's engine, for looking inside it (a backend's own thread count or profiler, as the bench
+        does). Only the engine thread calls its methods: calling them from elsewhere races its steps."""
+        return self._driver.engine
 
     @property
     def is_alive(self) -> bool:
         """False once the engine loop has died or been shut down: no request can run then."""
-        return self.driver.is_alive
+        return self._driver.is_alive
 
     @property
     def error(self) -> BaseException | None:
         """What stopped the engine, once ``is_alive`` is False because it died (None after a shutdown)."""
-        return self.driver.error
+        return self._driver.error
 
     def stats(self) -> BackendStats:
         """The backend's counters as of its latest step; ``num_waiting`` also counts requests handed over since
         then that will not find a free slot (``max_num_seqs``)."""
-        return self.driver.stats()
+        return self._driver.stats()
 
     def grammar_cache_stats(self) -> GrammarCacheStats:
         """The compiled structured-output grammars kept for reuse: how many, and their estimated bytes."""
-        return self.driver.grammars.cache_stats()
+        return self._driver.grammars.cache_stats()
 
     def abort(self, request_id: str) -> None:
         """Cancel a request at the next step boundary; its stream ends with ``finish_reason="abort"``."""
-        self.driver.abort(request_id)
+        self._driver.abort(request_id)
 
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """Return ``(text or None, token ids)`` for a text or token-id prompt."""
@@ -126,7 +139,7 @@ class EngineClient:
                                      "each can hold")
 
     def shutdown(self) -> None:
-        self.driver.shutdown()
+        self._driver.shutdown()
 
 
 def _one_of(positional: EngineArgs, keyword: EngineArgs | None) -> EngineArgs:

@@ -142,7 +142,7 @@ class LLM(EngineClient):
             for i, prompt in enumerate(items):
                 _, ids = self.encode_prompt(prompt)
                 sink = _Embedded()
-                rid, accepted = self.driver.add_embedding(ids, params, sink, request_ids[i] if request_ids else None)
+                rid, accepted = self._driver.add_embedding(ids, params, sink, request_ids[i] if request_ids else None)
                 submitted.append((rid, sink))
                 acceptances.append(accepted)
             for accepted in acceptances:
@@ -151,7 +151,7 @@ class LLM(EngineClient):
         except BaseException:
             for rid, sink in submitted:
                 if not sink.done.is_set():
-                    self.driver.abort(rid)
+                    self._driver.abort(rid)
             raise
 
     def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
@@ -167,7 +167,7 @@ class LLM(EngineClient):
 
     def _stream(self, ids: list[int], params: SamplingParams, request_id: str | None) -> RequestStream:
         stream = _Stream()
-        request_id, accepted = self.driver.add_request(ids, params, stream, request_id)
+        request_id, accepted = self._driver.add_request(ids, params, stream, request_id)
         accepted.result()
         return RequestStream(self, request_id, stream)
 
@@ -179,7 +179,7 @@ class LLM(EngineClient):
             acceptances = []
             for i, ((text, ids), p) in enumerate(zip(encoded, params, strict=True)):
                 sink = _Collected()
-                rid, accepted = self.driver.add_request(ids, p, sink, request_ids[i] if request_ids else None)
+                rid, accepted = self._driver.add_request(ids, p, sink, request_ids[i] if request_ids else None)
                 submitted.append((rid, sink, OutputCollector(rid, text, ids, p.n)))
                 acceptances.append(accepted)
             for accepted in acceptances:
@@ -190,6 +190,6 @@ class LLM(EngineClient):
         except BaseException:
             for rid, _, collector in submitted:
                 if not collector.output.finished:
-                    self.driver.abort(rid)
+                    self._driver.abort(rid)
             raise
         return [collector.output for _, _, collector in submitted]

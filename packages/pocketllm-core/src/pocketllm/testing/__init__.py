@@ -17,6 +17,10 @@ package::
 
 The kit writes its own tiny checkpoints (``checkpoints.py``) and ships transformers' outputs on them
 (``data/references.json``); its pytest fixtures come with pocketllm-core through the ``pytest11`` entry point.
+
+For tests of the core and of servers built on it: ``GatedBackend`` (``gates.py``) wraps a backend so that its steps
+wait on a gate the test holds, releases or fails; ``engine_driver`` (``hooks.py``) reaches the driver behind an
+``LLM``, which applications never need.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ except ImportError as e:
 
 from pocketllm.testing.checkpoints import KIT_CHECKPOINTS, make_tiny_gguf, make_tiny_llama, make_tiny_qwen3
 from pocketllm.testing.gates import GatedBackend, StepGate
+from pocketllm.testing.hooks import engine_driver
 from pocketllm.testing.model import ModelConformance
 from pocketllm.testing.protocol import ProtocolConformance
 from pocketllm.testing.tensor_parallel import TensorParallelConformance
@@ -39,4 +44,5 @@ class BackendConformance(ProtocolConformance, ModelConformance):
 
 
 __all__ = ["KIT_CHECKPOINTS", "BackendConformance", "GatedBackend", "ModelConformance", "ProtocolConformance",
-           "StepGate", "TensorParallelConformance", "make_tiny_gguf", "make_tiny_llama", "make_tiny_qwen3"]
+           "StepGate", "TensorParallelConformance", "engine_driver", "make_tiny_gguf", "make_tiny_llama",
+           "make_tiny_qwen3"]

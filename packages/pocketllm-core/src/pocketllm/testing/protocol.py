@@ -27,6 +27,7 @@ from pocketllm.pooling import PoolingParams
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.structured import StructuredOutputs
 from pocketllm.testing.faults import FaultyAddBackend
+from pocketllm.testing.hooks import engine_driver
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["Hello there", "the cat sat on", "1 2 3 4", "A longer prompt about the sea and the ships on it"]
@@ -97,7 +98,7 @@ class ProtocolConformance(KitBase):
         if "llm" in request.fixturenames:
             llm = request.getfixturevalue("llm")
             self.wait_idle(llm)
-            assert llm.driver.num_stray_deltas == 0, "the engine sent tokens for a finished or aborted request"
+            assert engine_driver(llm).num_stray_deltas == 0, "the engine sent tokens for a finished or aborted request"
 
     @staticmethod
     def caps(llm: Any) -> Capabilities:
@@ -427,7 +428,7 @@ class ProtocolConformance(KitBase):
             next(running)
             running.close()
             self.wait_idle(llm)
-            assert llm.driver.num_stray_deltas == 0, "the aborted queued request ran anyway"
+            assert engine_driver(llm).num_stray_deltas == 0, "the aborted queued request ran anyway"
             [out] = llm.generate(PROMPTS[2], GREEDY)
             assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
         finally:
