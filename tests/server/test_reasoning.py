@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from pocketllm import AsyncLLM
-from pocketllm.reasoning import ReasoningSplitter, split_reply
+from pocketllm.reasoning import ReasoningSplitter
 from pocketllm_server import create_app
 
 REPLY = "<think>\nweigh it: a < b, and </thin is not a tag</think>\n\nThe answer is 4."
@@ -41,18 +41,6 @@ def test_streamed_pieces_reassemble_to_the_whole_split(size: int) -> None:
 ])
 def test_sections_whole_and_character_by_character(parser: str, reply: str, expected: tuple[str, str]) -> None:
     assert stream(parser, [reply]) == expected == stream(parser, list(reply))
-
-
-def test_reasoning_tokens_are_those_up_to_the_closing_tag() -> None:
-    tokens = ["<think>", "a", "b", "</think>", "\n\n", "ans", "wer"]
-    ids = list(range(len(tokens)))
-
-    def decode(prefix: list[int]) -> str:
-        return "".join(tokens[i] for i in prefix)
-
-    assert split_reply("qwen3", ids, decode, decode(ids)) == ("ab", "answer", 4)
-    assert split_reply("qwen3", ids[:3], decode, decode(ids[:3])) == ("ab", "", 3)
-    assert split_reply("qwen3", [5, 6], decode, "answer") == (None, "answer", 0)
 
 
 def test_chat_over_http_splits_reasoning_and_counts_it(serve_app, tiny_args, echo_llm: AsyncLLM) -> None:

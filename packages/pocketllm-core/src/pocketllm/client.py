@@ -200,6 +200,13 @@ class OutputCollector:
         if event.logprobs is not None:
             choice.logprobs = (choice.logprobs or []) + event.logprobs
         choice.finish_reason, choice.stop_reason = event.finish_reason, event.stop_reason
+        if event.answer is not None:  # with SamplingParams.reasoning: the core's split of the reply
+            choice.reasoning = (choice.reasoning or "") + (event.reasoning or "")
+            choice.answer = (choice.answer or "") + event.answer
+        if event.reasoning_tokens is not None:
+            choice.reasoning_tokens = event.reasoning_tokens
+            if not event.reasoning_tokens:  # the reply had no section
+                choice.reasoning = None
         if event.usage is not None:
             self.output.usage = event.usage
             return True

@@ -10,6 +10,8 @@ from pocketllm.backend import SampledLogprobs
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int | None = None
+    """With ``SamplingParams.reasoning``: the completion tokens of the choices' reasoning sections."""
 
     @property
     def total_tokens(self) -> int:
@@ -30,6 +32,13 @@ class CompletionOutput(msgspec.Struct, kw_only=True):
     logprobs: list[SampledLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    reasoning: str | None = None
+    """With ``SamplingParams.reasoning``: the text of the reasoning section, without its tags (None when the
+    reply has no section)."""
+    answer: str | None = None
+    """With ``SamplingParams.reasoning``: the text after the section (all of ``text`` when there is none)."""
+    reasoning_tokens: int | None = None
+    """With ``SamplingParams.reasoning``: how many of ``token_ids`` belong to the section."""
 
     @property
     def finished(self) -> bool:
@@ -49,7 +58,13 @@ class RequestOutput(msgspec.Struct, kw_only=True):
 
 
 class StreamEvent(msgspec.Struct, kw_only=True):
-    """New text and tokens for one choice. The last event of a choice has ``finish_reason`` set."""
+    """New text and tokens for one choice, from one engine step (one token or several). The last event of a
+    choice has ``finish_reason`` set.
+
+    With ``SamplingParams.reasoning`` the core splits the reply once, here: ``reasoning`` and ``answer`` are this
+    event's share of the section and of the answer after it (``text`` holds both, with the tags); both are None
+    without it. The reasoning section ends at its closing tag, and the blank lines after it belong to neither.
+    """
 
     request_id: str
     index: int
@@ -58,5 +73,9 @@ class StreamEvent(msgspec.Struct, kw_only=True):
     logprobs: list[SampledLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    reasoning: str | None = None
+    answer: str | None = None
+    reasoning_tokens: int | None = None
+    """On a choice's last event, with ``SamplingParams.reasoning``: its tokens in the section."""
     usage: Usage | None = None
     """Set on the final event of the whole request (after every choice finished)."""

@@ -12,15 +12,14 @@ back until the next piece settles it, so streamed pieces reassemble to the whole
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+OPENED_IN_PROMPT = "deepseek_r1"  # the format whose replies start inside the section
 START, END = "<think>", "</think>"
 
 
 def opens_in_prompt(parser: str) -> bool:
     """Whether the chat template opens the section, so that a reply starts inside it."""
-    return parser == "deepseek_r1"
+    return parser == OPENED_IN_PROMPT
 
 
 class ReasoningSplitter:
@@ -87,24 +86,3 @@ def _partial_suffix(text: str, tag: str) -> int:
         if tag.startswith(text[-size:]):
             return size
     return 0
-
-
-def split_reply(parser: str, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str],
-                text: str) -> tuple[str | None, str, int]:
-    """A whole reply's (reasoning, or None without a section; answer; reasoning tokens): the tokens up to the
-    closing tag's, found by bisecting on decoded prefixes, or all of them while the section is open."""
-    splitter = ReasoningSplitter(parser)
-    reasoning, answer = splitter.feed(text)
-    held_reasoning, held_answer = splitter.finish()
-    if not splitter.has_section:
-        return None, answer + held_answer, 0
-    if not splitter.closed:
-        return reasoning + held_reasoning, answer + held_answer, len(token_ids)
-    low, high = 1, len(token_ids)
-    while low < high:  # the fewest tokens whose text holds the closing tag
-        mid = (low + high) // 2
-        if END in decode(token_ids[:mid]):
-            high = mid
-        else:
-            low = mid + 1
-    return reasoning + held_reasoning, answer + held_answer, low

@@ -54,8 +54,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     structured_outputs: StructuredOutputs | None = None  # what the output must match (a grammar constrains it)
     reasoning: str | None = None
     """The output opens with a reasoning section in this format (:data:`pocketllm.reasoning.REASONING_PARSERS`):
-    ``structured_outputs`` constrain only what follows it, and ``stop`` strings inside it do not end the request
-    unless ``stop_in_reasoning``."""
+    ``structured_outputs`` constrain only what follows it, ``stop`` strings inside it do not end the request
+    unless ``stop_in_reasoning``, and the output comes split: ``reasoning``, ``answer`` and ``reasoning_tokens``
+    of each CompletionOutput and StreamEvent, and ``Usage.reasoning_tokens``."""
     stop_in_reasoning: bool = False
 
     def __post_init__(self) -> None:

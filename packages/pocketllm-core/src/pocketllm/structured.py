@@ -38,6 +38,7 @@ from pocketllm.limits import (
     MAX_GRAMMAR_CHARS,
     MAX_QUEUED_GRAMMAR_COMPILES,
 )
+from pocketllm.reasoning import ReasoningSplitter
 
 if TYPE_CHECKING:
     import llguidance
@@ -113,13 +114,12 @@ class ReasoningGate:
     """Keeps a reply's reasoning section (see :mod:`pocketllm.reasoning`) out of its grammar's reach: the grammar
     sees the tokens after the closing tag. In the qwen3 format the section is optional: the first token may open
     it (its single token is allowed beside the grammar's), and any other first token starts the answer. The close
-    is found in the text of the latest tokens, however the model spelled the tag in tokens."""
-
-    _TAIL = 16  # tokens decoded to look for the closing tag: more than any spelling of it takes
+    is found by the same splitter the output processor uses, fed each token's text, however the model spelled
+    the tag in tokens."""
 
     def __init__(self, opens_in_prompt: bool, start_id: int | None, decode: Callable[[list[int]], str]) -> None:
         self._start_id, self._decode = start_id, decode
-        self._recent: list[int] = []
+        self._section = ReasoningSplitter(reasoning_tags.OPENED_IN_PROMPT)  # the section's text, to its close
         self.state = "reasoning" if opens_in_prompt else "opening" if start_id is not None else "answer"
 
     @property
@@ -138,8 +138,8 @@ class ReasoningGate:
             self.state = "reasoning" if token_id == self._start_id else "answer"
             return self.state == "reasoning"
         if self.state == "reasoning":
-            self._recent = [*self._recent, token_id][-self._TAIL:]
-            if reasoning_tags.END in self._decode(self._recent):
+            self._section.feed(self._decode([token_id]))
+            if self._section.closed:
                 self.state = "answer"
             return True
         return False

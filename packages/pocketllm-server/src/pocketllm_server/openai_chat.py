@@ -6,15 +6,14 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pocketllm import AsyncLLM, PocketLLMError
-from pocketllm.reasoning import ReasoningSplitter, split_reply
+from pocketllm import AsyncLLM, PocketLLMError, StreamEvent
 from pocketllm.structured import StructuredOutputs
 from pocketllm_server.errors import APIError, ErrorBody, from_engine_error, invalid_request
 from pocketllm_server.generation import (
@@ -90,25 +89,20 @@ async def create_chat_completion(request: Request) -> Response:
     text_of = TokenTexts(llm.tokenizer)
     created = int(time.time())
 
-    def decode(ids: Sequence[int]) -> str:
-        return llm.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         chunks = _chunks(stream, rid=rid, model=state.served_model_name, created=created, n=req.n,
                          logprobs=req.logprobs, include_usage=include_usage, text_of=text_of,
-                         reasoning_parser=state.reasoning_parser, decode=decode, tool_parser=tool_parser,
+                         tool_parser=tool_parser,
                          parallel_tool_calls=parallel)
         return EventStreamResponse(chunks, headers={"X-Request-Id": rid},
                                    on_disconnect=state.metrics.client_disconnects.inc)
 
     [output] = await collect(request, [stream], [prompt], fields)
-    choices, reasoning_tokens = [], 0
+    choices = []
     for c in output.outputs:
-        reasoning, answer = None, c.text
-        if state.reasoning_parser is not None:
-            reasoning, answer, tokens = split_reply(state.reasoning_parser, c.token_ids, decode, c.text)
-            reasoning_tokens += tokens
+        # With --reasoning-parser the core split the reply (SamplingParams.reasoning is set).
+        reasoning, answer = c.reasoning, c.text if c.answer is None else c.answer
         calls: list[ToolCall] = []
         if tool_parser is not None:
             answer, calls = parse_tool_calls(tool_parser, answer)
@@ -121,8 +115,7 @@ async def create_chat_completion(request: Request) -> Response:
             logprobs=chat_logprobs(c.logprobs, text_of) if req.logprobs and c.logprobs is not None else None,
             finish_reason="tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
             stop_reason=c.stop_reason))
-    usage = usage_info(output.usage.prompt_tokens, output.usage.completion_tokens,
-                       reasoning_tokens if state.reasoning_parser is not None else None)
+    usage = usage_info(output.usage.prompt_tokens, output.usage.completion_tokens, output.usage.reasoning_tokens)
     return json_response(ChatCompletion(id=rid, created=created, model=state.served_model_name, choices=choices,
                                         usage=usage), headers={"X-Request-Id": rid})
 
@@ -203,27 +196,19 @@ def _tools_of(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, 
 
 
 async def _chunks(stream: EngineStream, *, rid: str, model: str, created: int, n: int, logprobs: bool,
-                  include_usage: bool, text_of: TokenTexts, reasoning_parser: str | None,
-                  decode: Callable[[Sequence[int]], str], tool_parser: str | None,
+                  include_usage: bool, text_of: TokenTexts, tool_parser: str | None,
                   parallel_tool_calls: bool) -> AsyncGenerator[bytes, None]:
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
         return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
 
-    splitters = [ReasoningSplitter(reasoning_parser) for _ in range(n)] if reasoning_parser else None
-    # Reasoning tokens are counted as for a whole reply, once each choice has its tokens and text.
-    replies: list[tuple[list[int], list[str]]] = [([], []) for _ in range(n)]
-
     tool_streams = [ToolCallStream(tool_parser) for _ in range(n)] if tool_parser else None
     called = [False] * n
 
-    def deltas(index: int, text: str, finished: bool) -> list[DeltaMessage]:
-        """This piece's delta, then, at the end of a reply with tool calls, each call's name and arguments."""
-        reasoning, answer = "", text
-        if splitters is not None:
-            reasoning, answer = splitters[index].feed(text)
-            if finished:
-                held_reasoning, held_answer = splitters[index].finish()
-                reasoning, answer = reasoning + held_reasoning, answer + held_answer
+    def deltas(event: StreamEvent) -> list[DeltaMessage]:
+        """This piece's delta, then, at the end of a reply with tool calls, each call's name and arguments. With
+        --reasoning-parser the core split the piece (SamplingParams.reasoning is set)."""
+        index, finished = event.index, event.finish_reason is not None
+        reasoning, answer = event.reasoning or "", event.text if event.answer is None else event.answer
         calls: list[ToolCall] = []
         if tool_streams is not None:
             answer = tool_streams[index].feed(answer)
@@ -249,12 +234,9 @@ async def _chunks(stream: EngineStream, *, rid: str, model: str, created: int, n
                 yield DONE
                 return
             lp = chat_logprobs(event.logprobs, text_of) if logprobs and event.logprobs else None
-            if splitters is not None:
-                replies[event.index][0].extend(event.token_ids)
-                replies[event.index][1].append(event.text)
             if event.text or event.finish_reason is not None or lp is not None:
                 # The piece's text, then any calls' names and arguments; the finish goes with the last.
-                messages = deltas(event.index, event.text, event.finish_reason is not None)
+                messages = deltas(event)
                 finish = ("tool_calls" if called[event.index] and event.finish_reason == "stop"
                           else event.finish_reason)
                 for i, message in enumerate(messages):
@@ -265,12 +247,8 @@ async def _chunks(stream: EngineStream, *, rid: str, model: str, created: int, n
                                                  finish_reason=finish if final else None,
                                                  stop_reason=event.stop_reason if final else None)])
             if event.usage is not None and include_usage:
-                reasoning_tokens = None
-                if reasoning_parser is not None:
-                    reasoning_tokens = sum(split_reply(reasoning_parser, ids, decode, "".join(texts))[2]
-                                           for ids, texts in replies)
                 yield chunk([], usage_info(event.usage.prompt_tokens, event.usage.completion_tokens,
-                                           reasoning_tokens))
+                                           event.usage.reasoning_tokens))
         yield DONE
     except PocketLLMError as e:  # the engine failed mid-stream: the 200 is sent, so say it in the stream
         yield sse(ErrorBody(from_engine_error(e).info))

@@ -1,0 +1,130 @@
+"""The output processor under multi-token steps (contract 3): a delta of k tokens gives the same text, tokens,
+reasoning split and finish as k deltas of one, and what ends a choice inside a delta drops the tokens after it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pocketllm.backend import RequestDelta, SampledLogprobs
+from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
+from pocketllm.output_processor import OutputProcessor, RequestState, new_choice
+from pocketllm.outputs import StreamEvent
+from pocketllm.sampling_params import SamplingParams
+
+PIECES = ["<think>", "a", "b", "</think>", "\n\n", "Hel", "lo", " wor", "ld", "!", " Bye", "."]
+
+
+class ScriptedTokenizer:
+    """Token i is PIECES[i]."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(PIECES[i] for i in ids)
+
+
+def run(tokens: list[int], chunk: int, finish: str | None = "length", **params: Any) -> tuple[
+        list[StreamEvent], list[str]]:
+    """Feed ``tokens`` in deltas of ``chunk`` (the last one finishing with ``finish``); the events and the
+    engine requests the processor dropped."""
+    sampling = SamplingParams(max_tokens=params.pop("max_tokens", len(tokens)), **params)
+    events: list[StreamEvent] = []
+    choice = new_choice(0, "r", IncrementalDetokenizer(ScriptedTokenizer(), [0], True), sampling)  # type: ignore[arg-type]
+    request = RequestState("r", [0], sampling, events.append, StopMatcher(sampling.stop, False), [choice])
+    processor = OutputProcessor(lambda r, c: None, lambda r: None)
+    processor.choices["r"] = (request, choice)
+    dropped: list[str] = []
+    for start in range(0, len(tokens), chunk):
+        if "r" not in processor.choices:
+            break
+        part = tokens[start:start + chunk]
+        last = start + chunk >= len(tokens)
+        logprobs = [SampledLogprobs(t, -float(t), 1, []) for t in part]
+        dropped += processor.process([RequestDelta(request_id="r", new_token_ids=part, logprobs=logprobs,
+                                                   finish_reason=finish if last else None)])
+    return events, dropped
+
+
+def whole(events: list[StreamEvent]) -> dict[str, Any]:
+    return {"text": "".join(e.text for e in events), "tokens": [t for e in events for t in e.token_ids],
+            "logprobs": [lp.token_id for e in events for lp in e.logprobs or []],
+            "reasoning": "".join(e.reasoning or "" for e in events), "answer": "".join(e.answer or "" for e in events),
+            "finish": events[-1].finish_reason, "stop": events[-1].stop_reason,
+            "reasoning_tokens": events[-1].reasoning_tokens, "usage": events[-1].usage}
+
+
+ANSWER = list(range(5, len(PIECES)))
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, len(PIECES)])
+def test_a_stop_string_inside_a_delta_ends_the_choice_at_its_token(chunk: int) -> None:
+    events, dropped = run(ANSWER, chunk, stop=["wor"])
+    assert whole(events) | {"usage": None} == {
+        "text": "Hello ", "tokens": [5, 6, 7], "logprobs": [5, 6, 7], "reasoning": "", "answer": "", "finish": "stop",
+        "stop": "wor", "reasoning_tokens": None, "usage": None}
+    assert events[-1].usage is not None and events[-1].usage.completion_tokens == 3
+    # The engine still ran it, unless the delta with the stop string was its last: then it must drop it.
+    assert dropped == ([] if 2 // chunk == (len(ANSWER) - 1) // chunk else ["r"])
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 4, len(PIECES)])
+def test_stop_strings_wait_for_min_tokens_inside_a_delta(chunk: int) -> None:
+    events, _ = run(ANSWER, chunk, stop=["l"], min_tokens=4)
+    # "Hel" and "lo" hold an "l" before 4 tokens are out; the first one after is in " wor" + "ld".
+    assert whole(events)["text"] == "Hello wor" and whole(events)["tokens"] == [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, len(PIECES)])
+def test_an_engine_that_overruns_max_tokens_is_held_to_it(chunk: int) -> None:
+    events, dropped = run(ANSWER, chunk, finish=None, max_tokens=3)
+    assert whole(events)["text"] == "Hello wor" and whole(events)["tokens"] == [5, 6, 7]
+    assert whole(events)["finish"] == "length" and dropped == ["r"]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, len(PIECES)])
+def test_the_reasoning_split_and_its_token_count_do_not_depend_on_the_step_size(chunk: int) -> None:
+    events, dropped = run(list(range(len(PIECES))), chunk, finish="stop", reasoning="qwen3", stop=["!"])
+    result = whole(events)
+    assert (result["reasoning"], result["answer"], result["reasoning_tokens"]) == ("ab", "Hello world", 4)
+    assert result["text"] == "<think>ab</think>\n\nHello world" and result["stop"] == "!"
+    assert result["usage"].reasoning_tokens == 4 and result["usage"].completion_tokens == 10
+    assert dropped == ([] if 9 // chunk == (len(PIECES) - 1) // chunk else ["r"])  # a finished one needs none
+
+
+def test_a_reply_without_a_section_has_no_reasoning_tokens() -> None:
+    events, _ = run(ANSWER, 3, reasoning="qwen3")
+    assert whole(events)["reasoning_tokens"] == 0 and whole(events)["answer"] == "Hello world! Bye."
+
+
+def test_a_section_never_closed_is_all_reasoning() -> None:
+    events, _ = run([0, 1, 2], 2, reasoning="qwen3")
+    assert (whole(events)["reasoning"], whole(events)["answer"], whole(events)["reasoning_tokens"]) == ("ab", "", 3)
+
+
+def test_stop_in_reasoning_looks_for_stop_strings_in_the_section_too() -> None:
+    events, _ = run(list(range(len(PIECES))), 4, reasoning="qwen3", stop=["b"], stop_in_reasoning=True)
+    assert whole(events)["text"] == "<think>a" and whole(events)["reasoning"] == "a"
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 3])
+def test_the_library_returns_the_reply_split_the_same_whole_and_streamed(pocketllm_tiny_llama,
+                                                                         tokens_per_step: int) -> None:
+    """The echo backend replays the prompt, so a prompt scripts the reply."""
+    from pocketllm import LLM
+
+    llm = LLM(str(pocketllm_tiny_llama), backend="echo", backend_options={"tokens_per_step": tokens_per_step})
+    try:
+        reply = "<think>weigh it</think>\n\nThe answer."
+        params = SamplingParams(temperature=0.0, max_tokens=len(llm.tokenizer.encode(reply)), reasoning="qwen3")
+        [out] = llm.generate(reply, params)
+        choice = out.outputs[0]
+        assert choice.text.startswith(reply[:12]) and (choice.reasoning, choice.answer) == ("weigh it", "The answer.")
+        assert 0 < choice.reasoning_tokens == out.usage.reasoning_tokens < len(choice.token_ids)
+        events = list(llm.generate_stream(reply, params))
+        assert "".join(e.reasoning or "" for e in events) == choice.reasoning
+        assert "".join(e.answer or "" for e in events) == choice.answer
+        assert events[-1].reasoning_tokens == choice.reasoning_tokens
+        [plain] = llm.generate(reply, SamplingParams(temperature=0.0, max_tokens=4))
+        assert (plain.outputs[0].reasoning, plain.outputs[0].answer, plain.usage.reasoning_tokens) == (None, None, None)
+    finally:
+        llm.shutdown()
