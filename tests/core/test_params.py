@@ -44,6 +44,36 @@ def test_engine_args_reject_bad_values_naming_the_field(field: str, value: objec
     assert err.value.field == field
 
 
+NGRAM = {"speculative_method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize(("given", "field"), [
+    ({"speculative_method": "medusa", "num_speculative_tokens": 2}, "speculative_method"),
+    ({"speculative_method": "ngram"}, "num_speculative_tokens"),  # a method drafts at least one token
+    ({**NGRAM, "num_speculative_tokens": 17}, "num_speculative_tokens"),
+    ({**NGRAM, "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({**NGRAM, "ngram_min": 0}, "ngram_min"),
+    ({**NGRAM, "ngram_max": 65}, "ngram_max"),
+    ({**NGRAM, "ngram_min": 5, "ngram_max": 3}, "ngram_min"),
+    # A method's own settings are refused without it, never ignored.
+    ({"ngram_max": 4}, "ngram_max"),
+    ({"speculative_method": "mtp", "num_speculative_tokens": 1, "ngram_min": 2}, "ngram_min"),
+    ({"draft_model": "tiny"}, "draft_model"),
+    ({"speculative_method": "draft_model", "num_speculative_tokens": 2}, "draft_model"),
+])
+def test_speculative_settings_are_checked_naming_the_field(given: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        EngineArgs(**given)
+    assert err.value.field == field
+
+
+def test_ngram_settings_default_with_the_ngram_method() -> None:
+    args = EngineArgs(**NGRAM)
+    assert (args.ngram_min, args.ngram_max) == (1, 4)
+    assert (EngineArgs(**NGRAM, ngram_min=6).ngram_max, EngineArgs(**NGRAM, ngram_max=2).ngram_min) == (6, 1)
+    assert EngineArgs(speculative_method="draft_model", num_speculative_tokens=4, draft_model="d").draft_model == "d"
+
+
 def test_engine_args_from_env_and_explicit_values_win() -> None:
     env = {"POCKETLLM_MAX_MODEL_LEN": "256", "POCKETLLM_BACKEND": "echo", "POCKETLLM_ENABLE_PREFIX_CACHING": "true",
            "POCKETLLM_BACKEND_OPTIONS": '{"block_size": 8}', "POCKETLLM_SPECULATIVE_METHOD": "none"}

@@ -10,13 +10,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pocketllm.errors import ConfigError
-from pocketllm.limits import MAX_GRAMMAR_CACHE_MB, MAX_MODEL_LEN_CAP
+from pocketllm.limits import MAX_GRAMMAR_CACHE_MB, MAX_MODEL_LEN_CAP, MAX_NGRAM, MAX_SPECULATIVE_TOKENS
 
 if TYPE_CHECKING:
     from pocketllm.model_config import ModelConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ENV_PREFIX = "POCKETLLM_"
+SPECULATIVE_METHODS = ("ngram", "mtp", "draft_model")
+"""``EngineArgs.speculative_method`` values; a backend lists those it runs in ``Capabilities.speculative_methods``."""
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
 
 
@@ -44,8 +46,17 @@ class EngineArgs:
     prefill_chunk_size: int = _option(512, "longest piece of one prompt prefilled in one step")
     kv_cache_dtype: str = _option("auto", "KV-cache storage: auto (what attention computes in) or a float dtype")
     enable_prefix_caching: bool = _option(False, "reuse the KV of prompt prefixes seen before")
-    speculative_method: str | None = _option(None, "speculative decoding method, where the backend has one")
-    num_speculative_tokens: int = _option(0, "tokens drafted per step by speculative decoding")
+    speculative_method: str | None = _option(None, "speculative decoding: ngram (prompt lookup), mtp (the model's "
+                                                   "multi-token-prediction layers) or draft_model, where the backend "
+                                                   "has it (`pocketllm backends`)")
+    num_speculative_tokens: int = _option(0, "tokens drafted per sequence and step by speculative decoding "
+                                             f"(1-{MAX_SPECULATIVE_TOKENS}; needs speculative_method)")
+    ngram_min: int | None = _option(None, "ngram: shortest suffix of the sequence looked up in it; "
+                                          "1 where not given")
+    ngram_max: int | None = _option(None, f"ngram: longest suffix looked up, tried first, at most {MAX_NGRAM}; "
+                                          "4 where not given")
+    draft_model: str | None = _option(None, "draft_model: the smaller model that drafts (a path or an alias, with "
+                                            "the target's tokenizer)")
     seed: int = _option(0, "engine seed: the random stream of requests that set no seed of their own "
                            "(a request's `seed` wins)")
     grammar_cache_mb: int = _option(64, "memory for compiled structured-output grammars kept for reuse, in MiB "
@@ -69,17 +80,43 @@ class EngineArgs:
         _check(isinstance(self.kv_cache_dtype, str) and bool(self.kv_cache_dtype), "kv_cache_dtype",
                "must be a non-empty string")
         _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "must be a bool")
-        _check(self.speculative_method is None or isinstance(self.speculative_method, str), "speculative_method",
-               "must be a method name or None")
-        _check(_is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 0, "num_speculative_tokens",
-               f"must be a non-negative integer, got {self.num_speculative_tokens!r}")
-        _check(self.speculative_method is not None or self.num_speculative_tokens == 0, "num_speculative_tokens",
-               "needs speculative_method")
+        self._check_speculative()
         _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         _check(_is_int(self.grammar_cache_mb) and 0 <= self.grammar_cache_mb <= MAX_GRAMMAR_CACHE_MB,
                "grammar_cache_mb", f"must be an integer in [0, {MAX_GRAMMAR_CACHE_MB}], got {self.grammar_cache_mb!r}")
         _check(isinstance(self.backend_options, dict) and all(isinstance(k, str) for k in self.backend_options),
                "backend_options", "must be a dict with string keys")
+
+    def _check_speculative(self) -> None:
+        """The speculative-decoding fields (see "Speculative decoding" in pocketllm.backend). A method's own fields
+        are refused without that method rather than ignored, and its defaults filled in with it."""
+        method = self.speculative_method
+        _check(method is None or method in SPECULATIVE_METHODS, "speculative_method",
+               f"must be one of {', '.join(SPECULATIVE_METHODS)} or None, got {method!r}")
+        tokens = self.num_speculative_tokens
+        if method is None:
+            _check(tokens == 0, "num_speculative_tokens", "needs speculative_method")
+        else:
+            _check(_is_int(tokens) and 1 <= tokens <= MAX_SPECULATIVE_TOKENS, "num_speculative_tokens",
+                   f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] with speculative_method {method}, "
+                   f"got {tokens!r}")
+        if method == "ngram":
+            self.ngram_min = 1 if self.ngram_min is None else self.ngram_min
+            self.ngram_max = max(4, self.ngram_min) if self.ngram_max is None else self.ngram_max
+            for name in ("ngram_min", "ngram_max"):
+                value = getattr(self, name)
+                _check(_is_int(value) and 1 <= value <= MAX_NGRAM, name,
+                       f"must be an integer in [1, {MAX_NGRAM}], got {value!r}")
+            _check(self.ngram_min <= self.ngram_max, "ngram_min",
+                   f"must be at most ngram_max ({self.ngram_max}), got {self.ngram_min}")
+        else:
+            for name in ("ngram_min", "ngram_max"):
+                _check(getattr(self, name) is None, name, "needs speculative_method ngram")
+        if method == "draft_model":
+            _check(isinstance(self.draft_model, str) and bool(self.draft_model), "draft_model",
+                   "speculative_method draft_model needs a draft_model (a path or an alias)")
+        else:
+            _check(self.draft_model is None, "draft_model", "needs speculative_method draft_model")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **explicit: Any) -> EngineArgs:

@@ -1,4 +1,4 @@
-"""The contract between the core and a backend (version 2).
+"""The contract between the core and a backend (version 3).
 
 A backend plugin object (registered through the ``pocketllm_register_backends``
 hook) describes itself with data and creates engines. The engine it creates is
@@ -58,6 +58,53 @@ Semantics a backend implements
 * **Length.** ``params.max_tokens`` arrives resolved: prompt plus max_tokens
   never exceeds ``max_model_len``. Reaching it ends the request with
   ``finish_reason="length"``.
+
+Steps of several tokens (contract 3)
+------------------------------------
+A step may give a request any number of new tokens: none (a prompt still
+prefilling), one, or several (speculative decoding). ``new_token_ids`` lists
+them in order and ``logprobs``, where asked for, has one entry per token. The
+engine stops at EOS, a stop token and ``max_tokens`` inside the step as it
+would one token at a time: nothing comes after the token that ended the
+request. Where a request has a constraint, the engine calls
+``constraint.accept`` for each token in turn, masking each one's choice with
+the mask after the tokens before it. The core takes the tokens in order too: a
+stop string found among them ends the request at that token, the tokens after
+it are dropped (never streamed), and the core aborts the request if the engine
+had not finished it.
+
+Speculative decoding (contract 3)
+---------------------------------
+A backend lists the methods it runs in ``Capabilities.speculative_methods``
+(from :data:`pocketllm.args.SPECULATIVE_METHODS`); the core refuses any other.
+``EngineArgs`` carries the settings, checked before the backend sees them:
+
+* ``speculative_method``: ``ngram`` (drafts copied from the sequence itself: the
+  continuation of the latest earlier occurrence of its last ``ngram_max`` ..
+  ``ngram_min`` tokens, longest first), ``mtp`` (the checkpoint's own
+  multi-token-prediction layers) or ``draft_model`` (a smaller model at
+  ``EngineArgs.draft_model`` with the target's vocabulary);
+* ``num_speculative_tokens``: at most this many tokens drafted per sequence and
+  step, 1..:data:`pocketllm.limits.MAX_SPECULATIVE_TOKENS`;
+* ``ngram_min`` / ``ngram_max`` (filled in for ``ngram``, refused otherwise),
+  ``draft_model`` (required for ``draft_model``, refused otherwise).
+
+What a backend that drafts promises:
+
+* **Exact.** Greedy requests give exactly the tokens they give without
+  speculative decoding. Sampled requests follow the same output distribution:
+  drafts are verified by rejection sampling against the target model's
+  probabilities after every logits processor (penalties, bias, top-k/p, min-p,
+  grammar mask), and a rejected position is resampled from the residual
+  distribution, so a draft changes how fast tokens come, never which.
+* **Reproducible.** A request's seed gives the same tokens with and without
+  other requests in the batch, and its draws do not depend on how many drafted
+  tokens were accepted before.
+* **Target logprobs.** ``logprobs`` are the target model's, for each token.
+* **Stats.** ``BackendStats`` counts ``num_spec_drafts`` (a sequence drafting
+  in a step), ``num_spec_draft_tokens``, ``num_spec_accepted_tokens`` and
+  ``spec_accepted_per_position`` (index i: drafts whose token i was accepted),
+  cumulatively; the server exports them under ``/metrics``.
 """
 
 from __future__ import annotations
@@ -78,8 +125,9 @@ if TYPE_CHECKING:
     from pocketllm.sampling_params import SamplingParams
     from pocketllm.structured import Constraint
 
-# 2.1: BackendStats snapshot counters; 2.2: TensorParallelBackend; 2.3: structured outputs; 2.4: EmbeddingEngine
-API_VERSION = (2, 4)
+# 2.1: BackendStats snapshot counters; 2.2: TensorParallelBackend; 2.3: structured outputs; 2.4: EmbeddingEngine;
+# 3.0: steps of several tokens, the speculative-decoding contract, typed backend options
+API_VERSION = (3, 0)
 """``(major, minor)`` of this contract. A backend built for the same major and an older or equal minor loads;
 the minor grows with additions a backend may ignore, the major with changes it may not."""
 
@@ -145,7 +193,8 @@ class SampledLogprobs(msgspec.Struct, frozen=True, array_like=True):
 
 
 class RequestDelta(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
-    """What one step produced for one request.
+    """What one step produced for one request: ``new_token_ids`` holds 0..k tokens in the order they were
+    produced, with one ``logprobs`` entry each (see "Steps of several tokens" above).
 
     ``finish_reason`` is ``"stop"`` (EOS or a stop token; see the module docstring for ``stop_token_id``),
     ``"length"`` (max_tokens reached), ``"error"`` (this request failed in the step: ``error`` says why, and
@@ -176,6 +225,12 @@ class BackendStats(msgspec.Struct, kw_only=True):
     num_state_snapshots: int = 0
     num_state_snapshot_hits: int = 0
     num_state_snapshot_evictions: int = 0
+    # Speculative decoding (see "Speculative decoding" above), cumulative: drafts proposed (one per sequence and
+    # step that drafted), tokens in them, draft tokens accepted, and acceptances by position in the draft.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
 
     @property
     def kv_usage(self) -> float:

@@ -77,3 +77,9 @@ take milliseconds; a 345 KB schema of 8,600 optional properties took 19.5 s here
 
 MAX_THREADS = 1024
 """Most compute threads a backend option may ask for: a typo of 10**6 must be an error, not a million threads."""
+
+MAX_SPECULATIVE_TOKENS = 16
+"""Most tokens drafted per sequence and step (``EngineArgs.num_speculative_tokens``): past a handful, drafts are
+rarely accepted in full, and each drafted token costs a verification row."""
+MAX_NGRAM = 64
+"""Longest n-gram the ``ngram`` drafter looks up (``EngineArgs.ngram_max``)."""

@@ -55,11 +55,23 @@ class _EngineCollector(Collector):
              "Requests resumed from a prefix-cache snapshot of state layers.", stats.num_state_snapshot_hits),
             (CounterMetricFamily, "pocketllm:state_snapshot_evictions",
              "Prefix-cache snapshots of state layers evicted.", stats.num_state_snapshot_evictions),
+            (CounterMetricFamily, "pocketllm:spec_decode_num_drafts",
+             "Speculative drafts proposed (one per sequence and step that drafted).", stats.num_spec_drafts),
+            (CounterMetricFamily, "pocketllm:spec_decode_num_draft_tokens", "Speculative tokens drafted.",
+             stats.num_spec_draft_tokens),
+            (CounterMetricFamily, "pocketllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
+             stats.num_spec_accepted_tokens),
         ]
         for family, name, doc, value in values:
             metric = family(name, doc, labels=_LABELS)
             metric.add_metric([self.model_name], value)
             yield metric
+        per_position = CounterMetricFamily("pocketllm:spec_decode_num_accepted_tokens_per_pos",
+                                           "Speculative draft tokens accepted, by position in the draft.",
+                                           labels=[*_LABELS, "position"])
+        for position, accepted in enumerate(stats.spec_accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], accepted)
+        yield per_position
 
 
 class _GrammarCacheCollector(Collector):

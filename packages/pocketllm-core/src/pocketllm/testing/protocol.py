@@ -2,7 +2,7 @@
 
 Everything is checked through the public ``LLM`` API on one of the kit's checkpoints, against the contract in
 ``pocketllm.backend``. Outputs are compared with the backend's own greedy output, never with fixed tokens, so
-an engine that runs no model (the README's echo example) passes too. Options the backend's Capabilities leave
+an engine that runs no model (the plugin guide's echo example) passes too. Options the backend's Capabilities leave
 out must be refused with UnsupportedOptionError naming the option and the backend.
 """
 
@@ -519,8 +519,9 @@ class ProtocolConformance(KitBase):
         value = _unsupported_value(caps, option)
         if value is None:
             pytest.skip(f"{self.backend} supports every value of {option} this test tries")
+        overrides = {option: value, **({"num_speculative_tokens": 2} if option == "speculative_method" else {})}
         with pytest.raises(UnsupportedOptionError) as err:
-            self.make_llm(model_path, **{option: value}).shutdown()
+            self.make_llm(model_path, **overrides).shutdown()
         assert err.value.option.startswith(option) and err.value.backend == self.backend
 
     def test_backend_options_of_a_wrong_type_or_out_of_range_are_config_errors(self, llm: Any,
@@ -565,7 +566,7 @@ def _unsupported_value(caps: Capabilities, option: str) -> Any:
     if option == "tensor_parallel_size":
         return None if caps.tensor_parallel else 2
     if option == "speculative_method":
-        return None if "ngram" in caps.speculative_methods else "ngram"
+        return next((m for m in ("ngram", "mtp") if m not in caps.speculative_methods), None)
     if option == "backend_options":
         return {"no_such_knob_in_any_backend": 1}
     if option == "enable_prefix_caching":
