@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pocketllm.args import EngineArgs
 from pocketllm.backend import API_VERSION, BackendStats, Capabilities, RequestDelta, SampledLogprobs, TokenLogprob
+from pocketllm.backend_options import BackendOptions
 from pocketllm.errors import (
     BackendNotFoundError,
     BrokenBackendError,
@@ -41,8 +42,8 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "API_VERSION", "AsyncLLM", "BackendNotFoundError", "BackendStats", "BrokenBackendError", "Capabilities",
-    "CheckpointError",
+    "API_VERSION", "AsyncLLM", "BackendNotFoundError", "BackendOptions", "BackendStats", "BrokenBackendError",
+    "Capabilities", "CheckpointError",
     "CompletionOutput", "ConfigError", "EmbeddingOutput", "EngineArgs", "EngineDeadError", "GrammarError", "LLM",
     "OverloadedError", "PocketLLMError",
     "PoolingParams", "PromptTooLongError", "RequestCancelledError", "RequestDelta", "RequestFailedError",

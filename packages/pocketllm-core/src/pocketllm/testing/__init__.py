@@ -1,7 +1,7 @@
 """The conformance kit: what a backend's own tests subclass to prove it keeps the contract.
 
-Two classes (and a third for tensor parallelism), each run by subclassing it in a test module of the backend's
-package::
+Two classes (and more for tensor parallelism and steps of several tokens), each run by subclassing it in a test
+module of the backend's package::
 
     from pocketllm.testing import ModelConformance, ProtocolConformance
 
@@ -14,6 +14,10 @@ package::
 
     class TestMyBackendTP(TensorParallelConformance):     # one that declares tensor_parallel
         backend = "mybackend"
+
+    class TestMyBackendSteps(MultiTokenConformance):      # one whose steps may give several tokens
+        backend = "mybackend"
+        multi_token_kwargs = {"speculative_method": "ngram", "num_speculative_tokens": 3}
 
 The kit writes its own tiny checkpoints (``checkpoints.py``) and ships transformers' outputs on them
 (``data/references.json``); its pytest fixtures come with pocketllm-core through the ``pytest11`` entry point.
@@ -35,6 +39,7 @@ from pocketllm.testing.checkpoints import KIT_CHECKPOINTS, make_tiny_gguf, make_
 from pocketllm.testing.gates import GatedBackend, StepGate
 from pocketllm.testing.hooks import engine_driver
 from pocketllm.testing.model import ModelConformance
+from pocketllm.testing.multi_token import MultiTokenConformance
 from pocketllm.testing.protocol import ProtocolConformance
 from pocketllm.testing.tensor_parallel import TensorParallelConformance
 
@@ -43,6 +48,6 @@ class BackendConformance(ProtocolConformance, ModelConformance):
     """Both classes at once, for a backend that runs models (and what contract 1's kit was called)."""
 
 
-__all__ = ["KIT_CHECKPOINTS", "BackendConformance", "GatedBackend", "ModelConformance", "ProtocolConformance",
-           "StepGate", "TensorParallelConformance", "engine_driver", "make_tiny_gguf", "make_tiny_llama",
-           "make_tiny_qwen3"]
+__all__ = ["KIT_CHECKPOINTS", "BackendConformance", "GatedBackend", "ModelConformance", "MultiTokenConformance",
+           "ProtocolConformance", "StepGate", "TensorParallelConformance", "engine_driver", "make_tiny_gguf",
+           "make_tiny_llama", "make_tiny_qwen3"]
