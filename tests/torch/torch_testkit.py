@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from pocketllm.args import EngineArgs, resolve_max_model_len
+from pocketllm.capability_checks import check_engine_args, check_request
 from pocketllm.checkpoint import CheckpointTensor
 from pocketllm.model_config import ModelConfig
 from pocketllm.sampling_params import SamplingParams
-from pocketllm.support import check_engine_args, check_request
 from pocketllm_torch import groups
 from pocketllm_torch.backend import TorchBackend
 from pocketllm_torch.engine import TorchEngine

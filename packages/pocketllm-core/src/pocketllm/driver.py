@@ -15,6 +15,7 @@ from concurrent.futures import Future
 
 from pocketllm.args import EngineArgs
 from pocketllm.backend import BackendStats, Engine
+from pocketllm.capability_checks import check_embedding_request, check_request
 from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
 from pocketllm.engine_loop import EngineLoop
 from pocketllm.errors import CheckpointError
@@ -33,7 +34,6 @@ from pocketllm.startup import (
     start_ranks,
 )
 from pocketllm.structured import CompiledGrammar, Constraint, GrammarCompiler
-from pocketllm.support import check_embedding_request, check_request
 
 __all__ = ["EngineDriver", "Sink"]
 
@@ -94,7 +94,7 @@ class EngineDriver:
         return self.args.max_model_len
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Refuse what ``add_request`` would refuse before its grammar compiles (see support.check_request)."""
+        """Refuse what ``add_request`` would refuse before its grammar compiles (capability_checks.check_request)."""
         return check_request(self.backend_name, self.capabilities, prompt_ids, params,
                              vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
 

@@ -13,8 +13,8 @@ import pluggy
 from pocketllm import hookspecs
 from pocketllm.backend import API_VERSION, BackendPlugin, Capabilities
 from pocketllm.backend_options import BackendOptions, describe, resolve
+from pocketllm.capability_checks import check_engine_args
 from pocketllm.errors import BackendNotFoundError, BrokenBackendError, UnsupportedOptionError
-from pocketllm.support import check_engine_args
 
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs

@@ -11,6 +11,7 @@ from typing import Any
 from pocketllm.args import EngineArgs, resolve_max_model_len
 from pocketllm.backend import BackendPlugin, Capabilities, Engine, TensorParallelBackend
 from pocketllm.backend_options import BackendOptions
+from pocketllm.capability_checks import check_engine_args
 from pocketllm.checkpoint import Checkpoint, load_checkpoint
 from pocketllm.checkpoint.shapes import check_model
 from pocketllm.errors import CheckpointError, ConfigError, EngineDeadError, UnsupportedOptionError
@@ -18,7 +19,6 @@ from pocketllm.plugins import BackendRegistry
 from pocketllm.pooling import DEFAULT_POOLING_TYPE
 from pocketllm.progress import LoadProgress
 from pocketllm.sampling_defaults import recommended_defaults
-from pocketllm.support import check_engine_args
 from pocketllm.tensor_parallel import LocalRanks, check_world, rank_info
 from pocketllm.tokenizer import Tokenizer
 from pocketllm.warmup import warm_up

@@ -99,9 +99,9 @@ def run_worker(args: EngineArgs, ready: Callable[[], None] | None = None) -> Non
     """Serve as a non-zero rank: load the checkpoint, pick the backend as rank 0 does, and run its worker loop
     until rank 0 shuts down. ``ready`` is called once the rank has joined its group and holds its weights."""
     from pocketllm.args import resolve_max_model_len
+    from pocketllm.capability_checks import check_engine_args
     from pocketllm.checkpoint import load_checkpoint
     from pocketllm.plugins import BackendRegistry
-    from pocketllm.support import check_engine_args
 
     info = rank_info()
     if info is None or info.rank == 0:

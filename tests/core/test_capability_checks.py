@@ -12,8 +12,8 @@ import pytest
 from pocketllm import LLM, Capabilities, ConfigError, EngineArgs, SamplingParams, UnsupportedOptionError
 from pocketllm.backend import SAMPLING_OPTIONS
 from pocketllm.backend_options import BackendOptions, OptionInfo, describe
+from pocketllm.capability_checks import check_engine_args, check_request, sampling_options_in_use
 from pocketllm.checkpoint import load_checkpoint
-from pocketllm.support import check_engine_args, check_request, sampling_options_in_use
 
 CAPS = Capabilities(architectures=("llama",), sampling_options=SAMPLING_OPTIONS)
 
