@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-import pocketllm_server.state
+import pocketllm_server.app_state
 from pocketllm import AsyncLLM, BackendStats, EngineArgs
 from pocketllm.testing import StepGate
 from pocketllm_server import create_app
@@ -28,13 +28,13 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tempe
 def test_ready_is_503_until_the_model_is_loaded(serve_app, tiny_args: EngineArgs, wait_for,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
-    real_load = pocketllm_server.state.load_engine
+    real_load = pocketllm_server.app_state.load_engine
 
     def slow_load(args: EngineArgs) -> AsyncLLM:
         release.wait(30)
         return real_load(args)
 
-    monkeypatch.setattr(pocketllm_server.state, "load_engine", slow_load)
+    monkeypatch.setattr(pocketllm_server.app_state, "load_engine", slow_load)
     with serve_app(create_app(tiny_args, served_model_name="tiny")) as server, \
             httpx.Client(base_url=server.url) as client:
         assert client.get("/alive").status_code == 200
@@ -124,7 +124,7 @@ def test_shutdown_aborts_in_flight_requests(serve_app, tiny_args: EngineArgs, wa
         gates.append(gate)
         return llm
 
-    monkeypatch.setattr(pocketllm_server.state, "load_engine", load_gated)
+    monkeypatch.setattr(pocketllm_server.app_state, "load_engine", load_gated)
     app = create_app(tiny_args, served_model_name="tiny")
     with serve_app(app) as server, httpx.Client(base_url=server.url, timeout=30) as client:
         state = app.state.server

@@ -265,16 +265,16 @@ def test_reasoning_shows_collapsed_and_tool_calls_as_such(browser, tiny_hermes: 
 
 
 def test_the_page_waits_for_a_loading_model(browser, serve_app, tiny_args, monkeypatch) -> None:
-    import pocketllm_server.state
+    import pocketllm_server.app_state
     from pocketllm_server import create_app
 
-    real_load = pocketllm_server.state.load_engine
+    real_load = pocketllm_server.app_state.load_engine
 
     def slow_load(args):
         time.sleep(2)
         return real_load(args)
 
-    monkeypatch.setattr(pocketllm_server.state, "load_engine", slow_load)
+    monkeypatch.setattr(pocketllm_server.app_state, "load_engine", slow_load)
     with serve_app(create_app(tiny_args, served_model_name="tiny")) as server:
         browser.get(f"{server.url}/")
         notice = wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, "article.error"))[0]

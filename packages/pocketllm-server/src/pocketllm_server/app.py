@@ -24,6 +24,7 @@ from pocketllm_server import (
     routes_health,
     routes_tokenize,
 )
+from pocketllm_server.app_state import ServerState, state_of
 from pocketllm_server.errors import APIError
 from pocketllm_server.middleware import (
     ApiKeyMiddleware,
@@ -34,7 +35,6 @@ from pocketllm_server.middleware import (
     log_error_answer,
 )
 from pocketllm_server.openapi import openapi_document, openapi_json
-from pocketllm_server.state import ServerState, state_of
 from pocketllm_server.tool_calls import TOOL_CALL_PARSERS
 from pocketllm_server.web_ui import routes as web_ui_routes
 

@@ -24,7 +24,7 @@ from pocketllm.reasoning import REASONING_PARSERS
 from pocketllm.supervisor import supervise
 from pocketllm.tensor_parallel import check_world, mark_ready, rank_info, run_worker, watch_parent
 from pocketllm_server.app import DEFAULT_MAX_REQUEST_BYTES, GENERATION_CONFIG_CHOICES, create_app
-from pocketllm_server.state import ServerState
+from pocketllm_server.app_state import ServerState
 from pocketllm_server.tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("pocketllm_server")

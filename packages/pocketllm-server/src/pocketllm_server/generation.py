@@ -13,9 +13,10 @@ from starlette.requests import Request
 from pocketllm import ConfigError, PocketLLMError, RequestOutput, SamplingParams
 from pocketllm.client import OutputCollector
 from pocketllm.structured import StructuredOutputs
+from pocketllm_server.app_state import state_of
+from pocketllm_server.engine_stream import EngineStream
 from pocketllm_server.errors import APIError, from_engine_error, invalid_request, unavailable
 from pocketllm_server.protocol import CompletionTokensDetails, SamplingRequest, UsageInfo
-from pocketllm_server.state import EngineStream, state_of
 from pocketllm_server.streaming import all_or_nothing, cancel_on_disconnect
 
 ABORTED = "abort"  # the core's finish reason for a cancelled request

@@ -15,6 +15,8 @@ from starlette.responses import Response
 
 from pocketllm import AsyncLLM, PocketLLMError, StreamEvent
 from pocketllm.structured import StructuredOutputs
+from pocketllm_server.app_state import read_model_request
+from pocketllm_server.engine_stream import EngineStream
 from pocketllm_server.errors import APIError, ErrorBody, from_engine_error, invalid_request
 from pocketllm_server.generation import (
     ABORTED,
@@ -42,7 +44,6 @@ from pocketllm_server.protocol import (
     UsageInfo,
     json_response,
 )
-from pocketllm_server.state import EngineStream, read_model_request
 from pocketllm_server.streaming import DONE, EventStreamResponse, sse
 from pocketllm_server.tool_calls import ToolCall, ToolCallStream, forcing_grammar, parser_for_template
 from pocketllm_server.tool_calls import parse as parse_tool_calls

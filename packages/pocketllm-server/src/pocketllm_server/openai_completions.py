@@ -11,6 +11,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pocketllm import AsyncLLM, PocketLLMError, RequestOutput, SamplingParams
+from pocketllm_server.app_state import read_model_request
+from pocketllm_server.engine_stream import EngineStream
 from pocketllm_server.errors import APIError, ErrorBody, from_engine_error, invalid_request
 from pocketllm_server.generation import (
     ABORTED,
@@ -33,7 +35,6 @@ from pocketllm_server.protocol import (
     UsageInfo,
     json_response,
 )
-from pocketllm_server.state import EngineStream, read_model_request
 from pocketllm_server.streaming import DONE, EventStreamResponse, merge, sse
 
 # OpenAI's (and vLLM's) default for this endpoint; chat instead fills the context.

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pocketllm import AsyncLLM, EmbeddingOutput, PocketLLMError, PoolingParams
+from pocketllm_server.app_state import read_model_request
 from pocketllm_server.errors import from_engine_error, invalid_request
 from pocketllm_server.generation import request_id
 from pocketllm_server.protocol import (
@@ -21,7 +22,6 @@ from pocketllm_server.protocol import (
     EmbeddingUsage,
     json_response,
 )
-from pocketllm_server.state import read_model_request
 from pocketllm_server.streaming import all_or_nothing, cancel_on_disconnect
 
 # Engine fields by the request field a client sees in an error.

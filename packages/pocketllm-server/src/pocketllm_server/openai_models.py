@@ -5,8 +5,8 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pocketllm_server.app_state import state_of
 from pocketllm_server.protocol import ModelCard, ModelList, json_response
-from pocketllm_server.state import state_of
 
 
 async def list_models(request: Request) -> Response:

@@ -6,8 +6,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pocketllm_server.app_state import state_of
 from pocketllm_server.protocol import HealthResponse, json_response
-from pocketllm_server.state import state_of
 
 
 async def health(request: Request) -> Response:

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pocketllm import AsyncLLM, PocketLLMError
+from pocketllm_server.app_state import read_model_request
 from pocketllm_server.errors import from_engine_error, invalid_request
 from pocketllm_server.protocol import (
     DetokenizeRequest,
@@ -17,7 +18,6 @@ from pocketllm_server.protocol import (
     TokenizeResponse,
     json_response,
 )
-from pocketllm_server.state import read_model_request
 
 
 async def tokenize(request: Request) -> Response:

@@ -11,8 +11,8 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from pocketllm_server.app_state import state_of
 from pocketllm_server.protocol import json_response
-from pocketllm_server.state import state_of
 
 WEB_DIR = Path(__file__).parent / "web"
 # Scripts and styles only from this server and no inline code: markup smuggled into the page could not run.
