@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="small workloads and 1 run, for smoke tests")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "results",
                         help="directory for the result files (default: bench/results)")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                        help="also run each PocketLLM engine (library, AsyncLLM, server) from another version's "
+                             "packages: DIR holds pocketllm, pocketllm_server and the backends' packages (with their "
+                             "compiled modules), e.g. an older checkout's; adds this/baseline ratios")
     parser.add_argument("--machine", default=machine_name(),
                         help="machine name in the result file names (default: %(default)s)")
     return parser
@@ -131,12 +135,14 @@ def config_from(ns: argparse.Namespace, installed: list[str]) -> BenchConfig:
     if "serve" in ns.workloads and importlib.util.find_spec("pocketllm_server") is None:
         raise SystemExit("the serve workload needs pocketllm-server (pip install pocketllm[server]); "
                          "or leave it out with --workloads")
+    if ns.baseline is not None and not (ns.baseline / "pocketllm").is_dir():
+        raise SystemExit(f"--baseline {ns.baseline} holds no pocketllm package")
     backends = tuple(ns.backends or [b for b in KNOWN_BACKENDS if b in installed])
     if not backends:
         raise SystemExit(f"no PocketLLM backend to measure: none of {', '.join(KNOWN_BACKENDS)} is installed")
     return BenchConfig(model=ns.model, backends=backends, peers=tuple(ns.peers), dtype=ns.dtype, threads=ns.threads,
                        runs=ns.runs or (1 if ns.quick else 5), warmup=ns.warmup, workloads=tuple(ns.workloads),
-                       sizes=sizes, quick=ns.quick, out_dir=ns.out, machine=ns.machine)
+                       sizes=sizes, quick=ns.quick, out_dir=ns.out, machine=ns.machine, baseline=ns.baseline)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

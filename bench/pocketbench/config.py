@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ KNOWN_BACKENDS = ("torch", "cpp")  # PocketLLM backends measured by default, whe
 # The serve workload's goal: aggregate tok/s over HTTP at least this fraction of the library's, at these clients.
 SERVE_TARGET_RATIO = 0.9
 SERVE_TARGET_CLIENTS = 16
+BASELINE_SUFFIX = "@baseline"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,14 +59,23 @@ class EngineSpec:
     max_len: int
     backend: str | None = None  # PocketLLM only
     dtype: str = "auto"  # PocketLLM only
+    source: str | None = None  # --baseline: the directory whose PocketLLM packages this engine imports first
 
     @property
     def label(self) -> str:
+        return self.kind_label + (BASELINE_SUFFIX if self.source else "")
+
+    @property
+    def kind_label(self) -> str:
         if self.kind == "pocketllm":
             return f"pocketllm-{self.backend}"
         if self.kind == "pocketllm-async":
             return f"pocketllm-{self.backend}-async"
         return self.kind
+
+    def python_path(self, *first: str) -> str:
+        """The engine process's PYTHONPATH: ``first``, then the baseline's packages, then ours."""
+        return os.pathsep.join(filter(None, [*first, self.source, os.environ.get("PYTHONPATH")]))
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,3 +99,4 @@ class BenchConfig:
     quick: bool
     out_dir: Path
     machine: str
+    baseline: Path | None = None  # another PocketLLM version's packages, each of its engines run beside ours

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pocketbench.config import SERVE_TARGET_CLIENTS, SERVE_TARGET_RATIO
+from pocketbench.config import BASELINE_SUFFIX, SERVE_TARGET_CLIENTS, SERVE_TARGET_RATIO
 from pocketbench.fidelity import differences
 from pocketbench.results import BenchResults
 from pocketbench.stats import Summary
@@ -52,8 +52,10 @@ def _info(info: dict[str, object]) -> str:
 
 def _figures_table(results: BenchResults) -> list[str]:
     labels = list(results.engines)
-    # PocketLLM / peer, then HTTP / library for the serve workload.
-    pairs = [*((o, p) for o in results.ours for p in results.peers), *((h, lib) for lib, h in results.serving)]
+    # PocketLLM / peer, HTTP / library for the serve workload, then this version / the --baseline one.
+    pairs = [*((o, p) for o in results.ours for p in results.peers), *((h, lib) for lib, h in results.serving
+                                                                       if BASELINE_SUFFIX not in lib),
+             *results.baselines]
     header = ["figure", "unit", *labels, *(f"{_short(a)} / {_short(b)}" for a, b in pairs)]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for figure in results.figures:

@@ -20,6 +20,7 @@ class BenchResults:
     ours: list[str]  # labels of the PocketLLM engines
     peers: list[str]
     serving: list[tuple[str, str]] = field(default_factory=list)  # (library, HTTP) labels of the serve workload
+    baselines: list[tuple[str, str]] = field(default_factory=list)  # (ours, the --baseline version's) labels
     figures: list[Figure] = field(default_factory=list)
     values: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # figure key -> label -> runs
     raw: dict[str, dict[str, list[dict[str, Any]]]] = field(default_factory=dict)  # measurement -> label -> replies

@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 from tqdm import tqdm
 
 from pocketbench import startup
-from pocketbench.config import BenchConfig, EngineSpec
+from pocketbench.config import BASELINE_SUFFIX, BenchConfig, EngineSpec
 from pocketbench.fidelity import FidelityCase
 from pocketbench.machine import describe
 from pocketbench.plot import plot_batch_scaling
@@ -48,7 +48,8 @@ def engine_specs(config: BenchConfig, model_path: Path) -> list[EngineSpec]:
     if not set(config.workloads) - {"serve"}:
         return []
     common = _common(config, model_path)
-    return [*(EngineSpec(kind="pocketllm", backend=b, dtype=config.dtype, **common) for b in config.backends),
+    return [*(EngineSpec(kind="pocketllm", backend=b, dtype=config.dtype, source=source, **common)
+              for b in config.backends for source in _sources(config)),
             *(EngineSpec(kind=peer, **common) for peer in config.peers)]
 
 
@@ -57,7 +58,13 @@ def serving_specs(config: BenchConfig, model_path: Path) -> list[EngineSpec]:
     if "serve" not in config.workloads:
         return []
     common = _common(config, model_path)
-    return [EngineSpec(kind="pocketllm-async", backend=b, dtype=config.dtype, **common) for b in config.backends]
+    return [EngineSpec(kind="pocketllm-async", backend=b, dtype=config.dtype, source=source, **common)
+            for b in config.backends for source in _sources(config)]
+
+
+def _sources(config: BenchConfig) -> list[str | None]:
+    """Where each backend's engines import PocketLLM from: ours, and with --baseline that version too."""
+    return [None] + ([str(config.baseline)] if config.baseline is not None else [])
 
 
 def run(config: BenchConfig) -> BenchResults:
@@ -73,14 +80,18 @@ def run(config: BenchConfig) -> BenchResults:
               "model": config.model, "model_file": checkpoint.path.name, "threads": config.threads, "runs": config.runs,
               "warmup": config.warmup, "quick": config.quick, "sizes": dataclasses.asdict(sizes),
               "worker_logs": str(log_dir), "load_average_before": os.getloadavg()},
-        engines={}, ours=[s.label for s in specs if s.kind == "pocketllm"],
+        engines={}, ours=[s.label for s in specs if s.kind == "pocketllm" and not s.source],
         peers=[s.label for s in specs if s.kind != "pocketllm"])
+    if config.baseline is not None:
+        results.meta["baseline"] = str(config.baseline)
     with contextlib.ExitStack() as stack:
         workers, serving = _load(stack, specs, serve_specs, log_dir)
         for target in (*workers, *serving):
             results.engines[target.label] = target.info
         results.serving = [(library.label, http.label) for library, http in zip(serving[::2], serving[1::2],
                                                                                  strict=True)]
+        labels = [target.label for target in (*workers, *serving)]
+        results.baselines = [(label, label + BASELINE_SUFFIX) for label in labels if label + BASELINE_SUFFIX in labels]
         if "fidelity" in config.workloads:
             results.fidelity = _fidelity(workers, prompts, sizes.fidelity_tokens)
         if "startup" in config.workloads:

@@ -43,7 +43,7 @@ class ServerTarget:
 
     def __init__(self, spec: EngineSpec, backend_options: dict[str, Any], log_dir: Path,
                  ready_timeout_s: float = 600) -> None:
-        self.label = f"pocketllm-{spec.backend}-http"
+        self.label = spec.label.replace("-async", "-http")
         self.log_path = log_dir / f"{self.label}.log"
         port = free_port()
         self.url = f"http://{HOST}:{port}"
@@ -51,7 +51,7 @@ class ServerTarget:
         start = time.perf_counter()
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            env=engine_env(spec.threads))
+                                            env=engine_env(spec.threads) | {"PYTHONPATH": spec.python_path()})
         try:
             self._wait_ready(ready_timeout_s)
         except BaseException:

@@ -27,7 +27,7 @@ class Worker:
         self.spec = spec
         self.log_path = log_dir / f"{spec.label}.log"
         env = engine_env(spec.threads)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HARNESS_ROOT), os.environ.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = spec.python_path(str(HARNESS_ROOT))
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "pocketbench.worker", json.dumps(spec.to_json())],

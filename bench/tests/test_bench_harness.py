@@ -233,3 +233,37 @@ def test_serve_only_starts_no_other_engine(tmp_path: Path) -> None:
     assert (results.ours, results.peers) == ([], [])
     assert [f.key for f in results.figures] == ["serve1_tok_s", "serve1_ttft_p50_ms", "serve1_ttft_p99_ms",
                                                 "peak_rss_mb"]
+
+
+def test_a_baseline_version_runs_beside_ours(tmp_path: Path) -> None:
+    """--baseline DIR: each PocketLLM engine (library, AsyncLLM, server) also runs from the packages in DIR, and
+    the report gives this/baseline ratios. DIR here holds a copy of the core that says it is another version."""
+    pytest.importorskip("pocketllm_echo")
+    pytest.importorskip("tqdm")
+    import shutil
+
+    import pocketllm
+    import pocketllm_server
+    from pocketbench.runner import run
+
+    baseline = tmp_path / "baseline"
+    shutil.copytree(Path(pocketllm.__file__).parent, baseline / "pocketllm")
+    shutil.copytree(Path(pocketllm_server.__file__).parent, baseline / "pocketllm_server")
+    init = baseline / "pocketllm" / "__init__.py"
+    init.write_text(init.read_text().replace(f'__version__ = "{pocketllm.__version__}"', '__version__ = "0.0.1"'))
+    from pocketllm.testing import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "model", max_positions=2048)
+    sizes = dataclasses.replace(QUICK, prompt_tokens=8, new_tokens=3, serve_concurrency=(2,))
+    ns = build_parser().parse_args(["--backend", "echo", "--peers", "--runs", "1", "--workloads", "decode", "serve",
+                                    "--out", str(tmp_path), "--model", str(model), "--baseline", str(baseline)])
+    results = run(dataclasses.replace(config_from(ns, installed=["echo"]), sizes=sizes))
+    assert results.baselines == [("pocketllm-echo", "pocketllm-echo@baseline"),
+                                 ("pocketllm-echo-async", "pocketllm-echo-async@baseline"),
+                                 ("pocketllm-echo-http", "pocketllm-echo-http@baseline")]
+    assert "PocketLLM 0.0.1" in results.engines["pocketllm-echo@baseline"]["engine"]
+    assert "PocketLLM 0.0.1" not in results.engines["pocketllm-echo"]["engine"]
+    assert results.ours == ["pocketllm-echo"] and results.ratio("serve2_tok_s", *results.baselines[2]) is not None
+    assert "echo-http / echo-http@baseline" in markdown(results)
+    with pytest.raises(SystemExit, match="holds no pocketllm"):
+        config_from(build_parser().parse_args(["--baseline", str(tmp_path / "model")]), installed=["echo"])

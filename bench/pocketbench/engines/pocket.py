@@ -32,7 +32,9 @@ class BackendSetup:
         plugin = registry.get(spec.backend)
         entry = next(e for e in registry.entries() if e.name == spec.backend)
         # Backends without a thread option follow OMP_NUM_THREADS, which the harness sets for every worker.
-        declared = plugin.capabilities().backend_options.__struct_fields__
+        # (A BackendOptions class since contract 3; a --baseline version may still declare a tuple of names.)
+        declared = getattr(plugin.capabilities().backend_options, "__struct_fields__", None) or \
+            plugin.capabilities().backend_options
         options = {THREADS_OPTION: spec.threads} if THREADS_OPTION in declared else {}
         return cls(registry, f"{entry.distribution} {entry.version}", options)
 
