@@ -68,6 +68,19 @@ def test_engine_gauges_and_counters_are_read_at_scrape_time(client: httpx.Client
     assert value(samples, "pocketllm:prefix_cache_hits_total") == 40
 
 
+def test_speculative_decoding_counters_follow_the_engine_s(client: httpx.Client, echo_llm: AsyncLLM,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    stats = BackendStats(num_spec_drafts=5, num_spec_draft_tokens=15, num_spec_accepted_tokens=9,
+                         spec_accepted_per_position=[5, 3, 1])
+    monkeypatch.setattr(echo_llm, "stats", lambda: stats)
+    samples = scrape(client)
+    assert value(samples, "pocketllm:spec_decode_num_drafts_total") == 5
+    assert value(samples, "pocketllm:spec_decode_num_draft_tokens_total") == 15
+    assert value(samples, "pocketllm:spec_decode_num_accepted_tokens_total") == 9
+    assert [value(samples, "pocketllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+            for i in range(3)] == [5, 3, 1]
+
+
 def test_state_snapshot_counters_follow_a_hybrid_model_s_prefix_hits(tmp_path, serve_app) -> None:
     """A Qwen3.5 on the torch backend: a request repeating a prompt's prefix resumes from a Gated DeltaNet state
     snapshot, which /metrics counts beside the prefix-cache hits."""
