@@ -188,7 +188,8 @@ def test_full_run_on_the_echo_backend(tmp_path: Path) -> None:
                   ttft_new_tokens=2, serve_concurrency=(2,), fidelity_prompts=1, fidelity_tokens=4)
     from pocketllm.testing import make_tiny_llama
 
-    model = make_tiny_llama(tmp_path / "model", max_positions=2048)  # float32: the echo backend declares no block types
+    # float32: the echo backend declares float storage types only
+    model = make_tiny_llama(tmp_path / "model", max_positions=2048)
     parser = build_parser()
     ns = parser.parse_args(["--backend", "echo", "--peers", "--runs", "2", "--out", str(tmp_path),
                             "--machine", "test", "--model", str(model)])

@@ -36,7 +36,7 @@ def test_storage_types_outside_the_capabilities_are_refused(pocketllm_kit_checkp
     with pytest.raises(UnsupportedOptionError, match="Q8_0") as err:
         check_engine_args("b", CAPS, EngineArgs(), checkpoint)
     assert (err.value.option, err.value.backend) == ("quantization", "b")
-    caps = Capabilities(architectures=("llama",), quantization_formats=("F32", "F16", "Q8_0", "Q4_0", "Q4_1"))
+    caps = Capabilities(architectures=("llama",), storage_types=("F32", "F16", "Q8_0", "Q4_0", "Q4_1"))
     check_engine_args("b", caps, EngineArgs(), checkpoint)
 
 

@@ -161,8 +161,8 @@ def _write_gguf(
     writer.add_eot_token_id(4)
     for name, array in tensors.items():
         if name in quantize:
-            qtype = gguf.GGMLQuantizationType[quantize[name]]
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            storage_type = gguf.GGMLQuantizationType[quantize[name]]
+            writer.add_tensor(name, gguf.quants.quantize(array, storage_type), raw_dtype=storage_type)
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -246,24 +246,24 @@ def test_gguf_tensors_describe_raw_blocks(tmp_path: Path) -> None:
     names = _gguf_names(hf)
     tensors = {g: _permute(hf[h], 4) if ".attn_q." in g else _permute(hf[h], 2) if ".attn_k." in g else hf[h]
                for g, h in names.items()}
-    formats = {"blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_1", "blk.1.ffn_up.weight": "Q8_0"}
+    storage_types = {"blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_1", "blk.1.ffn_up.weight": "Q8_0"}
     path = tmp_path / "q.gguf"
-    _write_gguf(path, "llama", tensors, quantize=formats)
+    _write_gguf(path, "llama", tensors, quantize=storage_types)
     file_bytes = path.read_bytes()
 
     by_name = {t.file_name: t for t in load_checkpoint(str(path)).tensors()}
     assert set(by_name) == set(names)
     for gguf_name, tensor in by_name.items():
         assert tensor.name == names[gguf_name] and tensor.path == path
-        assert tensor.dtype == formats.get(gguf_name, "F32")
+        assert tensor.storage_type == storage_types.get(gguf_name, "F32")
         assert tensor.shape == hf[tensor.name].shape
         raw = tensor.data
         assert raw.readonly and raw.nbytes == tensor.nbytes
         assert bytes(raw) == file_bytes[tensor.offset:tensor.offset + tensor.nbytes]
-        qtype = gguf.GGMLQuantizationType[tensor.dtype]
-        in_file_order = gguf.quants.dequantize(np.frombuffer(raw, np.uint8).reshape(tensor.shape[0], -1), qtype)
-        if gguf_name in formats:
-            expected = gguf.quants.dequantize(gguf.quants.quantize(tensors[gguf_name], qtype), qtype)
+        storage_type = gguf.GGMLQuantizationType[tensor.storage_type]
+        in_file_order = gguf.quants.dequantize(np.frombuffer(raw, np.uint8).reshape(tensor.shape[0], -1), storage_type)
+        if gguf_name in storage_types:
+            expected = gguf.quants.dequantize(gguf.quants.quantize(tensors[gguf_name], storage_type), storage_type)
         else:
             expected = tensors[gguf_name]
         np.testing.assert_array_equal(in_file_order.reshape(tensor.shape), expected, err_msg=gguf_name)
@@ -286,7 +286,7 @@ def test_safetensors_tensors_are_views_of_the_file(tmp_path: Path) -> None:
     shard = tmp_path / "model.safetensors"
     file_bytes = shard.read_bytes()
     for tensor in checkpoint.tensors():
-        assert (tensor.dtype, tensor.path, tensor.row_permutation) == ("BF16", shard, None)
+        assert (tensor.storage_type, tensor.path, tensor.row_permutation) == ("BF16", shard, None)
         assert bytes(tensor.data) == file_bytes[tensor.offset:tensor.offset + tensor.nbytes]
         np.testing.assert_array_equal(tensor.dequantize(), expected[tensor.name], err_msg=tensor.name)
 

@@ -16,7 +16,7 @@ kernels = pytest.importorskip("pocketllm_cpp.kernels")
 from pocketllm.checkpoint import load_checkpoint  # noqa: E402
 
 ISAS = kernels.available_isas().split()  # scalar always, and each SIMD path this CPU runs
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
 
@@ -27,28 +27,28 @@ def isa(request: pytest.FixtureRequest):
     kernels.set_isa("auto")
 
 
-def _weight(qtype: str, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(raw bytes, float64 values) of a random matrix stored as ``qtype``."""
+def _weight(storage_type: str, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(raw bytes, float64 values) of a random matrix stored as ``storage_type``."""
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-    if qtype == "F32":
+    if storage_type == "F32":
         return w.view(np.uint8).reshape(-1), w.astype(np.float64)
-    if qtype == "F16":
+    if storage_type == "F16":
         half = w.astype(np.float16)
         return half.view(np.uint8).reshape(-1), half.astype(np.float64)
-    t = gguf.GGMLQuantizationType[qtype]
-    if qtype in K_TYPES:  # gguf has no K-quant quantizer: random blocks with sane super-block scales
-        return _random_k_blocks(qtype, rows, cols, seed)
+    t = gguf.GGMLQuantizationType[storage_type]
+    if storage_type in K_TYPES:  # gguf has no K-quant quantizer: random blocks with sane super-block scales
+        return _random_k_blocks(storage_type, rows, cols, seed)
     blocks = gguf.quants.quantize(w, t)
     return np.ascontiguousarray(blocks).reshape(-1), gguf.quants.dequantize(blocks, t).astype(np.float64)
 
 
-def _random_k_blocks(qtype: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    t = gguf.GGMLQuantizationType[qtype]
+def _random_k_blocks(storage_type: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    t = gguf.GGMLQuantizationType[storage_type]
     block_size, type_size = gguf.GGML_QUANT_SIZES[t]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
     scales = (rng.random((blocks.shape[0], 2)) * 0.01 + 0.001).astype(np.float16).view(np.uint8)
-    if qtype == "Q6_K":
+    if storage_type == "Q6_K":
         blocks[:, -2:] = scales[:, :2]  # d comes last
     else:
         blocks[:, :4] = scales  # d, dmin first
@@ -76,72 +76,72 @@ def test_activation_quantization_matches_numpy(isa: str) -> None:
     np.testing.assert_allclose(sums, scales * codes.reshape(5, 3, 32).sum(-1), rtol=1e-6)
 
 
-@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", *BLOCK_TYPES])
+@pytest.mark.parametrize("storage_type", ["F32", "F16", "BF16", *QUANTIZED_TYPES])
 @pytest.mark.parametrize("n", [1, 3, 17])
-def test_matmul_matches_numpy(isa: str, qtype: str, n: int) -> None:
+def test_matmul_matches_numpy(isa: str, storage_type: str, n: int) -> None:
     rows, cols = 42, 512  # rows: whole tiles and a remainder; 2 super-blocks of 256
-    raw, w = _weight(qtype, rows, cols)
+    raw, w = _weight(storage_type, rows, cols)
     x = np.random.default_rng(2).standard_normal((n, cols)).astype(np.float32)
-    y = kernels._native.matmul(raw, qtype, rows, cols, x)
-    xs = _reference_activations(x) if qtype in BLOCK_TYPES else x.astype(np.float64)
+    y = kernels._native.matmul(raw, storage_type, rows, cols, x)
+    xs = _reference_activations(x) if storage_type in QUANTIZED_TYPES else x.astype(np.float64)
     expected = xs @ w.T
     scale = np.abs(xs) @ np.abs(w).T  # the size of the terms summed: relative error is against this
     assert y.shape == (n, rows) and y.dtype == np.float32
     assert np.all(np.abs(y - expected) <= 1e-5 * scale + 1e-6)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("storage_type", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n", [1, 2, 5])
-def test_matmul_rows_ending_in_a_partial_group_of_blocks(isa: str, qtype: str, n: int) -> None:
+def test_matmul_rows_ending_in_a_partial_group_of_blocks(isa: str, storage_type: str, n: int) -> None:
     # 19 blocks of 32 per row: two groups of 8 and a last group of 3, the default model's 576 columns' shape.
     rows, cols = 13, 608
-    raw, w = _weight(qtype, rows, cols, seed=4)
+    raw, w = _weight(storage_type, rows, cols, seed=4)
     x = np.random.default_rng(5).standard_normal((n, cols)).astype(np.float32)
-    y = kernels._native.matmul(raw, qtype, rows, cols, x)
+    y = kernels._native.matmul(raw, storage_type, rows, cols, x)
     xs = _reference_activations(x)
     assert np.all(np.abs(y - xs @ w.T) <= 1e-5 * (np.abs(xs) @ np.abs(w).T) + 1e-6)
 
 
-@pytest.mark.parametrize(("qtype", "cols"), [(q, 512) for q in ("F32", "F16", "BF16", *BLOCK_TYPES)]
+@pytest.mark.parametrize(("storage_type", "cols"), [(q, 512) for q in ("F32", "F16", "BF16", *QUANTIZED_TYPES)]
                          + [(q, 608) for q in ("Q4_0", "Q4_1", "Q8_0")])  # 608: a last, partial group of blocks
-def test_a_row_is_the_same_bits_alone_and_in_any_batch(isa: str, qtype: str, cols: int) -> None:
+def test_a_row_is_the_same_bits_alone_and_in_any_batch(isa: str, storage_type: str, cols: int) -> None:
     # One row is the decode path, 2 and more the batched tiles (2, 4, their remainders): a row's products must
     # not depend on the rows beside it, or a seeded request samples differently when others share its step.
     rows = 42
-    raw, _ = _weight(qtype, rows, cols, seed=7)
+    raw, _ = _weight(storage_type, rows, cols, seed=7)
     x = np.random.default_rng(8).standard_normal((17, cols)).astype(np.float32)
-    alone = np.vstack([kernels._native.matmul(raw, qtype, rows, cols, x[i:i + 1]) for i in range(len(x))])
+    alone = np.vstack([kernels._native.matmul(raw, storage_type, rows, cols, x[i:i + 1]) for i in range(len(x))])
     for n in (2, 3, 4, 5, 8, 17):
-        np.testing.assert_array_equal(kernels._native.matmul(raw, qtype, rows, cols, x[:n]), alone[:n])
+        np.testing.assert_array_equal(kernels._native.matmul(raw, storage_type, rows, cols, x[:n]), alone[:n])
     shuffled = np.random.default_rng(9).permutation(len(x))
-    np.testing.assert_array_equal(kernels._native.matmul(raw, qtype, rows, cols, x[shuffled]), alone[shuffled])
+    np.testing.assert_array_equal(kernels._native.matmul(raw, storage_type, rows, cols, x[shuffled]), alone[shuffled])
 
 
-@pytest.mark.parametrize("qtype", BLOCK_TYPES)
-def test_exact_mode_multiplies_float32_activations(qtype: str) -> None:
-    raw, w = _weight(qtype, 24, 256)
+@pytest.mark.parametrize("storage_type", QUANTIZED_TYPES)
+def test_exact_mode_multiplies_float32_activations(storage_type: str) -> None:
+    raw, w = _weight(storage_type, 24, 256)
     x = np.random.default_rng(6).standard_normal((3, 256)).astype(np.float32)
-    y = kernels._native.matmul(raw, qtype, 24, 256, x, exact=True)
+    y = kernels._native.matmul(raw, storage_type, 24, 256, x, exact=True)
     np.testing.assert_allclose(y, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("qtype", BLOCK_TYPES)
-def test_isas_agree(qtype: str) -> None:
-    raw, _ = _weight(qtype, 64, 256)
+@pytest.mark.parametrize("storage_type", QUANTIZED_TYPES)
+def test_isas_agree(storage_type: str) -> None:
+    raw, _ = _weight(storage_type, 64, 256)
     x = np.random.default_rng(3).standard_normal((7, 256)).astype(np.float32)
     results = {}
     for isa in ISAS:
         kernels.set_isa(isa)
-        results[isa] = kernels._native.matmul(raw, qtype, 64, 256, x)
+        results[isa] = kernels._native.matmul(raw, storage_type, 64, 256, x)
     kernels.set_isa("auto")
     for y in results.values():
         np.testing.assert_allclose(y, results["scalar"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("qtype", ["F16", "BF16", *BLOCK_TYPES])
-def test_dequantize_equals_gguf(qtype: str) -> None:
-    raw, w = _weight(qtype, 16, 256)
-    np.testing.assert_array_equal(kernels._native.dequantize(raw, qtype, 16, 256), w.astype(np.float32))
+@pytest.mark.parametrize("storage_type", ["F16", "BF16", *QUANTIZED_TYPES])
+def test_dequantize_equals_gguf(storage_type: str) -> None:
+    raw, w = _weight(storage_type, 16, 256)
+    np.testing.assert_array_equal(kernels._native.dequantize(raw, storage_type, 16, 256), w.astype(np.float32))
 
 
 def test_checkpoint_tensors_in_place(pocketllm_kit_checkpoint) -> None:
@@ -149,7 +149,7 @@ def test_checkpoint_tensors_in_place(pocketllm_kit_checkpoint) -> None:
     checkpoint = load_checkpoint(str(pocketllm_kit_checkpoint("llama-gguf")))
     x = np.random.default_rng(4).standard_normal((2, 128)).astype(np.float32)
     for tensor in checkpoint.tensors():
-        if tensor.dtype in BLOCK_TYPES and tensor.row_permutation is None and tensor.shape[1] == 128:
+        if tensor.storage_type in QUANTIZED_TYPES and tensor.row_permutation is None and tensor.shape[1] == 128:
             w = tensor.dequantize().astype(np.float64)
             np.testing.assert_array_equal(kernels.dequantize(tensor), w.astype(np.float32))
             y = kernels.matmul(tensor, x)

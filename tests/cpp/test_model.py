@@ -85,7 +85,7 @@ def test_half_precision_kv_cache_stays_close(kind: str, isa: str, pocketllm_kit_
 
 def test_llama_gguf_rows_as_llama_cpp_stores_them(pocketllm_kit_checkpoint, tmp_path, monkeypatch) -> None:
     """Permuted q/k rows are run with RoPE over adjacent pairs, unpermuted: float32 blocks match transformers."""
-    monkeypatch.setattr(checkpoints, "GGUF_TYPES", dict.fromkeys(checkpoints.GGUF_TYPES, "F32"))
+    monkeypatch.setattr(checkpoints, "GGUF_STORAGE_TYPES", dict.fromkeys(checkpoints.GGUF_STORAGE_TYPES, "F32"))
     path = checkpoints.make_tiny_gguf(tmp_path / "f32.gguf")
     checkpoint = load_checkpoint(str(path))
     assert any(t.row_permutation is not None for t in checkpoint.tensors())

@@ -93,10 +93,10 @@ def test_matrices_the_kernels_cannot_pack_stay_dense(int4_kernel: str) -> None:
         int4_kernel == "native")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_q4_model_in_bf16_tracks_its_fp32_dequantized_self(int4_kernel: str, qtype: str) -> None:
+@pytest.mark.parametrize("storage_type", ["Q4_0", "Q4_1"])
+def test_q4_model_in_bf16_tracks_its_fp32_dequantized_self(int4_kernel: str, storage_type: str) -> None:
     _, checkpoint = tiny_model()
-    checkpoint = dataclasses.replace(checkpoint, quantization=qtype)
+    checkpoint = dataclasses.replace(checkpoint, quantization=storage_type)
     config = checkpoint.config
     int4 = LlamaModel.from_weights(config, checkpoint.weights(grouped=True), CPU, torch.bfloat16, 256)
     assert isinstance(int4.layers[0].attn.qkv_proj, GroupedLinear)
@@ -114,18 +114,18 @@ def test_q4_model_in_bf16_tracks_its_fp32_dequantized_self(int4_kernel: str, qty
 @pytest.mark.parametrize("tie", [True, False])
 def test_grouped_fp32_model_equals_its_dequantized_self(tie: bool) -> None:
     """fp32 activations through the native kernels: the logits of float32 math over the same weights."""
-    for qtype in ("Q4_1", "Q8_0"):
+    for storage_type in ("Q4_1", "Q8_0"):
         _, checkpoint = tiny_model(tie=tie)
-        checkpoint = dataclasses.replace(checkpoint, quantization=qtype)
+        checkpoint = dataclasses.replace(checkpoint, quantization=storage_type)
         model = LlamaModel.from_weights(checkpoint.config, checkpoint.weights(grouped=True),
                                         CPU, torch.float32, 256)
         assert isinstance(model.layers[0].mlp.gate_up_proj, GroupedLinear)
-        assert isinstance(model.lm_head, GroupedLinear) == (qtype == "Q8_0")  # Q8_0 quantizes the embeddings too
+        assert isinstance(model.lm_head, GroupedLinear) == (storage_type == "Q8_0")  # Q8_0 quantizes the embeddings too
         prompts = [prompt(1), prompt(7, offset=1), prompt(30, offset=2)]
         ref = our_logits(checkpoint, prompts)
         got = our_logits(checkpoint, prompts, groups=True)
         for r, g in zip(ref, got, strict=True):
-            assert (g - r).abs().max().item() <= 1e-4 * r.abs().max().item(), qtype
+            assert (g - r).abs().max().item() <= 1e-4 * r.abs().max().item(), storage_type
 
 
 def test_q4_engine_in_bf16_generates_like_fp32(int4_kernel: str) -> None:

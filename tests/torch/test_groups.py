@@ -20,22 +20,22 @@ def test_groups_equal_the_dequantized_tensors(kit_gguf) -> None:
     for tensor in kit_gguf.tensors():
         loaded = groups.load(tensor, int4=True, int8=True)
         expected = tensor.dequantize()  # gguf's dequantizer, with the reader's row permutation undone
-        if tensor.dtype in groups.INT4_TYPES:
+        if tensor.storage_type in groups.INT4_TYPES:
             weight = Int4Weight.from_groups(loaded)
             assert weight.codes.max().item() <= 15
-        elif tensor.dtype in groups.INT8_TYPES:
+        elif tensor.storage_type in groups.INT8_TYPES:
             weight = Int8Weight.from_groups(loaded)
         else:
             assert isinstance(loaded, np.ndarray)
             continue
-        seen.add((tensor.dtype, tensor.row_permutation is not None))
+        seen.add((tensor.storage_type, tensor.row_permutation is not None))
         assert weight.codes.shape == tensor.shape
         np.testing.assert_array_equal(weight.dequantize().numpy(), expected, err_msg=tensor.name)
     assert {("Q4_0", False), ("Q4_1", False), ("Q8_0", True), ("Q8_0", False)} <= seen
 
 
 def test_groups_only_where_asked(kit_gguf) -> None:
-    tensor = next(t for t in kit_gguf.tensors() if t.dtype == "Q4_1")
+    tensor = next(t for t in kit_gguf.tensors() if t.storage_type == "Q4_1")
     assert isinstance(groups.load(tensor, int4=False, int8=True), np.ndarray)
-    tensor = next(t for t in kit_gguf.tensors() if t.dtype == "Q8_0")
+    tensor = next(t for t in kit_gguf.tensors() if t.storage_type == "Q8_0")
     assert isinstance(groups.load(tensor, int4=True, int8=False), np.ndarray)

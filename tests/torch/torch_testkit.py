@@ -33,7 +33,7 @@ DEVICE = os.environ.get("POCKETLLM_TORCH_TEST_DEVICE", "cpu")
 class FakeCheckpoint:
     config: ModelConfig
     state_dict: dict[str, torch.Tensor] = field(repr=False)
-    # "Q4_0"/"Q4_1": decoder matrices are stored in that GGUF format; "Q8_0": every matrix, embeddings included
+    # "Q4_0"/"Q4_1": the storage type of the decoder matrices; "Q8_0": of every matrix, embeddings included
     quantization: str | None = None
 
     def tensors(self) -> list[CheckpointTensor]:
@@ -45,10 +45,10 @@ class FakeCheckpoint:
             array = tensor.detach().float().numpy()
             quantized = self.quantization is not None and array.ndim == 2 and (
                 self.quantization == "Q8_0" or name.startswith("model.layers."))
-            dtype = self.quantization if quantized else "F32"
-            raw = gguf.quants.quantize(array, gguf.GGMLQuantizationType[dtype]) if quantized else array
+            storage_type = self.quantization if quantized else "F32"
+            raw = gguf.quants.quantize(array, gguf.GGMLQuantizationType[storage_type]) if quantized else array
             buffer = np.frombuffer(raw.tobytes(), np.uint8)
-            tensors.append(CheckpointTensor(name=name, file_name=name, shape=array.shape, dtype=dtype,
+            tensors.append(CheckpointTensor(name=name, file_name=name, shape=array.shape, storage_type=storage_type,
                                             path=Path("<memory>"), offset=0, nbytes=buffer.size, _buffer=buffer))
         return tensors
 

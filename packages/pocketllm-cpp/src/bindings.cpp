@@ -22,8 +22,8 @@ namespace {
 using Bytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
-WeightView weight_view(const Bytes& data, const std::string& type, int64_t rows, int64_t cols) {
-    WeightView w{data.data(), parse_qtype(type), rows, cols};
+WeightView weight_view(const Bytes& data, const std::string& storage_type, int64_t rows, int64_t cols) {
+    WeightView w{data.data(), parse_storage_type(storage_type), rows, cols};
     validate(w, static_cast<int64_t>(data.size()));
     return w;
 }
@@ -50,9 +50,9 @@ struct PyModel {
     std::vector<nb::object> owners;
 
     WeightView view(const Matmul& m) {
-        const auto& [data, type, rows, cols] = m;
+        const auto& [data, storage_type, rows, cols] = m;
         owners.push_back(nb::cast(data));
-        return weight_view(data, type, rows, cols);
+        return weight_view(data, storage_type, rows, cols);
     }
 };
 
@@ -142,8 +142,9 @@ NB_MODULE(_native, m) {
           "none; `root` prefixes the /proc and cgroup paths read (tests).");
     m.def(
         "matmul",
-        [](const Bytes& weight, const std::string& type, int64_t rows, int64_t cols, const Matrix& x, bool exact) {
-            const WeightView w = weight_view(weight, type, rows, cols);
+        [](const Bytes& weight, const std::string& storage_type, int64_t rows, int64_t cols, const Matrix& x,
+           bool exact) {
+            const WeightView w = weight_view(weight, storage_type, rows, cols);
             if (static_cast<int64_t>(x.shape(1)) != cols) {
                 throw std::invalid_argument("x has " + std::to_string(x.shape(1)) + " columns; the weight takes " +
                                             std::to_string(cols));
@@ -156,13 +157,14 @@ NB_MODULE(_native, m) {
             }
             return y;
         },
-        nb::arg("weight"), nb::arg("type"), nb::arg("rows"), nb::arg("cols"), nb::arg("x"), nb::arg("exact") = false,
-        "y = x @ W.T, W given as its raw bytes in storage type `type` with shape [rows, cols]; `exact`: float32 "
+        nb::arg("weight"), nb::arg("storage_type"), nb::arg("rows"), nb::arg("cols"), nb::arg("x"),
+        nb::arg("exact") = false,
+        "y = x @ W.T, W given as its raw bytes in `storage_type` with shape [rows, cols]; `exact`: float32 "
         "activations against blocks too.");
     m.def(
         "dequantize",
-        [](const Bytes& weight, const std::string& type, int64_t rows, int64_t cols) {
-            const WeightView w = weight_view(weight, type, rows, cols);
+        [](const Bytes& weight, const std::string& storage_type, int64_t rows, int64_t cols) {
+            const WeightView w = weight_view(weight, storage_type, rows, cols);
             auto out = new_matrix(rows, cols);
             {
                 nb::gil_scoped_release released;
@@ -170,7 +172,7 @@ NB_MODULE(_native, m) {
             }
             return out;
         },
-        nb::arg("weight"), nb::arg("type"), nb::arg("rows"), nb::arg("cols"), "W as float32 [rows, cols].");
+        nb::arg("weight"), nb::arg("storage_type"), nb::arg("rows"), nb::arg("cols"), "W as float32 [rows, cols].");
     nb::class_<PyModel>(m, "Model", "A Llama-family decoder over weights read in place, with its own paged KV cache.")
         .def(
             "__init__",

@@ -12,21 +12,21 @@ namespace pocketllm::kernels {
 namespace {
 
 // A 32-value sub-block's codes as two 16-lane vectors, with its scales: w = dw * code * mul + mw. Q4_0, Q4_1
-// and Q8_0 (the common GGUF types) are decoded in registers; the K-quants through the shared scalar decoder.
+// and Q8_0 (the common GGUF storage types) are decoded in registers; the K-quants through the shared scalar decoder.
 struct Codes {
     int8x16_t lo, hi;
     int16_t mul[2];
     float dw, mw;
 };
 
-inline Codes decode(QType type, const uint8_t* row, int64_t b) {
+inline Codes decode(StorageType type, const uint8_t* row, int64_t b) {
     Codes c;
     c.mul[0] = c.mul[1] = 1;
     c.mw = 0.0f;
     switch (type) {
-        case QType::Q4_0:
-        case QType::Q4_1: {
-            const bool offset = type == QType::Q4_1;
+        case StorageType::Q4_0:
+        case StorageType::Q4_1: {
+            const bool offset = type == StorageType::Q4_1;
             const uint8_t* blk = row + b * (offset ? sizeof(BlockQ4_1) : sizeof(BlockQ4_0));
             uint16_t d, m;
             std::memcpy(&d, blk, 2);
@@ -45,7 +45,7 @@ inline Codes decode(QType type, const uint8_t* row, int64_t b) {
             c.hi = hi;
             return c;
         }
-        case QType::Q8_0: {
+        case StorageType::Q8_0: {
             const uint8_t* blk = row + b * sizeof(BlockQ8_0);
             uint16_t d;
             std::memcpy(&d, blk, 2);
@@ -93,10 +93,10 @@ void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const 
     }
 }
 
-inline float32x4_t dense4(QType type, const uint8_t* row, int64_t i) {
-    if (type == QType::F32) return vld1q_f32(reinterpret_cast<const float*>(row) + i);
+inline float32x4_t dense4(StorageType type, const uint8_t* row, int64_t i) {
+    if (type == StorageType::F32) return vld1q_f32(reinterpret_cast<const float*>(row) + i);
     const uint16x4_t halves = vld1_u16(reinterpret_cast<const uint16_t*>(row) + i);
-    if (type == QType::F16) return vcvt_f32_f16(vreinterpret_f16_u16(halves));
+    if (type == StorageType::F16) return vcvt_f32_f16(vreinterpret_f16_u16(halves));
     return vreinterpretq_f32_u32(vshll_n_u16(halves, 16));  // bf16: the top half of f32
 }
 
@@ -146,7 +146,7 @@ void accumulate(const float* weights, const float* values, int64_t count, int64_
 
 void gemm_neon(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, const float* x,
                int64_t n, float* y, int64_t y_stride) {
-    if (is_block_type(w.type)) return gemm_blocks(w, row_begin, row_end, act, n, y, y_stride);
+    if (is_quantized(w.type)) return gemm_blocks(w, row_begin, row_end, act, n, y, y_stride);
     gemm_dense(w, row_begin, row_end, x, n, y, y_stride);
 }
 

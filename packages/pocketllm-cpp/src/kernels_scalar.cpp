@@ -7,10 +7,10 @@
 namespace pocketllm::kernels {
 namespace {
 
-float dense_value(QType type, const uint8_t* row, int64_t i) {
+float dense_value(StorageType type, const uint8_t* row, int64_t i) {
     switch (type) {
-        case QType::F16: return fp16_to_fp32(reinterpret_cast<const uint16_t*>(row)[i]);
-        case QType::BF16: return bf16_to_fp32(reinterpret_cast<const uint16_t*>(row)[i]);
+        case StorageType::F16: return fp16_to_fp32(reinterpret_cast<const uint16_t*>(row)[i]);
+        case StorageType::BF16: return bf16_to_fp32(reinterpret_cast<const uint16_t*>(row)[i]);
         default: return reinterpret_cast<const float*>(row)[i];
     }
 }
@@ -56,7 +56,7 @@ void gemm_scalar(const WeightView& w, int64_t row_begin, int64_t row_end, const 
     const size_t stride = row_bytes(w.type, w.cols);
     for (int64_t row = row_begin; row < row_end; ++row) {
         const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
-        if (!is_block_type(w.type)) {
+        if (!is_quantized(w.type)) {
             for (int64_t r = 0; r < n; ++r) {
                 float sum = 0.0f;
                 for (int64_t i = 0; i < w.cols; ++i) sum += dense_value(w.type, base, i) * x[r * w.cols + i];

@@ -31,12 +31,12 @@ inline __m256i bits(__m256i v, int shift, int mask) {
     return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
 }
 
-template <QType T>
-constexpr bool kSigned = T == QType::Q8_0 || T == QType::Q6_K;  // codes are int8, and no offset term
-template <QType T>
+template <StorageType T>
+constexpr bool kSigned = T == StorageType::Q8_0 || T == StorageType::Q6_K;  // codes are int8, and no offset term
+template <StorageType T>
 constexpr bool kOffset = !kSigned<T>;
-template <QType T>
-constexpr bool kGrouped = T != QType::Q6_K;  // sub-blocks with one scale: the 8-block groups of tile() and pack()
+template <StorageType T>
+constexpr bool kGrouped = T != StorageType::Q6_K;  // sub-blocks with one scale: the 8-block groups of tile() and pack()
 
 // A 32-value sub-block decoded into registers: w = dw * code * mul + mw, as decode_sub_block defines it.
 struct Sub {
@@ -51,36 +51,38 @@ inline __m256i nibbles(const uint8_t* qs) {
     return _mm256_and_si256(_mm256_blend_epi32(both, _mm256_srli_epi16(both, 4), 0xF0), _mm256_set1_epi8(0x0F));
 }
 
-template <QType T>
+template <StorageType T>
 inline Sub decode(const uint8_t* row, int64_t b) {
     Sub s;
     s.mw = 0.0f;
-    if constexpr (T == QType::Q4_0) {
+    if constexpr (T == StorageType::Q4_0) {
         const BlockQ4_0& blk = reinterpret_cast<const BlockQ4_0*>(row)[b];
         s.codes = nibbles(blk.qs);  // unsigned, with the offset term: (q - 8) d = q d - 8 d
         s.dw = half(blk.d);
         s.mw = -8.0f * s.dw;
-    } else if constexpr (T == QType::Q4_1) {
+    } else if constexpr (T == StorageType::Q4_1) {
         const BlockQ4_1& blk = reinterpret_cast<const BlockQ4_1*>(row)[b];
         s.codes = nibbles(blk.qs);
         s.dw = half(blk.d);
         s.mw = half(blk.m);
-    } else if constexpr (T == QType::Q8_0) {
+    } else if constexpr (T == StorageType::Q8_0) {
         const BlockQ8_0& blk = reinterpret_cast<const BlockQ8_0*>(row)[b];
         s.codes = load(blk.qs);
         s.dw = half(blk.d);
-    } else if constexpr (T == QType::Q4_K || T == QType::Q5_K) {
-        using Block = std::conditional_t<T == QType::Q4_K, BlockQ4_K, BlockQ5_K>;
+    } else if constexpr (T == StorageType::Q4_K || T == StorageType::Q5_K) {
+        using Block = std::conditional_t<T == StorageType::Q4_K, BlockQ4_K, BlockQ5_K>;
         const Block& blk = reinterpret_cast<const Block*>(row)[b / 8];
         const int j = static_cast<int>(b % 8);
         s.codes = bits(load(blk.qs + 32 * (j / 2)), 4 * (j % 2), 0x0F);
-        if constexpr (T == QType::Q5_K) s.codes = _mm256_or_si256(s.codes, _mm256_slli_epi16(bits(load(blk.qh), j, 1), 4));
+        if constexpr (T == StorageType::Q5_K) {
+            s.codes = _mm256_or_si256(s.codes, _mm256_slli_epi16(bits(load(blk.qh), j, 1), 4));
+        }
         int scale, min;
         k_scale_min(j, blk.scales, scale, min);
         s.dw = half(blk.d) * static_cast<float>(scale);
         s.mw = -half(blk.dmin) * static_cast<float>(min);
     } else {
-        static_assert(T == QType::Q6_K);
+        static_assert(T == StorageType::Q6_K);
         const BlockQ6_K& blk = reinterpret_cast<const BlockQ6_K*>(row)[b / 8];
         const int j = static_cast<int>(b % 8), h = j / 4, part = j % 4;
         const __m256i low = bits(load(blk.ql + 64 * h + 32 * (part & 1)), 4 * (part / 2), 0x0F);
@@ -98,17 +100,20 @@ inline Sub decode(const uint8_t* row, int64_t b) {
 // Measured on the default model's shapes: 512-1024 bytes ahead doubles Q8_0's rate from DRAM; 4096 is too far.
 constexpr int64_t kPrefetchBytes = 1024;
 
-template <QType T>
-constexpr int64_t kStorageBytes = T == QType::Q4_0 ? sizeof(BlockQ4_0) : T == QType::Q4_1 ? sizeof(BlockQ4_1)
-                                  : T == QType::Q8_0 ? sizeof(BlockQ8_0) : T == QType::Q4_K ? sizeof(BlockQ4_K)
-                                  : T == QType::Q5_K ? sizeof(BlockQ5_K) : sizeof(BlockQ6_K);
+template <StorageType T>
+constexpr int64_t kStorageBytes = T == StorageType::Q4_0   ? sizeof(BlockQ4_0)
+                                  : T == StorageType::Q4_1 ? sizeof(BlockQ4_1)
+                                  : T == StorageType::Q8_0 ? sizeof(BlockQ8_0)
+                                  : T == StorageType::Q4_K ? sizeof(BlockQ4_K)
+                                  : T == StorageType::Q5_K ? sizeof(BlockQ5_K)
+                                                           : sizeof(BlockQ6_K);
 
-template <QType T>
-constexpr bool kBlock32 = T == QType::Q4_0 || T == QType::Q4_1 || T == QType::Q8_0;
+template <StorageType T>
+constexpr bool kBlock32 = T == StorageType::Q4_0 || T == StorageType::Q4_1 || T == StorageType::Q8_0;
 
 // The fp16 scales of 8 consecutive 32-value blocks (each block's first 4 bytes: d, and m for Q4_1) as two float
 // vectors in one gather and two conversions, instead of two scalar conversions per block.
-template <QType T>
+template <StorageType T>
 inline void scales8(const uint8_t* row, int64_t b0, float* dw, float* mw) {
     const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                                _mm256_set1_epi32(static_cast<int>(kStorageBytes<T>)));
@@ -123,26 +128,27 @@ inline void scales8(const uint8_t* row, int64_t b0, float* dw, float* mw) {
     };
     const __m256 d = halves(0);
     _mm256_store_ps(dw, d);
-    if constexpr (T == QType::Q4_1) _mm256_store_ps(mw, halves(2));
-    if constexpr (T == QType::Q4_0) _mm256_store_ps(mw, _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)));  // (q - 8) d
+    if constexpr (T == StorageType::Q4_1) _mm256_store_ps(mw, halves(2));
+    if constexpr (T == StorageType::Q4_0) _mm256_store_ps(mw, _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)));  // (q - 8) d
 }
 
-template <QType T>
+template <StorageType T>
 inline void prefetch(const uint8_t* row, int64_t b) {
-    constexpr bool super = T == QType::Q4_K || T == QType::Q5_K || T == QType::Q6_K;  // 8 sub-blocks per block
+    // the K-quants: 8 sub-blocks per block
+    constexpr bool super = T == StorageType::Q4_K || T == StorageType::Q5_K || T == StorageType::Q6_K;
     const int64_t at = super ? (b / 8) * kStorageBytes<T> + (b % 8) * (kStorageBytes<T> / 8) : b * kStorageBytes<T>;
     _mm_prefetch(reinterpret_cast<const char*>(row + at + kPrefetchBytes), _MM_HINT_T0);
 }
 
-// sum(code * x) in 8 int32 lanes; `unsigned_codes` is |code| for the signed types, whose sign moves onto x.
-template <QType T>
+// sum(code * x) in 8 int32 lanes; `unsigned_codes` is |code| for the signed storage types, whose sign moves onto x.
+template <StorageType T>
 inline __m256i dot32(const Sub& s, __m256i unsigned_codes, __m256i x) {
     if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, s.codes);
 #if PLLM_VNNI
-    if constexpr (T != QType::Q6_K) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), unsigned_codes, x);
+    if constexpr (T != StorageType::Q6_K) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), unsigned_codes, x);
 #endif
     const __m256i pairs = _mm256_maddubs_epi16(unsigned_codes, x);  // |pair sums| <= 2 * 128 * 127: no saturation
-    if constexpr (T == QType::Q6_K) return _mm256_madd_epi16(pairs, s.mul);
+    if constexpr (T == StorageType::Q6_K) return _mm256_madd_epi16(pairs, s.mul);
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
@@ -186,7 +192,7 @@ inline __m256i block_sums(const __m256i (&sums)[8]) {
 
 // C weight rows from `row` against R activation rows from `r0`, each decoded block used from registers: the
 // decode path (one activation row; R > 1 only for Q6_K, whose per-16 scales the packed path does not take).
-template <QType T, int R, int C>
+template <StorageType T, int R, int C>
 void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t r0, float* y,
           int64_t y_stride) {
     const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
@@ -258,7 +264,7 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
     }
 }
 
-template <QType T, int C>
+template <StorageType T, int C>
 void rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t n, float* y,
           int64_t y_stride) {
     int64_t r = 0;
@@ -272,17 +278,17 @@ void rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
 
 // Batched products (prefill, several sequences decoding): C weight rows are decoded once for all n activation
 // rows, not once per tile of them. Per group of 8 blocks: the codes as the integer dot takes them (|w| for the
-// signed types, their signs apart) and the blocks' scales and offsets. A full group's codes are transposed by
+// signed storage types, their signs apart) and the blocks' scales and offsets. A full group's codes are transposed by
 // 4-byte words, as the activations' `grouped` plane is: vector v holds word v of each of the 8 blocks, so that
 // 8 accumulating dot products leave each block's sum in its own lane. A last, partial group keeps block order.
-template <QType T, int C>
+template <StorageType T, int C>
 struct PackedGroup {
     alignas(32) uint8_t codes[C][8][kBlock];
     alignas(32) int8_t signs[kSigned<T> ? C : 1][8][kBlock];
     alignas(32) float dw[C][8], mw[C][8];
 };
 
-template <QType T, int C>
+template <StorageType T, int C>
 void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* groups) {
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
         PackedGroup<T, C>& p = groups[b0 / 8];
@@ -323,7 +329,7 @@ void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* gro
 // decode path): groups of 8 blocks as one vector of integer block sums (exact, however they are summed), scaled
 // and offset as vectors, then the blocks past the last full group one by one. A row's result is then the same bits whatever rows share its
 // product, so that a request's logits, and its seeded samples, do not depend on what else runs in its step.
-template <QType T, int R, int C>
+template <StorageType T, int R, int C>
 void packed_tile(const PackedGroup<T, C>* groups, int64_t nb, const QuantizedRows& act, int64_t r0, float* y,
                  int64_t y_stride, int64_t row) {
     __m256 acc[R][C];
@@ -382,7 +388,7 @@ void packed_tile(const PackedGroup<T, C>* groups, int64_t nb, const QuantizedRow
     }
 }
 
-template <QType T, int C>
+template <StorageType T, int C>
 void packed_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t n, float* y,
                  int64_t y_stride) {
     const int64_t nb = w.cols / kBlock;
@@ -398,7 +404,7 @@ void packed_rows(const WeightView& w, size_t stride, int64_t row, const Quantize
     if (r < n) packed_tile<T, 1, C>(groups.data(), nb, act, r, y, y_stride, row);
 }
 
-template <QType T>
+template <StorageType T>
 void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, int64_t n,
                  float* y, int64_t y_stride) {
     const size_t stride = row_bytes(w.type, w.cols);
@@ -422,15 +428,15 @@ void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const 
     }
 }
 
-template <QType T>
+template <StorageType T>
 inline __m256 dense8(const uint8_t* row, int64_t i) {
-    if constexpr (T == QType::F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
+    if constexpr (T == StorageType::F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
     const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(row) + i));
-    if constexpr (T == QType::F16) return _mm256_cvtph_ps(halves);
+    if constexpr (T == StorageType::F16) return _mm256_cvtph_ps(halves);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));  // bf16: the top half of f32
 }
 
-template <QType T, int R>
+template <StorageType T, int R>
 void dense_tile(const uint8_t* base, const float* x, int64_t cols, int64_t r0, float* y, int64_t y_stride,
                 int64_t row) {
     __m256 acc[R];
@@ -443,7 +449,7 @@ void dense_tile(const uint8_t* base, const float* x, int64_t cols, int64_t r0, f
     for (int i = 0; i < R; ++i) y[(r0 + i) * y_stride + row] = hsum(acc[i]);
 }
 
-template <QType T>
+template <StorageType T>
 void gemm_dense(const WeightView& w, int64_t row_begin, int64_t row_end, const float* x, int64_t n, float* y,
                 int64_t y_stride) {
     const size_t stride = row_bytes(w.type, w.cols);
@@ -460,15 +466,15 @@ void gemm_dense(const WeightView& w, int64_t row_begin, int64_t row_end, const f
 void PLLM_GEMM(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, const float* x,
                int64_t n, float* y, int64_t y_stride) {
     switch (w.type) {
-        case QType::F32: return gemm_dense<QType::F32>(w, row_begin, row_end, x, n, y, y_stride);
-        case QType::F16: return gemm_dense<QType::F16>(w, row_begin, row_end, x, n, y, y_stride);
-        case QType::BF16: return gemm_dense<QType::BF16>(w, row_begin, row_end, x, n, y, y_stride);
-        case QType::Q4_0: return gemm_blocks<QType::Q4_0>(w, row_begin, row_end, act, n, y, y_stride);
-        case QType::Q4_1: return gemm_blocks<QType::Q4_1>(w, row_begin, row_end, act, n, y, y_stride);
-        case QType::Q8_0: return gemm_blocks<QType::Q8_0>(w, row_begin, row_end, act, n, y, y_stride);
-        case QType::Q4_K: return gemm_blocks<QType::Q4_K>(w, row_begin, row_end, act, n, y, y_stride);
-        case QType::Q5_K: return gemm_blocks<QType::Q5_K>(w, row_begin, row_end, act, n, y, y_stride);
-        case QType::Q6_K: return gemm_blocks<QType::Q6_K>(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::F32: return gemm_dense<StorageType::F32>(w, row_begin, row_end, x, n, y, y_stride);
+        case StorageType::F16: return gemm_dense<StorageType::F16>(w, row_begin, row_end, x, n, y, y_stride);
+        case StorageType::BF16: return gemm_dense<StorageType::BF16>(w, row_begin, row_end, x, n, y, y_stride);
+        case StorageType::Q4_0: return gemm_blocks<StorageType::Q4_0>(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::Q4_1: return gemm_blocks<StorageType::Q4_1>(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::Q8_0: return gemm_blocks<StorageType::Q8_0>(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::Q4_K: return gemm_blocks<StorageType::Q4_K>(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::Q5_K: return gemm_blocks<StorageType::Q5_K>(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::Q6_K: return gemm_blocks<StorageType::Q6_K>(w, row_begin, row_end, act, n, y, y_stride);
     }
 }
 

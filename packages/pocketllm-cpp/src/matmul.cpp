@@ -11,8 +11,8 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 4;  // the largest tile of weight rows: tasks never split one
 
-kernels::Gemm gemm_for(QType type, bool exact) {
-    if (exact && is_block_type(type)) return kernels::gemm_exact;
+kernels::Gemm gemm_for(StorageType type, bool exact) {
+    if (exact && is_quantized(type)) return kernels::gemm_exact;
 #ifdef POCKETLLM_HAVE_X86
     switch (current_isa()) {
         case Isa::Avx512: return kernels::gemm_avx512;
@@ -43,11 +43,12 @@ void validate(const WeightView& w, int64_t data_bytes) {
     size_t expected = 0;
     if (__builtin_mul_overflow(per_row, static_cast<size_t>(w.rows), &expected) ||
         expected != static_cast<size_t>(data_bytes)) {
-        throw std::invalid_argument("weight has " + std::to_string(data_bytes) + " bytes; its shape and type need " +
-                                    std::to_string(per_row) + " per row for " + std::to_string(w.rows) + " rows");
+        throw std::invalid_argument("weight has " + std::to_string(data_bytes) +
+                                    " bytes; its shape and storage type need " + std::to_string(per_row) +
+                                    " per row for " + std::to_string(w.rows) + " rows");
     }
     // Block fields are 16-bit, F32 rows 32-bit: GGUF aligns tensors to 32 bytes, and so must any other caller.
-    const size_t alignment = w.type == QType::F32 ? 4 : 2;
+    const size_t alignment = w.type == StorageType::F32 ? 4 : 2;
     if (reinterpret_cast<uintptr_t>(w.data) % alignment != 0) {
         throw std::invalid_argument("weight data is not " + std::to_string(alignment) + "-byte aligned");
     }
@@ -96,7 +97,7 @@ void matmul_many(const std::vector<Product>& products, const float* x, int64_t n
     bool quantized = false;
     for (const Product& p : products) {
         if (p.w->cols != cols) throw std::invalid_argument("products of one input must take the same columns");
-        quantized |= is_block_type(p.w->type) && !exact;
+        quantized |= is_quantized(p.w->type) && !exact;
     }
     // The calling thread's buffer, reused: a decode step quantizes a few hundred small inputs. Workers read it
     // through this reference (a thread_local named in the task would be each worker's own, empty one).
@@ -153,11 +154,11 @@ void dequantize(const WeightView& w, float* out) {
 
 void dequantize_row(const WeightView& w, int64_t row, float* out) {
     const uint8_t* base = w.data + row * static_cast<int64_t>(row_bytes(w.type, w.cols));
-    if (!is_block_type(w.type)) {
+    if (!is_quantized(w.type)) {
         for (int64_t i = 0; i < w.cols; ++i) {
             const uint16_t* half = reinterpret_cast<const uint16_t*>(base);
-            out[i] = w.type == QType::F32 ? reinterpret_cast<const float*>(base)[i]
-                     : w.type == QType::F16 ? fp16_to_fp32(half[i]) : bf16_to_fp32(half[i]);
+            out[i] = w.type == StorageType::F32 ? reinterpret_cast<const float*>(base)[i]
+                     : w.type == StorageType::F16 ? fp16_to_fp32(half[i]) : bf16_to_fp32(half[i]);
         }
         return;
     }

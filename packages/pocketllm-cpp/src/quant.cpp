@@ -4,11 +4,11 @@
 
 namespace pocketllm {
 
-QType parse_qtype(const std::string& name) {
-    static const std::pair<const char*, QType> names[] = {
-        {"F32", QType::F32}, {"F16", QType::F16}, {"BF16", QType::BF16}, {"Q4_0", QType::Q4_0},
-        {"Q4_1", QType::Q4_1}, {"Q8_0", QType::Q8_0}, {"Q4_K", QType::Q4_K}, {"Q5_K", QType::Q5_K},
-        {"Q6_K", QType::Q6_K}};
+StorageType parse_storage_type(const std::string& name) {
+    static const std::pair<const char*, StorageType> names[] = {
+        {"F32", StorageType::F32},   {"F16", StorageType::F16},   {"BF16", StorageType::BF16},
+        {"Q4_0", StorageType::Q4_0}, {"Q4_1", StorageType::Q4_1}, {"Q8_0", StorageType::Q8_0},
+        {"Q4_K", StorageType::Q4_K}, {"Q5_K", StorageType::Q5_K}, {"Q6_K", StorageType::Q6_K}};
     for (const auto& [text, type] : names) {
         if (name == text) return type;
     }
@@ -16,46 +16,48 @@ QType parse_qtype(const std::string& name) {
                                 "' is not one of F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K");
 }
 
-bool is_block_type(QType type) { return type != QType::F32 && type != QType::F16 && type != QType::BF16; }
+bool is_quantized(StorageType type) {
+    return type != StorageType::F32 && type != StorageType::F16 && type != StorageType::BF16;
+}
 
-int64_t block_values(QType type) {
+int64_t block_values(StorageType type) {
     switch (type) {
-        case QType::F32: case QType::F16: case QType::BF16: return 1;
-        case QType::Q4_0: case QType::Q4_1: case QType::Q8_0: return kBlock;
-        case QType::Q4_K: case QType::Q5_K: case QType::Q6_K: return kSuper;
+        case StorageType::F32: case StorageType::F16: case StorageType::BF16: return 1;
+        case StorageType::Q4_0: case StorageType::Q4_1: case StorageType::Q8_0: return kBlock;
+        case StorageType::Q4_K: case StorageType::Q5_K: case StorageType::Q6_K: return kSuper;
     }
     return 1;
 }
 
-size_t row_bytes(QType type, int64_t cols) {
+size_t row_bytes(StorageType type, int64_t cols) {
     const auto blocks = static_cast<size_t>(cols / block_values(type));
     switch (type) {
-        case QType::F32: return blocks * 4;
-        case QType::F16: case QType::BF16: return blocks * 2;
-        case QType::Q4_0: return blocks * sizeof(BlockQ4_0);
-        case QType::Q4_1: return blocks * sizeof(BlockQ4_1);
-        case QType::Q8_0: return blocks * sizeof(BlockQ8_0);
-        case QType::Q4_K: return blocks * sizeof(BlockQ4_K);
-        case QType::Q5_K: return blocks * sizeof(BlockQ5_K);
-        case QType::Q6_K: return blocks * sizeof(BlockQ6_K);
+        case StorageType::F32: return blocks * 4;
+        case StorageType::F16: case StorageType::BF16: return blocks * 2;
+        case StorageType::Q4_0: return blocks * sizeof(BlockQ4_0);
+        case StorageType::Q4_1: return blocks * sizeof(BlockQ4_1);
+        case StorageType::Q8_0: return blocks * sizeof(BlockQ8_0);
+        case StorageType::Q4_K: return blocks * sizeof(BlockQ4_K);
+        case StorageType::Q5_K: return blocks * sizeof(BlockQ5_K);
+        case StorageType::Q6_K: return blocks * sizeof(BlockQ6_K);
     }
     return 0;
 }
 
-void decode_sub_block(QType type, const uint8_t* row, int64_t b, SubBlock& out) {
+void decode_sub_block(StorageType type, const uint8_t* row, int64_t b, SubBlock& out) {
     out.mul[0] = out.mul[1] = 1;
     out.mw = 0.0f;
     out.is_signed = false;
     switch (type) {
-        case QType::Q4_0: case QType::Q4_1: {
-            const uint8_t* qs = type == QType::Q4_0 ? reinterpret_cast<const BlockQ4_0*>(row)[b].qs
+        case StorageType::Q4_0: case StorageType::Q4_1: {
+            const uint8_t* qs = type == StorageType::Q4_0 ? reinterpret_cast<const BlockQ4_0*>(row)[b].qs
                                                     : reinterpret_cast<const BlockQ4_1*>(row)[b].qs;
-            const int bias = type == QType::Q4_0 ? 8 : 0;  // Q4_0's codes are signed: q - 8
+            const int bias = type == StorageType::Q4_0 ? 8 : 0;  // Q4_0's codes are signed: q - 8
             for (int j = 0; j < 16; ++j) {
                 out.code[j] = static_cast<uint8_t>((qs[j] & 0x0F) - bias);
                 out.code[j + 16] = static_cast<uint8_t>((qs[j] >> 4) - bias);
             }
-            if (type == QType::Q4_0) {
+            if (type == StorageType::Q4_0) {
                 out.dw = fp16_to_fp32(reinterpret_cast<const BlockQ4_0*>(row)[b].d);
                 out.is_signed = true;
             } else {
@@ -64,18 +66,18 @@ void decode_sub_block(QType type, const uint8_t* row, int64_t b, SubBlock& out) 
             }
             return;
         }
-        case QType::Q8_0: {
+        case StorageType::Q8_0: {
             const BlockQ8_0& blk = reinterpret_cast<const BlockQ8_0*>(row)[b];
             std::memcpy(out.code, blk.qs, kBlock);
             out.dw = fp16_to_fp32(blk.d);
             out.is_signed = true;
             return;
         }
-        case QType::Q4_K: case QType::Q5_K: {
+        case StorageType::Q4_K: case StorageType::Q5_K: {
             const int j = static_cast<int>(b % 8);
             const uint8_t *scales, *qs;
             uint16_t d, dmin;
-            if (type == QType::Q4_K) {
+            if (type == StorageType::Q4_K) {
                 const BlockQ4_K& blk = reinterpret_cast<const BlockQ4_K*>(row)[b / 8];
                 scales = blk.scales, qs = blk.qs, d = blk.d, dmin = blk.dmin;
             } else {
@@ -86,7 +88,7 @@ void decode_sub_block(QType type, const uint8_t* row, int64_t b, SubBlock& out) 
             const uint8_t* q = qs + 32 * (j / 2);
             const int shift = 4 * (j % 2);
             for (int l = 0; l < kBlock; ++l) out.code[l] = (q[l] >> shift) & 0x0F;
-            if (type == QType::Q5_K) {
+            if (type == StorageType::Q5_K) {
                 const uint8_t* qh = reinterpret_cast<const BlockQ5_K*>(row)[b / 8].qh;
                 for (int l = 0; l < kBlock; ++l) out.code[l] |= ((qh[l] >> j) & 1) << 4;
             }
@@ -96,7 +98,7 @@ void decode_sub_block(QType type, const uint8_t* row, int64_t b, SubBlock& out) 
             out.mw = -fp16_to_fp32(dmin) * static_cast<float>(min);
             return;
         }
-        case QType::Q6_K: {
+        case StorageType::Q6_K: {
             const BlockQ6_K& blk = reinterpret_cast<const BlockQ6_K*>(row)[b / 8];
             const int j = static_cast<int>(b % 8), half = j / 4, part = j % 4;
             const uint8_t* ql = blk.ql + 64 * half + 32 * (part & 1);
@@ -112,9 +114,9 @@ void decode_sub_block(QType type, const uint8_t* row, int64_t b, SubBlock& out) 
             out.is_signed = true;
             return;
         }
-        case QType::F32: case QType::F16: case QType::BF16: break;
+        case StorageType::F32: case StorageType::F16: case StorageType::BF16: break;
     }
-    throw std::invalid_argument("decode_sub_block takes block types only");
+    throw std::invalid_argument("decode_sub_block takes quantized storage types only");
 }
 
 }  // namespace pocketllm

@@ -40,7 +40,7 @@ int main() {
     std::normal_distribution<float> normal;
     std::vector<float> x(n * cols);
     for (auto& v : x) v = normal(rng);
-    const WeightView w{weight.data(), QType::Q8_0, rows, cols};
+    const WeightView w{weight.data(), StorageType::Q8_0, rows, cols};
     validate(w, static_cast<int64_t>(weight.size()));
 
     ThreadPool pool(2);
@@ -51,9 +51,9 @@ int main() {
     matmul(w, x.data(), n, best.data(), pool);
     for (int64_t i = 0; i < n * rows; ++i) CHECK(std::fabs(scalar[i] - best[i]) <= 1e-4f * (1.0f + std::fabs(scalar[i])));
 
-    // Every block type on every ISA this CPU has: random blocks (sane scales) give the scalar path's results, for
-    // one activation row (decode), two, and five (batched tiles); 19 blocks a row for the 32-value types (a last
-    // partial group of 8 in the batched kernels).
+    // Every quantized storage type on every ISA this CPU has: random blocks (sane scales) give the scalar path's
+    // results, for one activation row (decode), two, and five (batched tiles); 19 blocks a row for the 32-value
+    // storage types (a last partial group of 8 in the batched kernels).
     std::vector<std::string> isas;
     for (size_t at = 0; at <= available_isas().size();) {
         const size_t end = std::min(available_isas().find(' ', at), available_isas().size());
@@ -61,15 +61,17 @@ int main() {
         at = end + 1;
     }
     for (const char* name : {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}) {
-        const QType type = parse_qtype(name);
+        const StorageType type = parse_storage_type(name);
         for (const int64_t kcols : {512, 608}) {
             if (kcols % block_values(type) != 0) continue;
             std::vector<uint8_t> raw(row_bytes(type, kcols) * rows);
             for (auto& b : raw) b = static_cast<uint8_t>(byte(rng));
             const size_t block_bytes = row_bytes(type, block_values(type));
             for (size_t at = 0; at < raw.size(); at += block_bytes) {  // the fp16 scales: small positive halves
-                const size_t offset = type == QType::Q6_K ? block_bytes - 2 : 0;
-                const int fields = type == QType::Q4_1 || type == QType::Q4_K || type == QType::Q5_K ? 2 : 1;
+                const size_t offset = type == StorageType::Q6_K ? block_bytes - 2 : 0;
+                const bool with_min = type == StorageType::Q4_1 || type == StorageType::Q4_K ||
+                                      type == StorageType::Q5_K;  // a second fp16 field: the min
+                const int fields = with_min ? 2 : 1;
                 for (int f = 0; f < fields; ++f) {
                     const uint16_t half = static_cast<uint16_t>(0x1C00 + byte(rng));
                     std::memcpy(&raw[at + offset + 2 * f], &half, 2);
@@ -180,7 +182,7 @@ int main() {
 
     bool threw = false;
     try {
-        validate(WeightView{weight.data(), QType::Q8_0, rows, cols + 32}, static_cast<int64_t>(weight.size()));
+        validate(WeightView{weight.data(), StorageType::Q8_0, rows, cols + 32}, static_cast<int64_t>(weight.size()));
     } catch (const std::invalid_argument&) {
         threw = true;
     }
@@ -193,7 +195,7 @@ int main() {
     auto matrix = [&](int64_t r, int64_t c) {
         storage.emplace_back(r * c);
         for (auto& v : storage.back()) v = 0.3f * normal(rng);
-        return WeightView{reinterpret_cast<const uint8_t*>(storage.back().data()), QType::F32, r, c};
+        return WeightView{reinterpret_cast<const uint8_t*>(storage.back().data()), StorageType::F32, r, c};
     };
     std::vector<LayerWeights> weights;
     for (int64_t l = 0; l < layers; ++l) {

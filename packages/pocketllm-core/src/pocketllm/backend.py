@@ -126,7 +126,7 @@ if TYPE_CHECKING:
     from pocketllm.structured import Constraint
 
 # 2.1: BackendStats snapshot counters; 2.2: TensorParallelBackend; 2.3: structured outputs; 2.4: EmbeddingEngine;
-# 3.0: steps of several tokens, the speculative-decoding contract, typed backend options
+# 3.0: steps of several tokens, the speculative-decoding contract, typed backend options, Capabilities.storage_types
 API_VERSION = (3, 0)
 """``(major, minor)`` of this contract. A backend built for the same major and an older or equal minor loads;
 the minor grows with additions a backend may ignore, the major with changes it may not."""
@@ -148,8 +148,8 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
 
     architectures: tuple[str, ...] = ()
     """``ModelConfig.architecture`` values this backend runs (the only architecture gate)."""
-    quantization_formats: tuple[str, ...] = FLOAT_STORAGE_TYPES
-    """Tensor storage types it can load (``CheckpointTensor.dtype``: "F32", "Q4_K", ...)."""
+    storage_types: tuple[str, ...] = FLOAT_STORAGE_TYPES
+    """Tensor storage types it can load (``CheckpointTensor.storage_type``: "F32", "Q4_K", ...)."""
     sampling_options: tuple[str, ...] = ()
     """Names from :data:`SAMPLING_OPTIONS` it implements with the contract's semantics."""
     max_logprobs: int = MAX_LOGPROBS

@@ -31,9 +31,9 @@ def check_engine_args(backend: str, caps: Capabilities, args: EngineArgs, checkp
         raise UnsupportedOptionError("model", backend, f"architecture {architecture!r} is not one of "
                                      f"{', '.join(caps.architectures) or 'none'}")
     for tensor in checkpoint.tensors():
-        if tensor.dtype not in caps.quantization_formats:
+        if tensor.storage_type not in caps.storage_types:
             raise UnsupportedOptionError("quantization", backend, f"tensor {tensor.name!r} is stored as "
-                                         f"{tensor.dtype}; supported: {', '.join(caps.quantization_formats)}")
+                                         f"{tensor.storage_type}; supported: {', '.join(caps.storage_types)}")
     if args.tensor_parallel_size > 1 and not caps.tensor_parallel:
         raise UnsupportedOptionError("tensor_parallel_size", backend, "tensor parallelism is not implemented")
     if args.speculative_method is not None and args.speculative_method not in caps.speculative_methods:

@@ -108,7 +108,7 @@ def _backends() -> int:
         print(f"    max batch: {caps.max_num_seqs or 'any'}; prefix caching: {caps.prefix_caching}; "
               f"tensor parallel: {caps.tensor_parallel}; speculative: {', '.join(caps.speculative_methods) or '-'}")
         print(f"    sampling: greedy, {', '.join(caps.sampling_options) or '-'}; storage types: "
-              f"{', '.join(caps.quantization_formats)}")
+              f"{', '.join(caps.storage_types)}")
         options = describe(caps.backend_options)
         print(f"    backend options (--backend-options JSON keys):{'' if options else ' none'}")
         for option in options:

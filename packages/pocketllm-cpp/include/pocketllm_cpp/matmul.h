@@ -11,12 +11,12 @@ namespace pocketllm {
 
 struct WeightView {
     const uint8_t* data;  // rows * row_bytes(type, cols) bytes, e.g. a window of the memory-mapped file
-    QType type;
+    StorageType type;
     int64_t rows;  // output features
     int64_t cols;  // input features
 };
 
-// Checks sizes and types; throws std::invalid_argument naming what is wrong.
+// Checks sizes and storage types; throws std::invalid_argument naming what is wrong.
 void validate(const WeightView& w, int64_t data_bytes);
 
 // Quantizes each of n rows of x [n, cols] to 8-bit blocks (round half to even), as the integer kernels need, and
@@ -30,7 +30,7 @@ struct Product {
     float* y;
 };
 
-// y [n, rows] = x [n, cols] @ W.T. Block-type weights multiply 8-bit-quantized activations with integer dot
+// y [n, rows] = x [n, cols] @ W.T. Quantized weights multiply 8-bit-quantized activations with integer dot
 // products (llama.cpp's way) unless `exact`, where each block is dequantized and multiplies x in float32 (slower:
 // the arithmetic of a float32 reference, for fidelity checks); F32/F16/BF16 weights multiply x as it is.
 void matmul(const WeightView& w, const float* x, int64_t n, float* y, ThreadPool& pool, bool exact = false);
@@ -53,8 +53,8 @@ void silu_mul(float* gate, const float* up, int64_t n);
 enum class KvType { F32, F16 };
 
 namespace kernels {
-// Rows [row_begin, row_end) of W against every row of x: y[r * y_stride + row]. `act` is x quantized (block
-// types only). Per ISA; an ISA's kernel reuses each decoded weight block across several activation rows.
+// Rows [row_begin, row_end) of W against every row of x: y[r * y_stride + row]. `act` is x quantized (read for
+// quantized weights only). Per ISA; an ISA's kernel reuses each decoded weight block across several activation rows.
 using Gemm = void (*)(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act,
                       const float* x, int64_t n, float* y, int64_t y_stride);
 void gemm_scalar(const WeightView&, int64_t, int64_t, const QuantizedRows&, const float*, int64_t, float*, int64_t);

@@ -9,10 +9,10 @@
 
 namespace pocketllm {
 
-constexpr int kBlock = 32;   // values per activation block, and per sub-block of every weight type
+constexpr int kBlock = 32;   // values per activation block, and per sub-block of every quantized storage type
 constexpr int kSuper = 256;  // values per K-quant super-block
 
-enum class QType { F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K };
+enum class StorageType { F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K };
 
 // One block as stored in a GGUF file (little-endian, packed); see llama.cpp's ggml-common.h.
 struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };              // w = (q - 8) * d
@@ -27,7 +27,8 @@ static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(Block
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "K-quant sizes");
 
 // Activation rows quantized per block of 32 (x ~= q * d), stored as planes so that SIMD loads are contiguous:
-// codes [rows, cols], and per block its scale d and s = d * sum(q) (the offset term of the unsigned-code types).
+// codes [rows, cols], and per block its scale d and s = d * sum(q) (the offset term of the unsigned-code storage
+// types).
 struct QuantizedRows {
     int64_t rows = 0, cols = 0;
     std::vector<int8_t> qs;
@@ -42,23 +43,24 @@ struct QuantizedRows {
 };
 
 // Parses a GGUF storage type name ("F32", "Q4_K", ...); throws std::invalid_argument for one not listed here.
-QType parse_qtype(const std::string& name);
-// Values per storage block: 1 for the float types, 32 or 256 for the block types.
-int64_t block_values(QType type);
+StorageType parse_storage_type(const std::string& name);
+// Values per block: 1 for the float storage types, 32 or 256 for the quantized ones (GGML blocks).
+int64_t block_values(StorageType type);
 // Bytes of one row of `cols` values (cols must be a multiple of block_values(type)).
-size_t row_bytes(QType type, int64_t cols);
-bool is_block_type(QType type);
+size_t row_bytes(StorageType type, int64_t cols);
+// A GGML quantized storage type (stored in blocks of 32 or 256 values), not F32/F16/BF16.
+bool is_quantized(StorageType type);
 
-// One 32-value sub-block of a block-type weight row in a common form: w[i] = dw * code[i] * mul[i / 16] + mw.
-// Codes are unsigned (0..31) for the types with an offset and signed for Q4_0, Q8_0 and Q6_K (mw = 0). Every ISA's
-// kernel decodes the same way, so the scalar path is the reference for the others.
+// One 32-value sub-block of a quantized weight row in a common form: w[i] = dw * code[i] * mul[i / 16] + mw.
+// Codes are unsigned (0..31) for the storage types with an offset and signed for Q4_0, Q8_0 and Q6_K (mw = 0).
+// Every ISA's kernel decodes the same way, so the scalar path is the reference for the others.
 struct SubBlock {
     uint8_t code[kBlock];  // reinterpret as int8_t when `is_signed`
     int16_t mul[2];        // Q6_K's per-16 scales; 1 otherwise
     float dw, mw;
     bool is_signed;
 };
-void decode_sub_block(QType type, const uint8_t* row, int64_t b, SubBlock& out);
+void decode_sub_block(StorageType type, const uint8_t* row, int64_t b, SubBlock& out);
 
 // Q4_K/Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes.
 inline void k_scale_min(int j, const uint8_t* q, int& scale, int& min) {

@@ -57,7 +57,7 @@ class CppBackend:
 
         return Capabilities(
             architectures=ARCHITECTURES,
-            quantization_formats=STORAGE_TYPES,
+            storage_types=STORAGE_TYPES,
             sampling_options=SAMPLING_OPTIONS,
             prefix_caching=True,
             structured_outputs=True,

@@ -26,7 +26,7 @@ def raw(tensor: CheckpointTensor) -> tuple[np.ndarray, str, int, int]:
         raise ValueError(f"tensor {tensor.name!r} has shape {tensor.shape}; the kernels take matrices")
     if tensor.row_permutation is not None:
         raise ValueError(f"tensor {tensor.name!r} has permuted rows; un-permute the output rows or the tensor")
-    return np.frombuffer(tensor.data, dtype=np.uint8), tensor.dtype, *tensor.shape
+    return np.frombuffer(tensor.data, dtype=np.uint8), tensor.storage_type, *tensor.shape
 
 
 def matmul(tensor: CheckpointTensor, x: np.ndarray) -> np.ndarray:

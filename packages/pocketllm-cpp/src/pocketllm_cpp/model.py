@@ -66,13 +66,13 @@ def build_model(checkpoint: Checkpoint, *, num_blocks: int, block_size: int, num
 
 
 def _matrix(tensor: CheckpointTensor) -> tuple[np.ndarray, str, int, int]:
-    """A matrix as the kernels take it: its file bytes where they can read the type, else a float32 copy."""
+    """A matrix as the kernels take it: its file bytes where they can read its storage type, else a float32 copy."""
     rows, cols = tensor.shape
-    if tensor.dtype in STORAGE_TYPES:
-        return np.frombuffer(tensor.data, dtype=np.uint8), tensor.dtype, rows, cols
+    if tensor.storage_type in STORAGE_TYPES:
+        return np.frombuffer(tensor.data, dtype=np.uint8), tensor.storage_type, rows, cols
     dense = np.ascontiguousarray(tensor.dequantize(), dtype=np.float32)
     if tensor.row_permutation is not None:  # dequantize() undid it; the kernels expect the file's order
-        raise UnsupportedOptionError("quantization", NAME, f"{tensor.dtype} q/k matrices of a permuted GGUF")
+        raise UnsupportedOptionError("quantization", NAME, f"{tensor.storage_type} q/k matrices of a permuted GGUF")
     return dense.view(np.uint8).reshape(-1), "F32", rows, cols
 
 

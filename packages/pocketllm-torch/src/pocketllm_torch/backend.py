@@ -25,9 +25,11 @@ if TYPE_CHECKING:
     from pocketllm_torch.engine import TorchEngine
 
 ARCHITECTURES = tuple(MODELS)
-# Every GGUF block type the gguf package dequantizes (4- and 8-bit groups stay so where a kernel reads them).
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M",
-               "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")
+# Every GGUF quantized storage type the gguf package dequantizes (4- and 8-bit groups stay so where a kernel
+# reads them).
+QUANTIZED_STORAGE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                           "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+                           "TQ1_0", "TQ2_0", "MXFP4")
 
 
 class TorchBackend:
@@ -43,7 +45,7 @@ class TorchBackend:
     def capabilities(self) -> Capabilities:
         return Capabilities(
             architectures=ARCHITECTURES,
-            quantization_formats=(*FLOAT_STORAGE_TYPES, "F64", *BLOCK_TYPES),
+            storage_types=(*FLOAT_STORAGE_TYPES, "F64", *QUANTIZED_STORAGE_TYPES),
             sampling_options=SAMPLING_OPTIONS,
             prefix_caching=True,
             structured_outputs=True,

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pocketllm.checkpoint import CheckpointTensor
 
 GROUP_SIZE = 32
-INT4_TYPES = {"Q4_0": 2, "Q4_1": 4}  # block type -> header bytes (fp16 scale, and Q4_1's fp16 offset)
+INT4_TYPES = {"Q4_0": 2, "Q4_1": 4}  # storage type -> header bytes (fp16 scale, and Q4_1's fp16 offset)
 INT8_TYPES = {"Q8_0": 2}
 
 G = TypeVar("G", bound="GroupedMatrix")
@@ -64,9 +64,9 @@ def load(tensor: CheckpointTensor, *, int4: bool, int8: bool) -> np.ndarray | In
     if len(tensor.shape) == 2 and tensor.shape[1] % GROUP_SIZE == 0:
         blocks = np.frombuffer(tensor.data, dtype=np.uint8)
         groups: Int4Groups | Int8Groups | None = None
-        if int4 and tensor.dtype in INT4_TYPES:
-            groups = int4_from_blocks(blocks, tensor.dtype, *tensor.shape)
-        elif int8 and tensor.dtype in INT8_TYPES:
+        if int4 and tensor.storage_type in INT4_TYPES:
+            groups = int4_from_blocks(blocks, tensor.storage_type, *tensor.shape)
+        elif int8 and tensor.storage_type in INT8_TYPES:
             groups = int8_from_blocks(blocks, *tensor.shape)
         if groups is not None:
             permutation = tensor.row_permutation
@@ -74,9 +74,9 @@ def load(tensor: CheckpointTensor, *, int4: bool, int8: bool) -> np.ndarray | In
     return tensor.dequantize()
 
 
-def int4_from_blocks(blocks: np.ndarray, block_type: str, rows: int, cols: int) -> Int4Groups:
+def int4_from_blocks(blocks: np.ndarray, storage_type: str, rows: int, cols: int) -> Int4Groups:
     """Unpack the raw bytes of a Q4_0/Q4_1 matrix of ``rows`` x ``cols`` (GGUF order: a row's blocks in turn)."""
-    header = INT4_TYPES[block_type]
+    header = INT4_TYPES[storage_type]
     blocks = blocks.reshape(rows * cols // GROUP_SIZE, header + GROUP_SIZE // 2)
     scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
     offset = blocks[:, 2:4].copy().view(np.float16).astype(np.float32) if header == 4 else -8 * scale

@@ -3,8 +3,8 @@
 gguf's own GGUFReader makes numpy views for each of the ~150,000 values of a vocabulary (about a second for a
 small model) and reports hostile headers as whatever numpy raised. This parser reads the same format (versions 2
 and 3, little-endian) with ``struct`` in one pass, refuses any count or length the rest of the file cannot hold
-before it loops or allocates, and names the offending key or tensor. Block-type constants and dequantizers
-still come from the gguf package.
+before it loops or allocates, and names the offending key or tensor. Storage-type constants (block sizes) and
+dequantizers still come from the gguf package.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class GGUFFormatError(ValueError):
 class TensorHeader:
     name: str
     dims: tuple[int, ...]  # GGUF order: fastest-varying first
-    qtype: gguf.GGMLQuantizationType
+    storage_type: gguf.GGMLQuantizationType
     offset: int  # absolute, in the file
     nbytes: int
 
@@ -85,14 +85,14 @@ def read_gguf(path: Path) -> GGUFFile:
         raise GGUFFormatError(f"general.alignment must be a power of two, got {alignment!r}")
     start = -(-parser.pos // alignment) * alignment
     tensors, names = [], set()
-    for name, dims, qtype, relative in headers:
+    for name, dims, type_id, relative in headers:
         if name in names:
             raise GGUFFormatError(f"tensor {name!r} appears twice")
         if relative % alignment:  # what llama.cpp checks too: blocks are read in place, aligned
             raise GGUFFormatError(f"tensor {name!r}: its offset {relative} is not a multiple of the file's alignment "
                                   f"({alignment}, general.alignment), as GGUF requires")
         names.add(name)
-        tensors.append(_locate(name, dims, qtype, start + relative, len(data)))
+        tensors.append(_locate(name, dims, type_id, start + relative, len(data)))
     return GGUFFile(metadata, tensors, data)
 
 
@@ -103,19 +103,19 @@ def _locate(name: str, dims: tuple[int, ...], type_id: int, offset: int, file_si
     if not 1 <= len(dims) <= MAX_DIMS or any(d <= 0 for d in dims):
         raise fail(f"invalid dimensions {list(dims)}")
     try:
-        qtype = gguf.GGMLQuantizationType(type_id)
+        storage_type = gguf.GGMLQuantizationType(type_id)
     except ValueError:
-        raise fail(f"unknown GGML type {type_id}") from None
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        raise fail(f"unknown GGML storage type {type_id}") from None
+    block_size, type_size = gguf.GGML_QUANT_SIZES[storage_type]
     if dims[0] % block_size:
-        raise fail(f"row length {dims[0]} is not a multiple of {qtype.name}'s block of {block_size}")
+        raise fail(f"row length {dims[0]} is not a multiple of {storage_type.name}'s block of {block_size}")
     elements = 1
     for d in dims:
         elements *= d
     nbytes = elements // block_size * type_size
     if offset + nbytes > file_size:
         raise fail(f"its {nbytes} bytes at offset {offset} lie outside the file ({file_size} bytes)")
-    return TensorHeader(name, dims, qtype, offset, nbytes)
+    return TensorHeader(name, dims, storage_type, offset, nbytes)
 
 
 class _Parser:

@@ -153,8 +153,8 @@ def _describe(tensor: TensorHeader, file: GGUFFile, path: Path, config: ModelCon
             raise CheckpointError(f"{path}: tensor {tensor.name!r}: {shape[0]} rows do not split into {heads} "
                                   "heads of row pairs")
         permutation = RowPermutation(heads)
-    return CheckpointTensor(name=name, file_name=tensor.name, shape=shape, dtype=tensor.qtype.name, path=path,
-                            offset=tensor.offset, nbytes=tensor.nbytes, row_permutation=permutation,
+    return CheckpointTensor(name=name, file_name=tensor.name, shape=shape, storage_type=tensor.storage_type.name,
+                            path=path, offset=tensor.offset, nbytes=tensor.nbytes, row_permutation=permutation,
                             _buffer=file.tensor_bytes(tensor))
 
 
@@ -163,8 +163,8 @@ def _quantization(file_type: object, tensors: list[TensorHeader]) -> str | None:
     try:
         name = gguf.LlamaFileType(int(file_type) & ~gguf.LlamaFileType.GUESSED).name  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        # No or unknown file type: name it after the most common type among the matrices.
-        types = [t.qtype.name for t in tensors if len(t.dims) > 1]
+        # No or unknown file type: name it after the most common storage type among the matrices.
+        types = [t.storage_type.name for t in tensors if len(t.dims) > 1]
         name = max(set(types), key=types.count) if types else "ALL_F32"
     name = name.removeprefix("MOSTLY_")
     return None if name in _UNQUANTIZED else name

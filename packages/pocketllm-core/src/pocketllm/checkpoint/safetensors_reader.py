@@ -145,13 +145,15 @@ def _shard_tensors(shard: Path, expected: set[str] | None) -> list[CheckpointTen
     tensors = []
     for name in names:
         entry = entries[name]
-        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        if dtype not in _ITEM_SIZES:
-            raise CheckpointError(f"{shard}: tensor {name!r} has unsupported dtype {dtype}")
-        if end - begin != math.prod(shape) * _ITEM_SIZES[dtype] or data_start + end > data.size:
-            raise CheckpointError(f"{shard}: tensor {name!r}: bytes [{begin}, {end}) do not hold {dtype} {list(shape)}")
+        # safetensors calls the storage type "dtype"
+        storage_type, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        if storage_type not in _ITEM_SIZES:
+            raise CheckpointError(f"{shard}: tensor {name!r} has unsupported storage type {storage_type}")
+        if end - begin != math.prod(shape) * _ITEM_SIZES[storage_type] or data_start + end > data.size:
+            raise CheckpointError(f"{shard}: tensor {name!r}: bytes [{begin}, {end}) do not hold {storage_type} "
+                                  f"{list(shape)}")
         start = data_start + begin
-        tensors.append(CheckpointTensor(name=name, file_name=name, shape=shape, dtype=dtype, path=shard,
+        tensors.append(CheckpointTensor(name=name, file_name=name, shape=shape, storage_type=storage_type, path=shard,
                                         offset=start, nbytes=end - begin, _buffer=data[start:data_start + end]))
     return tensors
 

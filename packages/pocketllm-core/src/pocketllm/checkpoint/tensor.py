@@ -35,15 +35,16 @@ class CheckpointTensor:
     """A tensor in Hugging Face naming and layout, not read until asked.
 
     ``shape`` is row-major as in the Hugging Face checkpoint (``[out_features, in_features]`` for a linear
-    weight; stacked experts lead with the expert axis). ``dtype`` is the storage type: "F32", "F16", "BF16",
-    "F64", or a GGML block type such as "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K". The bytes are
-    ``nbytes`` long at ``offset`` in the file at ``path``; block types store each row's blocks in turn.
+    weight; stacked experts lead with the expert axis). ``storage_type`` is how its values are stored: "F32",
+    "F16", "BF16", "F64", or a GGML quantized storage type such as "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K".
+    The bytes are ``nbytes`` long at ``offset`` in the file at ``path``; a quantized storage type stores each row's
+    blocks (of 32 or 256 values) in turn.
     """
 
     name: str
     file_name: str  # the name in the file (GGUF's "blk.0.attn_q.weight", or the same as ``name``)
     shape: tuple[int, ...]
-    dtype: str
+    storage_type: str
     path: Path
     offset: int
     nbytes: int
@@ -61,16 +62,16 @@ class CheckpointTensor:
         before writing to it."""
         raw = self._buffer
         try:
-            if self.dtype in ("F32", "F16", "F64"):
-                array = raw.view({"F32": np.float32, "F16": np.float16, "F64": np.float64}[self.dtype])
-                array = array.astype(np.float32) if self.dtype == "F64" else array
-            elif self.dtype == "BF16":
+            if self.storage_type in ("F32", "F16", "F64"):
+                array = raw.view({"F32": np.float32, "F16": np.float16, "F64": np.float64}[self.storage_type])
+                array = array.astype(np.float32) if self.storage_type == "F64" else array
+            elif self.storage_type == "BF16":
                 array = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
             else:
-                qtype = gguf.GGMLQuantizationType[self.dtype]
-                array = gguf.quants.dequantize(raw.reshape(-1, self.nbytes // _rows(self.shape)), qtype)
+                array = gguf.quants.dequantize(raw.reshape(-1, self.nbytes // _rows(self.shape)),
+                                               gguf.GGMLQuantizationType[self.storage_type])
         except (NotImplementedError, KeyError, ValueError) as e:
-            raise CheckpointError(f"{self.path}: tensor {self.file_name!r} ({self.dtype}): cannot dequantize: "
+            raise CheckpointError(f"{self.path}: tensor {self.file_name!r} ({self.storage_type}): cannot dequantize: "
                                   f"{e}") from None
         array = array.reshape(self.shape)
         return array if self.row_permutation is None else self.row_permutation.undo(array)

@@ -1,7 +1,7 @@
 """The conformance kit's tiny deterministic checkpoints, written with numpy alone (no torch).
 
 Each is a few hundred kilobytes: a Llama and a Qwen3 in safetensors fp32, and the Llama again as a GGUF with
-8- and 4-bit block types (its q/k rows permuted as llama.cpp's converter does). Weights come from a fixed
+8- and 4-bit quantized storage types (its q/k rows permuted as llama.cpp's converter does). Weights come from a fixed
 numpy generator, so every machine writes the same bytes, and ``references.json`` holds what transformers
 generates from them.
 
@@ -29,8 +29,8 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN_ID = 0
 HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, LAYERS, MAX_POSITIONS = 64, 4, 2, 128, 2, 512
 QWEN3_HEAD_DIM = 32
-# The GGUF's block types: 8-bit attention and lm_head, 4-bit MLP, fp16 embedding, fp32 norms.
-GGUF_TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q4_1",
+# The GGUF's storage types: 8-bit attention and lm_head, 4-bit MLP, fp16 embedding, fp32 norms.
+GGUF_STORAGE_TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q4_1",
               "ffn_up": "Q4_1", "ffn_down": "Q4_0", "output": "Q8_0", "token_embd": "F16"}
 KIT_CHECKPOINTS = ("llama", "qwen3", "llama-gguf")
 # Checkpoints for ProtocolConformance only (references.json does not cover them): a hybrid Qwen3.5, three Gated
@@ -209,18 +209,18 @@ def make_tiny_gguf(path: Path, *, seed: int = 0) -> Path:
     writer.add_token_merges([f"{a} {b}" for a, b in _merges()])
     writer.add_eos_token_id(EOS_TOKEN_ID)
     writer.add_chat_template(CHATML_TEMPLATE)
-    finish_gguf(writer, {name: (array, _gguf_type(name, array)) for name, array in gguf_tensors(seed).items()})
+    finish_gguf(writer, {name: (array, _gguf_storage_type(name, array)) for name, array in gguf_tensors(seed).items()})
     return path
 
 
 def finish_gguf(writer: Any, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
-    """Add each float32 array, stored as its GGML type ("F32", "Q8_0", ...), then write and close the file."""
+    """Add each float32 array, stored as its storage type ("F32", "Q8_0", ...), then write and close the file."""
     import gguf
 
     for name, (array, type_name) in tensors.items():
-        qtype = gguf.GGMLQuantizationType[type_name]
-        data = array if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(array, qtype)
-        writer.add_tensor(name, data, raw_dtype=qtype)
+        storage_type = gguf.GGMLQuantizationType[type_name]
+        data = array if storage_type == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(array, storage_type)
+        writer.add_tensor(name, data, raw_dtype=storage_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -251,9 +251,9 @@ def gguf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _gguf_type(name: str, array: np.ndarray) -> str:
+def _gguf_storage_type(name: str, array: np.ndarray) -> str:
     base = name.rsplit(".", 1)[0].split(".")[-1]
-    return GGUF_TYPES.get(base, "F32") if array.ndim == 2 else "F32"
+    return GGUF_STORAGE_TYPES.get(base, "F32") if array.ndim == 2 else "F32"
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -57,7 +57,7 @@ def tensors_sha256(path: Path) -> str:
 
     digest = hashlib.sha256()
     for tensor in sorted(load_checkpoint(str(path)).tensors(), key=lambda t: t.name):
-        digest.update(f"{tensor.name}:{tensor.dtype}:{tensor.shape}".encode())
+        digest.update(f"{tensor.name}:{tensor.storage_type}:{tensor.shape}".encode())
         digest.update(tensor.data)
     return digest.hexdigest()
 
@@ -93,9 +93,10 @@ def _transformers_model(kind: str, torch: Any, transformers: Any) -> Any:
     if kind == "llama-gguf":
         gguf_names = dict(zip(weights, checkpoints.gguf_tensors(), strict=True))
         for name, array in weights.items():
-            qtype = gguf.GGMLQuantizationType[checkpoints._gguf_type(gguf_names[name], array)]
-            if qtype != gguf.GGMLQuantizationType.F32:
-                weights[name] = gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype).astype(np.float32)
+            storage_type = gguf.GGMLQuantizationType[checkpoints._gguf_storage_type(gguf_names[name], array)]
+            if storage_type != gguf.GGMLQuantizationType.F32:
+                quantized = gguf.quants.quantize(array, storage_type)
+                weights[name] = gguf.quants.dequantize(quantized, storage_type).astype(np.float32)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=True)
     return model
 
