@@ -125,3 +125,13 @@ def test_bad_backend_options_are_reported_with_the_key_and_the_backend(
         assert main([*command, "--backend", backend, "--backend-options", options]) == 2
         err = capsys.readouterr().err
         assert f"backend_options.{key}" in err and f"{backend!r}" in err and why in err, err
+
+
+@pytest.mark.parametrize("command", [["generate", "--help"], ["serve", "--help"]])
+def test_help_lists_each_installed_backend_s_options(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(command)
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    assert "echo: tokens_per_step (an integer from 1 to 16, default 1): tokens each step gives a request" in out
+    assert "cpp: block_size (" in out and "exact_activations (" in out and "torch: " in out

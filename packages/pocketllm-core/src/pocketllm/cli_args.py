@@ -15,7 +15,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type)
-        help_text = f"{f.metadata['help']} (default: {_default(f)}; ${ENV_PREFIX}{f.name.upper()})".replace("%", "%%")
+        help_text = f"{f.metadata['help']} (default: {_default(f)}; ${ENV_PREFIX}{f.name.upper()})"
+        if f.name == "backend_options":
+            help_text += _installed_backend_options()
+        help_text = help_text.replace("%", "%%")
         if kind == "bool":
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif kind.startswith("dict"):
@@ -37,3 +40,16 @@ def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
     explicit = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(EngineArgs)
                 if getattr(namespace, f.name, None) is not None}
     return EngineArgs.from_env(**explicit)
+
+
+def _installed_backend_options() -> str:
+    """Each installed backend's options, for --backend-options' help (``pocketllm backends`` says the same)."""
+    from pocketllm.backend_options import describe
+    from pocketllm.plugins import BackendRegistry
+
+    lines = []
+    for entry in BackendRegistry().entries():  # plugins' own modules only: no backend runtime is imported
+        options = describe(entry.capabilities.backend_options)
+        listed = "; ".join(f"{o.name} ({o.expects}, default {o.default}): {o.help}" for o in options)
+        lines.append(f"{entry.name}: {listed or 'none'}")
+    return ". Installed backends' keys: " + ". ".join(lines) if lines else ""
