@@ -197,8 +197,9 @@ class OutputCollector:
         choice = self.output.outputs[event.index]
         choice.text += event.text
         choice.token_ids.extend(event.token_ids)
-        if event.logprobs is not None:
-            choice.logprobs = (choice.logprobs or []) + event.logprobs
+        if event.logprobs is not None:  # extended in place: a long reply comes in as many events
+            choice.logprobs = choice.logprobs if choice.logprobs is not None else []
+            choice.logprobs.extend(event.logprobs)
         choice.finish_reason, choice.stop_reason = event.finish_reason, event.stop_reason
         if event.answer is not None:  # with SamplingParams.reasoning: the core's split of the reply
             choice.reasoning = (choice.reasoning or "") + (event.reasoning or "")

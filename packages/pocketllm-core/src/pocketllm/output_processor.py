@@ -41,7 +41,6 @@ class ChoiceState:
     text: str = ""
     num_emitted_chars: int = 0
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[SampledLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     # With SamplingParams.reasoning: `split` follows the text token by token (its answer is where stop strings
@@ -145,8 +144,6 @@ class OutputProcessor:
         for i, token in enumerate(tokens):
             ends = i == len(tokens) - 1 and delta.finish_reason is not None
             choice.token_ids.append(token)
-            if delta.logprobs is not None:
-                choice.logprobs = [*(choice.logprobs or []), delta.logprobs[i]]
             piece = choice.detok.add([token])
             if ends:
                 piece += choice.detok.flush()
