@@ -93,6 +93,13 @@ def test_a_backend_option_of_a_wrong_type_or_out_of_range_is_a_config_error(
     assert err.value.field == f"backend_options.{list(options)[-1]}" and message in str(err.value)
 
 
+def test_a_huge_bad_backend_option_value_is_not_echoed_whole(pocketllm_tiny_llama: Path) -> None:
+    checkpoint = load_checkpoint(str(pocketllm_tiny_llama))
+    with pytest.raises(ConfigError) as err:
+        check_engine_args("b", OPTION_CAPS, EngineArgs(backend_options={"size": "x" * 10**6}), checkpoint)
+    assert len(str(err.value)) < 300
+
+
 def test_an_unknown_backend_option_names_the_keys_the_backend_takes(pocketllm_tiny_llama: Path) -> None:
     checkpoint = load_checkpoint(str(pocketllm_tiny_llama))
     with pytest.raises(UnsupportedOptionError, match="accepted keys: size, fast, limit") as err:

@@ -13,6 +13,7 @@ class once, by :func:`resolve`, before ``create_engine``; the engine receives th
 from __future__ import annotations
 
 import json
+import reprlib
 import typing
 from typing import Any
 
@@ -58,7 +59,7 @@ def resolve(backend: str, spec: type[BackendOptions], given: dict[str, Any]) -> 
             msgspec.convert(value, hints[key])  # strict: true is no integer, nor "8"
         except msgspec.ValidationError:
             raise ConfigError(f"backend_options.{key}", f"backend {backend!r} takes {options[key].expects}, "
-                                                        f"got {value!r}") from None
+                                                        f"got {reprlib.repr(value)}") from None
     try:
         return msgspec.convert(given, spec)
     except msgspec.ValidationError as e:  # a rule across options, in the backend's __post_init__
