@@ -128,3 +128,17 @@ def test_the_library_returns_the_reply_split_the_same_whole_and_streamed(pocketl
         assert (plain.outputs[0].reasoning, plain.outputs[0].answer, plain.usage.reasoning_tokens) == (None, None, None)
     finally:
         llm.shutdown()
+
+
+def test_a_delta_that_ends_a_choice_without_a_token_ends_it() -> None:
+    """An engine may end a request between tokens (say, aborting it as too long): nothing may hang on it."""
+    sampling = SamplingParams(max_tokens=10)
+    sink: list[StreamEvent] = []
+    choice = new_choice(0, "r", IncrementalDetokenizer(ScriptedTokenizer(), [0], True), sampling)  # type: ignore[arg-type]
+    request = RequestState("r", [0], sampling, sink.append, StopMatcher([], False), [choice])
+    processor = OutputProcessor(lambda r, c: None, lambda r: None)
+    processor.choices["r"] = (request, choice)
+    processor.process([RequestDelta(request_id="r", new_token_ids=[5, 6])])
+    assert processor.process([RequestDelta(request_id="r", new_token_ids=[], finish_reason="length")]) == []
+    assert sink[-1].finish_reason == "length" and sink[-1].usage is not None and "r" not in processor.choices
+    assert "".join(e.text for e in sink) == "Hello"

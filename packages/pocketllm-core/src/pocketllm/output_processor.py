@@ -141,6 +141,11 @@ class OutputProcessor:
     def _take(self, request: RequestState, choice: ChoiceState, delta: RequestDelta) -> int:
         """Take a delta's tokens in turn, until the choice ends; returns how many were kept."""
         tokens, params = delta.new_token_ids, request.params
+        if not tokens and delta.finish_reason is not None:  # an end between tokens: what was held back is out
+            piece = choice.detok.flush()
+            choice.text += piece
+            self._split(choice, piece, True, stops_in_answer=not params.stop_in_reasoning)
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_token_id
         for i, token in enumerate(tokens):
             ends = i == len(tokens) - 1 and delta.finish_reason is not None
             choice.token_ids.append(token)
