@@ -5,43 +5,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from pocketllm.backend import BackendPlugin, BackendStats, Capabilities, RequestDelta
+from pocketllm.backend import BackendStats, RequestDelta
 from pocketllm.backend_options import BackendOptions
 from pocketllm.errors import UnsupportedOptionError
-from pocketllm.hookspecs import hookimpl
 from pocketllm.sampling_params import SamplingParams
+from pocketllm.testing.wrapper import BackendWrapper
 
 
-class FaultyAddBackend:
+class FaultyAddBackend(BackendWrapper):
     """``inner`` under another name, whose engine refuses the second choice (id ending "-1") of any request."""
 
     OPTION = "conformance_fault"
-
-    def __init__(self, inner: BackendPlugin) -> None:
-        self.inner = inner
-        self.name = f"{inner.name}-faulty-add"
-        self.api_version = inner.api_version
-
-    def probe(self) -> int:
-        return 0  # never chosen by "auto"
-
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities()
+    suffix = "faulty-add"
 
     def create_engine(self, args: Any, checkpoint: Any, options: BackendOptions) -> _FaultyAddEngine:
         return _FaultyAddEngine(self.inner.create_engine(args, checkpoint, options), self.name)
-
-    def as_plugin(self) -> object:
-        """An object carrying the registration hook, for ``BackendRegistry.register_plugin``."""
-        backend = self
-
-        class Plugin:
-            @staticmethod
-            @hookimpl
-            def pocketllm_register_backends(register: Any) -> None:
-                register(backend)
-
-        return Plugin()
 
 
 class _FaultyAddEngine:

@@ -20,15 +20,20 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from pocketllm.backend import BackendPlugin, BackendStats, Capabilities, Engine, RequestDelta
-from pocketllm.hookspecs import hookimpl
 from pocketllm.plugins import BackendRegistry
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.structured import Constraint
+from pocketllm.testing.wrapper import BackendWrapper
+
+if TYPE_CHECKING:
+    from pocketllm.args import EngineArgs
+    from pocketllm.backend_options import BackendOptions
+    from pocketllm.checkpoint import Checkpoint
 
 IDLE_STEP_S = 0.005
 """How long a held step waits for a release before it returns nothing: the longest a command (an abort, a
@@ -138,13 +143,13 @@ class StepGate:
             self._cond.notify_all()
 
 
-class GatedBackend:
+class GatedBackend(BackendWrapper):
     """``inner`` under another name, whose engines step as ``gate`` says; generation only (no embeddings)."""
 
+    suffix = "gated"
+
     def __init__(self, inner: BackendPlugin) -> None:
-        self.inner = inner
-        self.name = f"{inner.name}-gated"
-        self.api_version = inner.api_version
+        super().__init__(inner)
         self.gate = StepGate()
 
     @classmethod
@@ -154,28 +159,12 @@ class GatedBackend:
         registry.register_plugin(gated.as_plugin(), name=gated.name)
         return gated
 
-    def probe(self) -> int:
-        return 0  # never chosen by "auto"
-
     def capabilities(self) -> Capabilities:
         # Its engine has no add_embedding_request: the core refuses embeddings up front rather than in the engine.
         return msgspec.structs.replace(self.inner.capabilities(), pooling_types=())
 
-    def create_engine(self, *args: Any) -> GatedEngine:
-        """The inner backend's engine, built from whatever the core passes (the contract's arguments)."""
-        return GatedEngine(self.inner.create_engine(*args), self.gate)
-
-    def as_plugin(self) -> object:
-        """An object carrying the registration hook, for ``BackendRegistry.register_plugin``."""
-        backend = self
-
-        class Plugin:
-            @staticmethod
-            @hookimpl
-            def pocketllm_register_backends(register: Any) -> None:
-                register(backend)
-
-        return Plugin()
+    def create_engine(self, args: EngineArgs, checkpoint: Checkpoint, options: BackendOptions) -> GatedEngine:
+        return GatedEngine(self.inner.create_engine(args, checkpoint, options), self.gate)
 
 
 class GatedEngine:
