@@ -15,21 +15,15 @@ from typing import Any, ClassVar
 import pytest
 
 from pocketllm.sampling_params import SamplingParams
-from pocketllm.testing.protocol import LONG_PROMPT, PROMPTS, KitBase
+from pocketllm.testing.protocol import LONG_PROMPT, PROMPTS, CheckpointKit
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-class MultiTokenConformance(KitBase):
-    """Subclass with ``backend``, ``multi_token_kwargs`` (and ``engine_kwargs`` for both runs)."""
+class MultiTokenConformance(CheckpointKit):
+    """Subclass with ``backend``, ``multi_token_kwargs`` (and ``engine_kwargs`` for both runs, ``checkpoint``)."""
 
-    checkpoint: ClassVar[str] = "llama"
     multi_token_kwargs: ClassVar[dict[str, Any]] = {}
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def model_path(cls, pocketllm_kit_checkpoint: Any) -> Path:
-        return pocketllm_kit_checkpoint(cls.checkpoint)
 
     @pytest.fixture(scope="class")
     @classmethod

@@ -73,10 +73,9 @@ class KitBase:
         raise AssertionError(f"engine did not go idle: {llm.stats()}")
 
 
-class ProtocolConformance(KitBase):
-    """Subclass with ``backend = "name"`` (and ``engine_kwargs``) to run the protocol checks on a backend.
-
-    ``checkpoint`` picks the kit checkpoint the engine runs ("llama" or "qwen3", both safetensors)."""
+class CheckpointKit(KitBase):
+    """A kit class whose engines run one kit checkpoint: ``checkpoint`` picks it ("llama" or "qwen3", both
+    safetensors)."""
 
     checkpoint: ClassVar[str] = "llama"
 
@@ -84,6 +83,11 @@ class ProtocolConformance(KitBase):
     @classmethod
     def model_path(cls, pocketllm_kit_checkpoint: Any) -> Path:
         return pocketllm_kit_checkpoint(cls.checkpoint)
+
+
+class ProtocolConformance(CheckpointKit):
+    """Subclass with ``backend = "name"`` (and ``engine_kwargs``, ``checkpoint``) to run the protocol checks on a
+    backend."""
 
     @pytest.fixture(scope="class")
     @classmethod
