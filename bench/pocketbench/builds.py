@@ -27,12 +27,11 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from pocketbench.config import Sizes
+from pocketbench.contention import busy_processes
 from pocketbench.engines.pocket import PocketEngine
 from pocketbench.machine import write_report
 from pocketbench.prompts import PromptSet, build_prompts
@@ -158,18 +157,6 @@ class BuildWorker:
 
 def sizes_for(new_tokens: int) -> Sizes:
     return Sizes(new_tokens=new_tokens, concurrency=(BATCH,), ttft_requests=1, serve_concurrency=(1,))
-
-
-@contextmanager
-def busy_processes(count: int) -> Iterator[None]:
-    """`count` Python processes spinning at 100 % of a core each, for the duration."""
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        yield
-    finally:
-        for burner in burners:
-            burner.kill()
-            burner.wait()
 
 
 def condition_name(burners: int) -> str:
