@@ -12,7 +12,7 @@
 #include "pocketllm_cpp/isa.h"
 #include "pocketllm_cpp/matmul.h"
 #include "pocketllm_cpp/engine.h"
-#include "pocketllm_cpp/model.h"
+#include "pocketllm_cpp/llama_model.h"
 
 namespace nb = nanobind;
 using namespace pocketllm;
@@ -183,21 +183,21 @@ NB_MODULE(_native, m) {
                 const std::string what = "model config";
                 auto get = [&](const char* key) { return field<int64_t>(config, key, what); };
                 auto flag = [&](const char* key) { return field<bool>(config, key, what); };
-                ModelConfig c{get("vocab_size"), get("hidden_size"), get("intermediate_size"), get("num_layers"),
+                LlamaConfig c{get("vocab_size"), get("hidden_size"), get("intermediate_size"), get("num_layers"),
                               get("num_heads"), get("num_kv_heads"), get("head_dim"),
                               field<float>(config, "rms_norm_eps", what), flag("rope_pairs_adjacent"),
                               flag("qk_norm"), flag("exact_activations"),
                               field<std::vector<float>>(config, "inv_freq", what),
                               field<float>(config, "rope_attention_factor", what),
                               parse_kv_type(field<std::string>(config, "kv_cache_dtype", what))};
-                std::vector<LayerWeights> weights;
+                std::vector<LlamaLayer> weights;
                 for (const nb::dict& layer : layers) {
                     const std::string where = "layer " + std::to_string(weights.size());
                     auto mat = [&](const char* key) { return self->view(field<Matmul>(layer, key, where)); };
                     auto norm = [&](const char* key, int64_t size) {
                         return to_vector(field<Vector>(layer, key, where), size, key);
                     };
-                    LayerWeights w{mat("q"), mat("k"), mat("v"), mat("o"), mat("gate"), mat("up"), mat("down"),
+                    LlamaLayer w{mat("q"), mat("k"), mat("v"), mat("o"), mat("gate"), mat("up"), mat("down"),
                                    norm("input_norm", c.hidden_size), norm("post_attention_norm", c.hidden_size),
                                    c.qk_norm ? norm("q_norm", c.head_dim) : std::vector<float>{},
                                    c.qk_norm ? norm("k_norm", c.head_dim) : std::vector<float>{}};
@@ -221,7 +221,7 @@ NB_MODULE(_native, m) {
                     head.cols != c.hidden_size) {
                     throw std::invalid_argument("embedding and lm_head must be [vocab_size, hidden_size]");
                 }
-                self->model = std::make_shared<Model>(c, embed, std::move(weights),
+                self->model = std::make_shared<LlamaModel>(c, embed, std::move(weights),
                                                       to_vector(final_norm, c.hidden_size, "final_norm"), head,
                                                       num_blocks, block_size, num_threads);
             },
@@ -238,7 +238,7 @@ NB_MODULE(_native, m) {
                     nb::gil_scoped_release released;
                     logits = self.model->forward(tokens, parts);
                 }
-                const int64_t vocab = self.model->config().vocab_size;
+                const int64_t vocab = self.model->vocab_size();
                 auto out = new_matrix(static_cast<int64_t>(logits.size()) / vocab, vocab);
                 std::copy(logits.begin(), logits.end(), out.data());
                 return out;

@@ -16,7 +16,7 @@ Engine::Engine(std::shared_ptr<Model> model, SchedulerConfig config)
 
 void Engine::check_prompt(const std::string& id, const std::vector<int32_t>& prompt, int64_t longest) const {
     if (by_id_.count(id)) throw std::invalid_argument("request id '" + id + "' is already in use");
-    const int64_t vocab = model_->config().vocab_size;
+    const int64_t vocab = model_->vocab_size();
     if (prompt.empty() || !std::all_of(prompt.begin(), prompt.end(), [&](int32_t t) { return t >= 0 && t < vocab; })) {
         throw std::invalid_argument("request '" + id + "': empty prompt or token id out of range");
     }
@@ -26,7 +26,7 @@ void Engine::check_prompt(const std::string& id, const std::vector<int32_t>& pro
 }
 
 void Engine::add_request(const std::string& id, std::vector<int32_t> prompt, SamplingConfig sampling) {
-    const int64_t vocab = model_->config().vocab_size;
+    const int64_t vocab = model_->vocab_size();
     auto in_vocab = [&](int32_t t) { return t >= 0 && t < vocab; };
     if (!std::all_of(sampling.stop_ids.begin(), sampling.stop_ids.end(), in_vocab) ||
         !std::all_of(sampling.logit_bias.begin(), sampling.logit_bias.end(), [&](auto& b) { return in_vocab(b.first); }) ||
@@ -53,7 +53,7 @@ void Engine::add_embedding_request(const std::string& id, std::vector<int32_t> p
 }
 
 bool Engine::pool_chunk(const SeqPtr& seq, int64_t start, const float* part, Delta& delta) {
-    const size_t hidden = static_cast<size_t>(model_->config().hidden_size);
+    const size_t hidden = static_cast<size_t>(model_->hidden_size());
     // A fresh pooling where the prompt starts (a preempted request pools its recomputed prompt again), and where its
     // first chunk starts after a cached prefix (Last alone reuses one).
     if (start == 0 || seq->pooled.size() != hidden) seq->pooled.assign(hidden, 0.0f);
@@ -181,10 +181,10 @@ std::vector<Delta> Engine::step() {
     const std::vector<float> logits = model_->forward(tokens, slices, pools ? &pooled : nullptr);
     ++profile_.steps;
     profile_.tokens += static_cast<int64_t>(tokens.size());
-    const int64_t vocab = model_->config().vocab_size;
+    const int64_t vocab = model_->vocab_size();
     std::vector<Delta> deltas;
     int64_t row = 0, pooled_row = 0;
-    const int64_t hidden = model_->config().hidden_size;
+    const int64_t hidden = model_->hidden_size();
     for (size_t i = 0; i < scheduled.size(); ++i) {
         const SeqPtr& seq = scheduled[i];
         const int64_t start = seq->computed;
@@ -232,7 +232,7 @@ Delta Engine::sample_next(const SeqPtr& seq, std::vector<float> logits) {
 void Engine::set_allowed(const std::string& id, std::vector<uint32_t> words) {
     auto it = by_id_.find(id);
     if (it == by_id_.end()) throw std::invalid_argument("set_allowed: unknown request '" + id + "'");
-    const size_t expected = static_cast<size_t>((model_->config().vocab_size + 31) / 32);
+    const size_t expected = static_cast<size_t>((model_->vocab_size() + 31) / 32);
     if (!words.empty() && words.size() != expected) {
         throw std::invalid_argument("set_allowed: " + std::to_string(words.size()) + " mask words, expected " +
                                     std::to_string(expected));

@@ -13,6 +13,7 @@
 
 #include "pocketllm_cpp/block_manager.h"
 #include "pocketllm_cpp/engine.h"
+#include "pocketllm_cpp/llama_model.h"
 #include "pocketllm_cpp/isa.h"
 #include "pocketllm_cpp/matmul.h"
 
@@ -197,7 +198,7 @@ int main() {
         for (auto& v : storage.back()) v = 0.3f * normal(rng);
         return WeightView{reinterpret_cast<const uint8_t*>(storage.back().data()), StorageType::F32, r, c};
     };
-    std::vector<LayerWeights> weights;
+    std::vector<LlamaLayer> weights;
     for (int64_t l = 0; l < layers; ++l) {
         weights.push_back({matrix(heads * dim, hidden), matrix(kv_heads * dim, hidden), matrix(kv_heads * dim, hidden),
                            matrix(hidden, heads * dim), matrix(inter, hidden), matrix(inter, hidden),
@@ -206,9 +207,9 @@ int main() {
     }
     std::vector<float> inv_freq;
     for (int64_t i = 0; i < dim / 2; ++i) inv_freq.push_back(std::pow(10000.0f, -2.0f * i / dim));
-    const ModelConfig config{vocab, hidden, inter, layers, heads, kv_heads, dim, 1e-5f, false, false, false,
+    const LlamaConfig config{vocab, hidden, inter, layers, heads, kv_heads, dim, 1e-5f, false, false, false,
                              inv_freq, 1.0f, KvType::F16};
-    auto model = std::make_shared<Model>(config, matrix(vocab, hidden), std::move(weights),
+    auto model = std::make_shared<LlamaModel>(config, matrix(vocab, hidden), std::move(weights),
                                          std::vector<float>(hidden, 1.0f), matrix(vocab, hidden), 16, 4, 2);
     Engine engine(model, SchedulerConfig{2, 16, 8, 7});
     SamplingConfig greedy;

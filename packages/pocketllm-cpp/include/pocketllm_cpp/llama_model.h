@@ -1,0 +1,63 @@
+// A Llama-family decoder (Llama, Qwen3) over weights read in place, with a paged KV cache it owns.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "pocketllm_cpp/matmul.h"
+#include "pocketllm_cpp/model.h"
+#include "pocketllm_cpp/profile.h"
+#include "pocketllm_cpp/thread_pool.h"
+
+namespace pocketllm {
+
+struct LlamaConfig {
+    int64_t vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim;
+    float rms_norm_eps;
+    bool rope_pairs_adjacent;  // llama.cpp's q/k row order (GGUF Llama): rotate (2i, 2i+1), else (i, i + D/2)
+    bool qk_norm;              // Qwen3: RMSNorm over each head of q and k before RoPE
+    bool exact_activations;    // float32 activations against block weights too (see matmul)
+    std::vector<float> inv_freq;  // RoPE frequency of each of the head_dim / 2 pairs, scaling applied
+    float rope_attention_factor = 1.0f;  // YaRN scales cos and sin by it
+    KvType kv_type = KvType::F16;
+};
+
+struct LlamaLayer {
+    WeightView q, k, v, o, gate, up, down;
+    std::vector<float> input_norm, post_attention_norm, q_norm, k_norm;
+};
+
+class LlamaModel final : public Model {
+public:
+    LlamaModel(LlamaConfig config, WeightView embedding, std::vector<LlamaLayer> layers, std::vector<float> final_norm,
+          WeightView lm_head, int64_t num_blocks, int64_t block_size, int num_threads);
+
+    const LlamaConfig& config() const { return config_; }
+
+    std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
+                               std::vector<float>* pooled = nullptr) override;
+    void add_profile(Profile& into) const override;
+    void reset_profile() override;
+
+private:
+    struct Batch;  // one forward's tokens, positions and work buffers
+
+    void attention_layer(int64_t layer, Batch& batch, const std::vector<SequenceSlice>& slices);
+    void attend(int64_t layer, Batch& batch, const std::vector<SequenceSlice>& slices);
+    // Keys (which 0) or values (1) of one layer's block: [kv_heads, block_size, head_dim] elements.
+    uint8_t* kv(int64_t layer, int64_t block, int which);
+
+    LlamaConfig config_;
+    WeightView embedding_, lm_head_;
+    std::vector<LlamaLayer> layers_;
+    std::vector<float> final_norm_;
+    size_t kv_element_;  // bytes per cached value
+    std::unique_ptr<uint8_t[]> cache_;
+    ThreadPool pool_;
+    Profile profile_;
+    double wait_at_reset_ = 0;
+    int64_t regions_at_reset_ = 0;
+};
+
+}  // namespace pocketllm
