@@ -299,3 +299,20 @@ def test_absurd_backend_options_are_config_errors(backend: str, option: str, val
         LLM(str(pocketllm_kit_checkpoint("llama")), backend=backend, dtype="float32",
             backend_options={option: value}).shutdown()
     assert err.value.field in ("backend_options", f"backend_options.{option}") and str(value) in str(err.value)
+
+
+def test_a_slice_yields_the_logits_of_its_last_tokens(pocketllm_kit_checkpoint) -> None:
+    """num_logits rows for a slice's last tokens (what speculative decoding verifies) are the logits each of those
+    tokens gets when it is run a step at a time, bit for bit; 0..num_tokens is the range."""
+    model = build_model(load_checkpoint(str(pocketllm_kit_checkpoint("qwen3"))), num_blocks=100, block_size=BLOCK,
+                        num_threads=2, kv_cache_dtype="float16")
+    prompt = np.random.default_rng(3).integers(3, 323, 40).tolist()
+    first, second = _tables(2, 50)
+    rows = model.forward(prompt, [(0, 40, first, 5)])
+    assert rows.shape == (5, 323)
+    stepwise = [model.forward(prompt[:36], [(0, 36, second, 1)])[0]]
+    stepwise += [model.forward([token], [(36 + i, 1, second, 1)])[0] for i, token in enumerate(prompt[36:39])]
+    np.testing.assert_array_equal(rows[:4], np.stack(stepwise))
+    for bad in (-1, 41):
+        with pytest.raises(ValueError, match="num_logits"):
+            model.forward(prompt, [(0, 40, first, bad)])

@@ -230,7 +230,7 @@ NB_MODULE(_native, m) {
         .def(
             "forward",
             [](PyModel& self, const std::vector<int32_t>& tokens,
-               const std::vector<std::tuple<int64_t, int64_t, std::vector<int32_t>, bool>>& slices) {
+               const std::vector<std::tuple<int64_t, int64_t, std::vector<int32_t>, int64_t>>& slices) {
                 std::vector<SequenceSlice> parts;
                 for (const auto& [start, count, table, logits] : slices) parts.push_back({start, count, table, logits});
                 std::vector<float> logits;
@@ -244,8 +244,8 @@ NB_MODULE(_native, m) {
                 return out;
             },
             nb::arg("tokens"), nb::arg("slices"),
-            "Run tokens of several sequences: slices are (start, num_tokens, block_table, want_logits); returns "
-            "the logits of each wanted slice's last token.");
+            "Run tokens of several sequences: slices are (start, num_tokens, block_table, num_logits); returns "
+            "the logits of each slice's last num_logits tokens.");
     nb::class_<PyEngine>(m, "Engine", "Scheduler, KV block pool and sampler over a Model; one thread calls it.")
         .def(
             "__init__",

@@ -174,7 +174,7 @@ std::vector<Delta> Engine::step() {
         const Sequence& seq = *scheduled[i];
         tokens.insert(tokens.end(), seq.tokens.begin() + seq.computed, seq.tokens.begin() + seq.computed + counts[i]);
         const bool ends = seq.computed + counts[i] == seq.size();
-        slices.push_back({seq.computed, counts[i], seq.blocks, ends && seq.pool == Pooling::None, seq.pool});
+        slices.push_back({seq.computed, counts[i], seq.blocks, ends && seq.pool == Pooling::None ? 1 : 0, seq.pool});
         pools = pools || seq.pool != Pooling::None;
     }
     std::vector<float> pooled;
@@ -197,7 +197,7 @@ std::vector<Delta> Engine::step() {
             }
             continue;
         }
-        if (!slices[i].logits) continue;  // a prompt chunk that does not reach the end yet
+        if (slices[i].num_logits == 0) continue;  // a prompt chunk that does not reach the end yet
         Stopwatch sampling(profile_.sample);
         deltas.push_back(sample_next(seq, std::vector<float>(logits.begin() + row * vocab, logits.begin() + (row + 1) * vocab)));
         ++row;

@@ -216,14 +216,14 @@ std::vector<float> LlamaModel::forward(const std::vector<int32_t>& tokens, const
         }
         begin = end;
     }
-    std::vector<float> last;  // the final norm of each wanted slice's last token
+    std::vector<float> last;  // the final norm of each wanted slice's last num_logits tokens
     for (int64_t s = 0, end = 0; s < static_cast<int64_t>(slices.size()); ++s) {
         end += slices[s].num_tokens;
-        if (!slices[s].logits) continue;
-        const int64_t t = end - 1;
-        for (int64_t i = 0; i < hidden; ++i) batch.x[t * hidden + i] += batch.out[t * hidden + i];
-        last.resize(last.size() + static_cast<size_t>(hidden));
-        rms_norm(&batch.x[t * hidden], final_norm_.data(), hidden, c.rms_norm_eps, &last[last.size() - hidden]);
+        for (int64_t t = end - slices[s].num_logits; t < end; ++t) {
+            for (int64_t i = 0; i < hidden; ++i) batch.x[t * hidden + i] += batch.out[t * hidden + i];
+            last.resize(last.size() + static_cast<size_t>(hidden));
+            rms_norm(&batch.x[t * hidden], final_norm_.data(), hidden, c.rms_norm_eps, &last[last.size() - hidden]);
+        }
     }
     const int64_t rows = static_cast<int64_t>(last.size()) / hidden;
     std::vector<float> logits(static_cast<size_t>(rows * c.vocab_size));

@@ -9,6 +9,9 @@ void Model::check(const std::vector<int32_t>& tokens, const std::vector<Sequence
     int64_t total = 0;
     for (const auto& s : slices) {
         if (s.start < 0 || s.num_tokens <= 0) throw std::invalid_argument("a slice needs a start >= 0 and tokens");
+        if (s.num_logits < 0 || s.num_logits > s.num_tokens) {
+            throw std::invalid_argument("a slice's num_logits must be 0..num_tokens");
+        }
         const int64_t end = s.start + s.num_tokens;
         if (static_cast<int64_t>(s.block_table.size()) * block_size_ < end) {
             throw std::invalid_argument("a slice's block table is too short for position " + std::to_string(end - 1));

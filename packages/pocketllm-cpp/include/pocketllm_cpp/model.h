@@ -17,7 +17,7 @@ struct SequenceSlice {
     int64_t start;
     int64_t num_tokens;
     std::vector<int32_t> block_table;
-    bool logits;  // whether its last token's logits are wanted
+    int64_t num_logits;  // the logits of its last num_logits tokens are wanted (0..num_tokens)
     Pooling pool = Pooling::None;
     // Its request's state slot, for models with layers that keep a fixed-size state (see num_state_slots); the
     // slot holds the state after `start` tokens, and a slice that starts at 0 starts from a zero state.
@@ -42,7 +42,7 @@ public:
     virtual int64_t state_bytes() const { return 0; }
 
     // Runs every slice's new tokens (in slice order in `tokens`) through the model, writing their keys and
-    // values to the cache; returns the logits [slices with logits, vocab] of each wanted slice's last token.
+    // values to the cache; returns the logits [sum of num_logits, vocab]: each slice's last num_logits tokens, in order.
     // With `pooled`, appends [slices that pool, hidden] to it: the sum of the slice's final hidden states (Mean),
     // its first one (Cls; zeros unless the slice starts at 0) or its last one (Last).
     // Throws std::invalid_argument for ids, positions, blocks or slots out of range, before touching a cache.
