@@ -178,6 +178,11 @@ _QWEN3_5_REQUIRED = {
                                 "linear_attn.norm.weight", "blk:ssm_out.weight")},
 }
 _QWEN3_5_MLP = {"qwen3_5_text": _DENSE, "qwen3_5_moe_text": ("mlp.gate.weight",)}
+# A GGUF MoE layer's experts, stacked, and its shared expert (safetensors keep experts fused or one by one: the
+# backends read either).
+_QWEN3_5_MOE_GGUF = (*(f"mlp.experts.{n}_proj.weight" for n in ("gate", "up", "down")),
+                     *(f"mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")),
+                     "mlp.shared_expert_gate.weight")
 
 
 def check_model(checkpoint: Checkpoint) -> None:
@@ -215,6 +220,11 @@ def check_model(checkpoint: Checkpoint) -> None:
         hint = f"; its tensors of that layer include {', '.join(map(repr, strays))}, which no rule names" \
             if strays else ""
         raise fail(f"the {config.architecture} model needs tensor {missing[0]!r}, which the checkpoint lacks{hint}")
+    if config.architecture in _QWEN3_5_MLP:  # a hybrid layer's tensors are all named by a rule: no stray survives
+        strays = [t.file_name for t in by_name.values()
+                  if (m := _LAYER.fullmatch(t.name)) and _stray(t.name, m[1] or m[3], config)]
+        if strays:
+            raise fail(f"tensor {strays[0]!r} is not one the {config.architecture} model has")
 
 
 def _check_qwen3_5_sizes(config: ModelConfig, key_of: Callable[[str], str],
@@ -242,7 +252,9 @@ def _layer_names(config: ModelConfig, layer: int, kind: str, gguf: bool) -> list
     if config.architecture in _REQUIRED:
         return [full(name) for name in _REQUIRED[config.architecture]]
     rules = _QWEN3_5_REQUIRED[gguf]
-    return [full(name) for name in (*rules["common"], *rules.get(kind, ()), *_QWEN3_5_MLP[config.architecture])]
+    mlp = _QWEN3_5_MLP[config.architecture]
+    experts = _QWEN3_5_MOE_GGUF if gguf and config.architecture == "qwen3_5_moe_text" else ()
+    return [full(name) for name in (*rules["common"], *rules.get(kind, ()), *mlp, *experts)]
 
 
 def _qwen3_5_layer_types(config: ModelConfig) -> list[str]:
