@@ -247,19 +247,30 @@ NB_MODULE(_native, m) {
             nb::arg("tokens"), nb::arg("slices"),
             "Run tokens of several sequences: slices are (start, num_tokens, block_table, num_logits); returns "
             "the logits of each slice's last num_logits tokens.");
+    nb::class_<EngineStats>(m, "EngineStats", "The engine's counters now (stats()).")
+        .def_ro("running", &EngineStats::running)
+        .def_ro("waiting", &EngineStats::waiting)
+        .def_ro("blocks_total", &EngineStats::blocks_total)
+        .def_ro("blocks_used", &EngineStats::blocks_used)
+        .def_ro("preemptions", &EngineStats::preemptions)
+        .def_ro("prefix_queries", &EngineStats::prefix_queries, "prompt tokens looked up in the prefix cache")
+        .def_ro("prefix_hits", &EngineStats::prefix_hits, "of them, tokens found")
+        .def_ro("state_snapshots", &EngineStats::state_snapshots, "state snapshots held (hybrid models)")
+        .def_ro("state_snapshot_hits", &EngineStats::state_snapshot_hits, "requests resumed from one")
+        .def_ro("state_snapshot_evictions", &EngineStats::state_snapshot_evictions);
     nb::class_<PyEngine>(m, "Engine", "Scheduler, KV block pool and sampler over a Model; one thread calls it.")
         .def(
             "__init__",
             [](PyEngine* self, nb::object model, int64_t max_num_seqs, int64_t max_num_batched_tokens,
-               int64_t prefill_chunk_size, int64_t seed, bool prefix_caching) {
+               int64_t prefill_chunk_size, int64_t seed, bool prefix_caching, int64_t snapshot_bytes) {
                 if (!nb::isinstance<PyModel>(model)) throw nb::type_error("model must be a pocketllm_cpp._native.Model");
                 PyModel& owner = nb::cast<PyModel&>(model);
                 new (self) PyEngine{model, std::make_unique<Engine>(
                     owner.model, SchedulerConfig{max_num_seqs, max_num_batched_tokens, prefill_chunk_size,
-                                                 static_cast<uint64_t>(seed), prefix_caching})};
+                                                 static_cast<uint64_t>(seed), prefix_caching, snapshot_bytes})};
             },
             nb::arg("model"), nb::arg("max_num_seqs"), nb::arg("max_num_batched_tokens"),
-            nb::arg("prefill_chunk_size"), nb::arg("seed"), nb::arg("prefix_caching") = false)
+            nb::arg("prefill_chunk_size"), nb::arg("seed"), nb::arg("prefix_caching") = false, nb::arg("snapshot_bytes") = 0)
         .def(
             "add_request",
             [](PyEngine& self, const std::string& id, std::vector<int32_t> prompt, const nb::dict& sampling) {
@@ -320,11 +331,7 @@ NB_MODULE(_native, m) {
              },
              "Seconds spent per phase since the last reset_profile(), with steps, tokens and parallel regions.")
         .def("reset_profile", [](PyEngine& self) { self.engine->reset_profile(); })
-        .def("stats", [](PyEngine& self) {
-            const EngineStats s = self.engine->stats();
-            return nb::make_tuple(s.running, s.waiting, s.blocks_total, s.blocks_used, s.preemptions,
-                                  s.prefix_queries, s.prefix_hits);
-        });
+        .def("stats", [](PyEngine& self) { return self.engine->stats(); });
     m.def(
         "quantize_activations",
         [](const Matrix& x) {

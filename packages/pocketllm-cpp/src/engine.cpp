@@ -7,15 +7,10 @@
 namespace pocketllm {
 
 Engine::Engine(std::shared_ptr<Model> model, SchedulerConfig config)
-    : model_(std::move(model)), config_(config), seeds_(config.seed),
-      blocks_(model_->num_blocks(), model_->block_size(), config.prefix_caching) {
-    if (config.max_num_seqs <= 0 || config.max_num_batched_tokens <= 0 || config.prefill_chunk_size <= 0) {
-        throw std::invalid_argument("max_num_seqs, max_num_batched_tokens and prefill_chunk_size must be positive");
-    }
-}
+    : model_(std::move(model)), seeds_(config.seed), scheduler_(*model_, config) {}
 
 void Engine::check_prompt(const std::string& id, const std::vector<int32_t>& prompt, int64_t longest) const {
-    if (by_id_.count(id)) throw std::invalid_argument("request id '" + id + "' is already in use");
+    if (scheduler_.find(id)) throw std::invalid_argument("request id '" + id + "' is already in use");
     const int64_t vocab = model_->vocab_size();
     if (prompt.empty() || !std::all_of(prompt.begin(), prompt.end(), [&](int32_t t) { return t >= 0 && t < vocab; })) {
         throw std::invalid_argument("request '" + id + "': empty prompt or token id out of range");
@@ -36,20 +31,17 @@ void Engine::add_request(const std::string& id, std::vector<int32_t> prompt, Sam
     check_prompt(id, prompt, static_cast<int64_t>(prompt.size()) + sampling.max_tokens);
     const uint64_t seed = sampling.has_seed ? sampling.seed : seeds_.next();
     const size_t num_prompt = prompt.size();
-    auto seq = std::make_shared<Sequence>(Sequence{id, std::move(prompt), num_prompt, std::move(sampling), Rng(seed), 0, {}, {}, {}});
-    by_id_[id] = seq;
-    waiting_.push_back(seq);
+    scheduler_.add(std::make_shared<Sequence>(Sequence{id, std::move(prompt), num_prompt, std::move(sampling), Rng(seed)}));
 }
 
 void Engine::add_embedding_request(const std::string& id, std::vector<int32_t> prompt, Pooling pool, bool normalize) {
     if (pool == Pooling::None) throw std::invalid_argument("request '" + id + "': an embedding needs a pooling");
     check_prompt(id, prompt, static_cast<int64_t>(prompt.size()));
     const size_t num_prompt = prompt.size();
-    auto seq = std::make_shared<Sequence>(Sequence{id, std::move(prompt), num_prompt, SamplingConfig{}, Rng(0), 0, {}, {}, {}});
+    auto seq = std::make_shared<Sequence>(Sequence{id, std::move(prompt), num_prompt, SamplingConfig{}, Rng(0)});
     seq->pool = pool;
     seq->normalize = normalize;
-    by_id_[id] = seq;
-    waiting_.push_back(seq);
+    scheduler_.add(seq);
 }
 
 bool Engine::pool_chunk(const SeqPtr& seq, int64_t start, const float* part, Delta& delta) {
@@ -75,132 +67,55 @@ bool Engine::pool_chunk(const SeqPtr& seq, int64_t start, const float* part, Del
         for (float& v : vector) v *= scale;
     }
     delta = Delta{seq->id, 0, Finish::Stop, -1, false, {}, std::move(vector)};
-    finish(seq);
+    scheduler_.finish(seq);
     return true;
-}
-
-bool Engine::reserve(const SeqPtr& seq, int64_t tokens, const std::vector<SeqPtr>& scheduled) {
-    const int64_t needed = (tokens + model_->block_size() - 1) / model_->block_size();
-    while (static_cast<int64_t>(seq->blocks.size()) < needed) {
-        const int32_t block = blocks_.allocate();
-        if (block >= 0) {
-            seq->blocks.push_back(block);
-            continue;
-        }
-        // Preempt the newest running sequence not in this step; if that is `seq` itself, it waits.
-        auto victim = std::find_if(running_.rbegin(), running_.rend(), [&](const SeqPtr& s) {
-            return std::find(scheduled.begin(), scheduled.end(), s) == scheduled.end();
-        });
-        if (victim == running_.rend()) return false;
-        const SeqPtr chosen = *victim;
-        preempt(chosen);
-        if (chosen == seq) return false;
-    }
-    return true;
-}
-
-// Moves a waiting sequence to running if its cached prefix and first chunk fit the free blocks (admission never
-// preempts); `count` is then the tokens it computes this step.
-bool Engine::admit(const SeqPtr& seq, int64_t budget, int64_t& count) {
-    // Pooling every prompt token (or the first) needs their hidden states: no cached prefix stands in for them.
-    const bool pools_all = seq->pool == Pooling::Mean || seq->pool == Pooling::Cls;
-    const std::vector<int32_t> cached = pools_all ? std::vector<int32_t>{} : blocks_.match(seq->tokens);
-    const int64_t start = static_cast<int64_t>(cached.size()) * model_->block_size();
-    count = std::min({seq->size() - start, config_.prefill_chunk_size, budget});
-    const int64_t fresh = (start + count + model_->block_size() - 1) / model_->block_size() -
-                          static_cast<int64_t>(cached.size());
-    if (fresh + blocks_.idle_among(cached) > blocks_.num_free()) return false;
-    seq->chain = blocks_.share(cached, seq->size());
-    seq->blocks = cached;
-    seq->computed = start;
-    for (int64_t i = 0; i < fresh; ++i) seq->blocks.push_back(blocks_.allocate());
-    return true;
-}
-
-void Engine::release(Sequence& seq) {
-    blocks_.release(seq.blocks);
-    seq.chain = {};
-}
-
-void Engine::preempt(const SeqPtr& seq) {
-    running_.erase(std::find(running_.begin(), running_.end(), seq));
-    release(*seq);
-    seq->computed = 0;
-    waiting_.push_front(seq);
-    ++preemptions_;
-}
-
-void Engine::finish(const SeqPtr& seq) {
-    auto it = std::find(running_.begin(), running_.end(), seq);
-    if (it != running_.end()) running_.erase(it);
-    auto w = std::find(waiting_.begin(), waiting_.end(), seq);
-    if (w != waiting_.end()) waiting_.erase(w);
-    release(*seq);
-    by_id_.erase(seq->id);
 }
 
 std::vector<Delta> Engine::step() {
     Stopwatch timed(profile_.step);
-    std::vector<SeqPtr> scheduled;
-    std::vector<int64_t> counts;
-    int64_t budget = config_.max_num_batched_tokens;
-    // Running sequences first (decodes, and prompts under way), then waiting ones while slots and budget last.
-    for (const SeqPtr& seq : std::vector<SeqPtr>(running_)) {
-        if (budget == 0) break;
-        if (std::find(running_.begin(), running_.end(), seq) == running_.end()) continue;  // preempted just now
-        const int64_t n = std::min({seq->size() - seq->computed, config_.prefill_chunk_size, budget});
-        if (reserve(seq, seq->computed + n, scheduled)) {
-            scheduled.push_back(seq);
-            counts.push_back(n);
-            budget -= n;
-        }
-    }
-    while (!waiting_.empty() && budget > 0 && static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
-        const SeqPtr seq = waiting_.front();
-        int64_t n = 0;
-        if (!admit(seq, budget, n)) break;
-        waiting_.pop_front();
-        running_.push_back(seq);
-        scheduled.push_back(seq);
-        counts.push_back(n);
-        budget -= n;
-    }
-    if (scheduled.empty()) return {};
-
+    const ScheduledBatch batch = scheduler_.schedule();
+    if (batch.seqs.empty()) return {};
     std::vector<int32_t> tokens;
-    std::vector<SequenceSlice> slices;
-    bool pools = false;
-    for (size_t i = 0; i < scheduled.size(); ++i) {
-        const Sequence& seq = *scheduled[i];
-        tokens.insert(tokens.end(), seq.tokens.begin() + seq.computed, seq.tokens.begin() + seq.computed + counts[i]);
-        const bool ends = seq.computed + counts[i] == seq.size();
-        slices.push_back({seq.computed, counts[i], seq.blocks, ends && seq.pool == Pooling::None ? 1 : 0, seq.pool});
-        pools = pools || seq.pool != Pooling::None;
-    }
+    const std::vector<SequenceSlice> slices = slices_of(batch, tokens);
     std::vector<float> pooled;
-    const std::vector<float> logits = model_->forward(tokens, slices, pools ? &pooled : nullptr);
+    const std::vector<float> logits = model_->forward(tokens, slices, &pooled);
+    scheduler_.computed(batch);
     ++profile_.steps;
     profile_.tokens += static_cast<int64_t>(tokens.size());
-    const int64_t vocab = model_->vocab_size();
+    return deltas_of(batch, slices, logits, pooled);
+}
+
+std::vector<SequenceSlice> Engine::slices_of(const ScheduledBatch& batch, std::vector<int32_t>& tokens) const {
+    std::vector<SequenceSlice> slices;
+    for (size_t i = 0; i < batch.seqs.size(); ++i) {
+        const Sequence& seq = *batch.seqs[i];
+        const auto first = seq.tokens.begin() + seq.computed;
+        tokens.insert(tokens.end(), first, first + batch.counts[i]);
+        const bool samples = seq.computed + batch.counts[i] == seq.size() && seq.pool == Pooling::None;
+        slices.push_back({seq.computed, batch.counts[i], seq.blocks, samples ? 1 : 0, seq.pool, seq.state_slot});
+    }
+    return slices;
+}
+
+std::vector<Delta> Engine::deltas_of(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,
+                                     const std::vector<float>& logits, const std::vector<float>& pooled) {
+    const int64_t vocab = model_->vocab_size(), hidden = model_->hidden_size();
     std::vector<Delta> deltas;
     int64_t row = 0, pooled_row = 0;
-    const int64_t hidden = model_->hidden_size();
-    for (size_t i = 0; i < scheduled.size(); ++i) {
-        const SeqPtr& seq = scheduled[i];
-        const int64_t start = seq->computed;
-        seq->computed += counts[i];
-        blocks_.register_full(seq->tokens, seq->computed, seq->blocks, seq->chain);
+    for (size_t i = 0; i < batch.seqs.size(); ++i) {
+        const SeqPtr& seq = batch.seqs[i];
         if (seq->pool != Pooling::None) {
             Delta delta;
-            if (pool_chunk(seq, start, &pooled[static_cast<size_t>(pooled_row++ * hidden)], delta)) {
+            if (pool_chunk(seq, slices[i].start, &pooled[static_cast<size_t>(pooled_row++ * hidden)], delta)) {
                 deltas.push_back(std::move(delta));
             }
             continue;
         }
         if (slices[i].num_logits == 0) continue;  // a prompt chunk that does not reach the end yet
         Stopwatch sampling(profile_.sample);
-        deltas.push_back(sample_next(seq, std::vector<float>(logits.begin() + row * vocab, logits.begin() + (row + 1) * vocab)));
-        ++row;
+        const auto first = logits.begin() + row * vocab;
+        deltas.push_back(sample_next(seq, std::vector<float>(first, first + vocab)));
+        row += slices[i].num_logits;
     }
     return deltas;
 }
@@ -213,7 +128,7 @@ Delta Engine::sample_next(const SeqPtr& seq, std::vector<float> logits) {
         delta.token = 0;
         delta.has_logprobs = false;
         delta.finish = Finish::Error;
-        finish(seq);
+        scheduler_.finish(seq);
         return delta;
     }
     seq->tokens.push_back(delta.token);
@@ -225,25 +140,24 @@ Delta Engine::sample_next(const SeqPtr& seq, std::vector<float> logits) {
     } else if (seq->num_output() >= seq->sampling.max_tokens) {
         delta.finish = Finish::Length;
     }
-    if (delta.finish != Finish::None) finish(seq);
+    if (delta.finish != Finish::None) scheduler_.finish(seq);
     return delta;
 }
 
 void Engine::set_allowed(const std::string& id, std::vector<uint32_t> words) {
-    auto it = by_id_.find(id);
-    if (it == by_id_.end()) throw std::invalid_argument("set_allowed: unknown request '" + id + "'");
+    const SeqPtr seq = scheduler_.find(id);
+    if (!seq) throw std::invalid_argument("set_allowed: unknown request '" + id + "'");
     const size_t expected = static_cast<size_t>((model_->vocab_size() + 31) / 32);
     if (!words.empty() && words.size() != expected) {
         throw std::invalid_argument("set_allowed: " + std::to_string(words.size()) + " mask words, expected " +
                                     std::to_string(expected));
     }
-    it->second->allowed = std::move(words);
+    seq->allowed = std::move(words);
 }
 
 void Engine::abort(const std::vector<std::string>& ids) {
     for (const std::string& id : ids) {
-        auto it = by_id_.find(id);
-        if (it != by_id_.end()) finish(it->second);
+        if (const SeqPtr seq = scheduler_.find(id)) scheduler_.finish(seq);
     }
 }
 
@@ -260,9 +174,11 @@ void Engine::reset_profile() {
 }
 
 EngineStats Engine::stats() const {
-    const int64_t total = blocks_.num_blocks();
-    return {static_cast<int64_t>(running_.size()), static_cast<int64_t>(waiting_.size()), total,
-            total - blocks_.num_free(), preemptions_, blocks_.queries(), blocks_.hits()};
+    const BlockManager& blocks = scheduler_.blocks();
+    const StateSnapshots& snapshots = scheduler_.snapshots();
+    return {scheduler_.num_running(), scheduler_.num_waiting(), blocks.num_blocks(),
+            blocks.num_blocks() - blocks.num_free(), scheduler_.preemptions(), blocks.queries(), blocks.hits(),
+            snapshots.size(), snapshots.hits(), snapshots.evictions()};
 }
 
 }  // namespace pocketllm

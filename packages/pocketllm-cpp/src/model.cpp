@@ -5,6 +5,10 @@
 
 namespace pocketllm {
 
+void Model::save_state(int32_t, float*) const { throw std::logic_error("this model keeps no state"); }
+
+void Model::load_state(int32_t, const float*) { throw std::logic_error("this model keeps no state"); }
+
 void Model::check(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices) const {
     int64_t total = 0;
     for (const auto& s : slices) {

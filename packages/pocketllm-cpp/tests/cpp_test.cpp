@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdio>
+#include <map>
 #include <ctime>
 #include <random>
 #include <stdexcept>
@@ -29,7 +30,113 @@ static int failures = 0;
         }                                                                \
     } while (0)
 
+// A model whose whole state is one number per slot, a running hash of every token it has seen, and whose greedy
+// next token is that hash: a request that runs in another's slot, resumes from a wrong snapshot or starts from a
+// stale state gives other tokens.
+class HashStateModel final : public Model {
+public:
+    HashStateModel(int64_t slots, int64_t num_blocks)
+        : Model(kVocab, 1, num_blocks, 4), state_(static_cast<size_t>(slots), 0.0f) {}
+    static constexpr int64_t kVocab = 97;
+    int64_t num_state_slots() const override { return static_cast<int64_t>(state_.size()); }
+    int64_t state_bytes() const override { return 4; }
+    void save_state(int32_t slot, float* out) const override { *out = state_[static_cast<size_t>(slot)]; }
+    void load_state(int32_t slot, const float* in) override { state_[static_cast<size_t>(slot)] = *in; }
+    std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
+                               std::vector<float>*) override {
+        check(tokens, slices);
+        std::vector<float> logits;
+        size_t t = 0;
+        for (const SequenceSlice& s : slices) {
+            float& h = state_[static_cast<size_t>(s.state_slot)];
+            if (s.start == 0) h = 0.0f;
+            for (int64_t i = 0; i < s.num_tokens; ++i, ++t) {
+                h = std::fmod(h * 31.0f + static_cast<float>(tokens[t]) + 1.0f, static_cast<float>(kVocab));
+                if (i >= s.num_tokens - s.num_logits) {
+                    for (int64_t v = 0; v < kVocab; ++v) logits.push_back(v == static_cast<int64_t>(h) ? 1.0f : 0.0f);
+                }
+            }
+        }
+        return logits;
+    }
+    void add_profile(Profile&) const override {}
+    void reset_profile() override {}
+
+private:
+    std::vector<float> state_;
+};
+
+// Runs requests (id -> prompt) to their end, greedy; their tokens, and the engine's stats at the end.
+static std::map<std::string, std::vector<int32_t>> run_hashed(Engine& engine,
+                                                              const std::map<std::string, std::vector<int32_t>>& prompts,
+                                                              int64_t max_tokens = 6) {
+    SamplingConfig greedy;
+    greedy.temperature = 0.0f;
+    greedy.max_tokens = max_tokens;
+    for (const auto& [id, prompt] : prompts) engine.add_request(id, prompt, greedy);
+    std::map<std::string, std::vector<int32_t>> out;
+    while (engine.has_unfinished()) {
+        for (const Delta& d : engine.step()) out[d.request_id].push_back(d.token);
+    }
+    return out;
+}
+
+static void state_slot_tests() {
+    std::vector<int32_t> shared;
+    for (int32_t i = 0; i < 21; ++i) shared.push_back((i * 7) % 90);
+    const std::map<std::string, std::vector<int32_t>> prompts = {
+        {"a", shared}, {"b", {3, 1, 4, 1, 5}}, {"c", {2, 7}}, {"d", std::vector<int32_t>(shared.begin(), shared.begin() + 17)}};
+    std::map<std::string, std::vector<int32_t>> alone;
+    for (const auto& [id, prompt] : prompts) {
+        Engine engine(std::make_shared<HashStateModel>(1, 64), SchedulerConfig{1, 64, 64, 1});
+        alone[id] = run_hashed(engine, {{id, prompt}})[id];
+    }
+    // Batched, chunked (5 tokens a chunk), over fewer slots than max_num_seqs (admission waits for a slot).
+    {
+        Engine engine(std::make_shared<HashStateModel>(2, 64), SchedulerConfig{4, 12, 5, 1});
+        CHECK(run_hashed(engine, prompts) == alone);
+        const EngineStats stats = engine.stats();
+        CHECK(stats.running == 0 && stats.waiting == 0 && stats.blocks_used == 0);
+    }
+    // A pool too small for all at once: preempted requests recompute from a fresh state.
+    {
+        Engine engine(std::make_shared<HashStateModel>(4, 9), SchedulerConfig{4, 64, 64, 1});
+        std::map<std::string, std::vector<int32_t>> longer;
+        for (const auto& [id, prompt] : prompts) {
+            Engine one(std::make_shared<HashStateModel>(1, 64), SchedulerConfig{1, 64, 64, 1});
+            longer[id] = run_hashed(one, {{id, prompt}}, 12)[id];
+        }
+        CHECK(run_hashed(engine, prompts, 12) == longer);
+        CHECK(engine.stats().preemptions > 0);
+    }
+    // Prefix caching: a request sharing 16 tokens (4 blocks) resumes from the snapshot at the deepest boundary,
+    // with the cold run's tokens; a snapshot budget of 2 evicts the least recently used.
+    {
+        Engine engine(std::make_shared<HashStateModel>(2, 64), SchedulerConfig{2, 64, 8, 1, true, 8});
+        CHECK(run_hashed(engine, {{"a", prompts.at("a")}})["a"] == alone["a"]);
+        CHECK(engine.stats().state_snapshots == 2 && engine.stats().state_snapshot_evictions == 1);  // at 8, 16, 20
+        CHECK(run_hashed(engine, {{"d", prompts.at("d")}})["d"] == alone["d"]);
+        const EngineStats stats = engine.stats();
+        CHECK(stats.state_snapshot_hits == 1 && stats.prefix_hits > 0);
+    }
+    // Aborted and failed requests give their slot back: one slot serves request after request.
+    {
+        Engine engine(std::make_shared<HashStateModel>(1, 64), SchedulerConfig{2, 64, 64, 1});
+        SamplingConfig greedy;
+        greedy.temperature = 0.0f;
+        engine.add_request("x", {1, 2, 3}, greedy);
+        engine.step();
+        engine.abort({"x"});
+        engine.add_request("y", {4}, greedy);
+        engine.set_allowed("y", std::vector<uint32_t>(static_cast<size_t>((HashStateModel::kVocab + 31) / 32), 0));
+        std::vector<Delta> failed = engine.step();
+        CHECK(failed.size() == 1 && failed[0].finish == Finish::Error);
+        CHECK(run_hashed(engine, {{"b", prompts.at("b")}})["b"] == alone["b"]);
+    }
+}
+
 int main() {
+    state_slot_tests();
     const int64_t rows = 48, cols = 96, n = 3;
     std::mt19937 rng(7);
     std::uniform_int_distribution<int> byte(0, 255);

@@ -4,6 +4,7 @@
 // from the hash of each full block's tokens, prefix included, to the block that holds them.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <list>
 #include <unordered_map>
@@ -41,6 +42,9 @@ public:
     // [i * block_size, (i + 1) * block_size)), continuing `chain`.
     void register_full(const std::vector<int32_t>& tokens, int64_t computed, const std::vector<int32_t>& blocks,
                        Chain& chain);
+
+    // The prefix hash of a block that match() returned (its chain's hash where it ends).
+    uint64_t hash(int32_t block) const { return blocks_[static_cast<size_t>(block)].hash; }
 
     int64_t queries() const { return queries_; }
     int64_t hits() const { return hits_; }

@@ -40,6 +40,9 @@ public:
     // Fixed-size state slots (0: no layer keeps a state), one per running request, and one slot's bytes.
     virtual int64_t num_state_slots() const { return 0; }
     virtual int64_t state_bytes() const { return 0; }
+    // Copies slot's whole state (state_bytes() / 4 floats) out, or in; std::logic_error for a model without one.
+    virtual void save_state(int32_t slot, float* out) const;
+    virtual void load_state(int32_t slot, const float* in);
 
     // Runs every slice's new tokens (in slice order in `tokens`) through the model, writing their keys and
     // values to the cache; returns the logits [sum of num_logits, vocab]: each slice's last num_logits tokens, in order.

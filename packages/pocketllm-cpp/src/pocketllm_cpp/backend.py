@@ -192,10 +192,12 @@ class CppEngine:
         return self.engine.has_unfinished()
 
     def stats(self) -> BackendStats:
-        running, waiting, total, used, preemptions, queries, hits = self.engine.stats()
-        return BackendStats(num_running=running, num_waiting=waiting, num_kv_blocks_total=total,
-                            num_kv_blocks_used=used, num_preemptions=preemptions, num_prefix_cache_queries=queries,
-                            num_prefix_cache_hits=hits)
+        s = self.engine.stats()
+        return BackendStats(num_running=s.running, num_waiting=s.waiting, num_kv_blocks_total=s.blocks_total,
+                            num_kv_blocks_used=s.blocks_used, num_preemptions=s.preemptions,
+                            num_prefix_cache_queries=s.prefix_queries, num_prefix_cache_hits=s.prefix_hits,
+                            num_state_snapshots=s.state_snapshots, num_state_snapshot_hits=s.state_snapshot_hits,
+                            num_state_snapshot_evictions=s.state_snapshot_evictions)
 
     def shutdown(self) -> None:
         del self.engine, self.model  # the KV pool and the worker threads go with them

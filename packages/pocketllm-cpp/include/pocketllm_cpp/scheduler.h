@@ -1,0 +1,73 @@
+// What runs in each step: running sequences first (decodes and prompts under way), then waiting ones while slots,
+// the token budget and free KV blocks last; chunked prefill, preemption by recompute (newest first), prefix
+// caching, and for models with state layers one state slot per running request and snapshots of the states at
+// block boundaries (state_snapshots.h).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "pocketllm_cpp/block_manager.h"
+#include "pocketllm_cpp/model.h"
+#include "pocketllm_cpp/sequence.h"
+#include "pocketllm_cpp/state_snapshots.h"
+
+namespace pocketllm {
+
+struct SchedulerConfig {
+    int64_t max_num_seqs, max_num_batched_tokens, prefill_chunk_size;
+    uint64_t seed;  // of the stream that seeds requests without a seed of their own
+    bool prefix_caching = false;
+    int64_t snapshot_bytes = 0;  // the state snapshots' budget (models with state layers, with prefix caching)
+};
+
+// One step's work: seqs[i] computes its next counts[i] tokens.
+struct ScheduledBatch {
+    std::vector<SeqPtr> seqs;
+    std::vector<int64_t> counts;
+};
+
+class Scheduler {
+public:
+    Scheduler(Model& model, const SchedulerConfig& config);
+
+    void add(const SeqPtr& seq);  // waiting, in arrival order
+    ScheduledBatch schedule();
+    // After the step ran: the tokens computed, their full blocks registered, the states at block boundaries kept.
+    void computed(const ScheduledBatch& batch);
+    void finish(const SeqPtr& seq);  // frees its blocks and state slot; it leaves the scheduler
+    SeqPtr find(const std::string& id) const;
+    bool has_unfinished() const { return !waiting_.empty() || !running_.empty(); }
+
+    int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
+    int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
+    int64_t preemptions() const { return preemptions_; }
+    const BlockManager& blocks() const { return blocks_; }
+    const StateSnapshots& snapshots() const { return snapshots_; }
+
+private:
+    bool reserve(const SeqPtr& seq, int64_t tokens, const std::vector<SeqPtr>& scheduled);
+    bool admit(const SeqPtr& seq, int64_t budget, int64_t& count);
+    // `n` cut so that a prompt chunk that is not the last ends at a block boundary, never past the prompt's last
+    // full-block boundary: where snapshots are taken (only with them).
+    int64_t chunk(const Sequence& seq, int64_t start, int64_t n) const;
+    void release(Sequence& seq);
+    void preempt(const SeqPtr& seq);
+
+    Model& model_;
+    SchedulerConfig config_;
+    BlockManager blocks_;
+    bool stateful_;   // the model keeps a state per request
+    bool snapshot_;   // and prefix caching keeps snapshots of it
+    StateSnapshots snapshots_;
+    std::vector<int32_t> free_slots_;
+    std::deque<SeqPtr> waiting_;
+    std::vector<SeqPtr> running_;  // admission order: the newest is preempted first
+    std::unordered_map<std::string, SeqPtr> by_id_;
+    int64_t preemptions_ = 0;
+};
+
+}  // namespace pocketllm

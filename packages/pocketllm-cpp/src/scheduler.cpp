@@ -1,0 +1,150 @@
+#include "pocketllm_cpp/scheduler.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace pocketllm {
+
+Scheduler::Scheduler(Model& model, const SchedulerConfig& config)
+    : model_(model), config_(config), blocks_(model.num_blocks(), model.block_size(), config.prefix_caching),
+      stateful_(model.num_state_slots() > 0), snapshot_(stateful_ && config.prefix_caching),
+      snapshots_(snapshot_ ? config.snapshot_bytes : 0, model.state_bytes()) {
+    if (config.max_num_seqs <= 0 || config.max_num_batched_tokens <= 0 || config.prefill_chunk_size <= 0) {
+        throw std::invalid_argument("max_num_seqs, max_num_batched_tokens and prefill_chunk_size must be positive");
+    }
+    // Slots taken lowest first: a lone request always runs in slot 0.
+    for (int32_t slot = static_cast<int32_t>(model.num_state_slots()) - 1; slot >= 0; --slot) {
+        free_slots_.push_back(slot);
+    }
+}
+
+void Scheduler::add(const SeqPtr& seq) {
+    by_id_[seq->id] = seq;
+    waiting_.push_back(seq);
+}
+
+SeqPtr Scheduler::find(const std::string& id) const {
+    auto it = by_id_.find(id);
+    return it == by_id_.end() ? nullptr : it->second;
+}
+
+ScheduledBatch Scheduler::schedule() {
+    ScheduledBatch batch;
+    int64_t budget = config_.max_num_batched_tokens;
+    for (const SeqPtr& seq : std::vector<SeqPtr>(running_)) {
+        if (budget == 0) break;
+        if (std::find(running_.begin(), running_.end(), seq) == running_.end()) continue;  // preempted just now
+        const int64_t n = chunk(*seq, seq->computed,
+                                std::min({seq->size() - seq->computed, config_.prefill_chunk_size, budget}));
+        if (reserve(seq, seq->computed + n, batch.seqs)) {
+            batch.seqs.push_back(seq);
+            batch.counts.push_back(n);
+            budget -= n;
+        }
+    }
+    while (!waiting_.empty() && budget > 0 && static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
+        const SeqPtr seq = waiting_.front();
+        int64_t n = 0;
+        if (!admit(seq, budget, n)) break;
+        waiting_.pop_front();
+        running_.push_back(seq);
+        batch.seqs.push_back(seq);
+        batch.counts.push_back(n);
+        budget -= n;
+    }
+    return batch;
+}
+
+int64_t Scheduler::chunk(const Sequence& seq, int64_t start, int64_t n) const {
+    if (!snapshot_) return n;
+    const int64_t size = model_.block_size();
+    const int64_t last_boundary = (static_cast<int64_t>(seq.num_prompt) - 1) / size * size;
+    if (start < last_boundary && last_boundary < start + n) return last_boundary - start;
+    const int64_t end = (start + n) / size * size;
+    return start + n < seq.size() && end > start ? end - start : n;
+}
+
+bool Scheduler::reserve(const SeqPtr& seq, int64_t tokens, const std::vector<SeqPtr>& scheduled) {
+    const int64_t needed = (tokens + model_.block_size() - 1) / model_.block_size();
+    while (static_cast<int64_t>(seq->blocks.size()) < needed) {
+        const int32_t block = blocks_.allocate();
+        if (block >= 0) {
+            seq->blocks.push_back(block);
+            continue;
+        }
+        // Preempt the newest running sequence not in this step; if that is `seq` itself, it waits.
+        auto victim = std::find_if(running_.rbegin(), running_.rend(), [&](const SeqPtr& s) {
+            return std::find(scheduled.begin(), scheduled.end(), s) == scheduled.end();
+        });
+        if (victim == running_.rend()) return false;
+        const SeqPtr chosen = *victim;
+        preempt(chosen);
+        if (chosen == seq) return false;
+    }
+    return true;
+}
+
+// Moves a waiting sequence to running if its cached prefix and first chunk fit the free blocks (admission never
+// preempts) and, for a model with state layers, a state slot is free; `count` is then the tokens it computes now.
+bool Scheduler::admit(const SeqPtr& seq, int64_t budget, int64_t& count) {
+    if (stateful_ && free_slots_.empty()) return false;
+    // Pooling every prompt token (or the first) needs their hidden states: no cached prefix stands in for them.
+    const bool pools_all = seq->pool == Pooling::Mean || seq->pool == Pooling::Cls;
+    std::vector<int32_t> cached = pools_all ? std::vector<int32_t>{} : blocks_.match(seq->tokens);
+    // State layers resume only where their state was kept.
+    while (stateful_ && !cached.empty() && !snapshots_.contains(blocks_.hash(cached.back()))) cached.pop_back();
+    const int64_t start = static_cast<int64_t>(cached.size()) * model_.block_size();
+    count = chunk(*seq, start, std::min({seq->size() - start, config_.prefill_chunk_size, budget}));
+    const int64_t fresh = (start + count + model_.block_size() - 1) / model_.block_size() -
+                          static_cast<int64_t>(cached.size());
+    if (fresh + blocks_.idle_among(cached) > blocks_.num_free()) return false;
+    seq->chain = blocks_.share(cached, seq->size());
+    seq->blocks = cached;
+    seq->computed = start;
+    for (int64_t i = 0; i < fresh; ++i) seq->blocks.push_back(blocks_.allocate());
+    if (stateful_) {
+        seq->state_slot = free_slots_.back();
+        free_slots_.pop_back();
+        if (start > 0) model_.load_state(seq->state_slot, snapshots_.take(blocks_.hash(cached.back())));
+    }
+    return true;
+}
+
+void Scheduler::computed(const ScheduledBatch& batch) {
+    for (size_t i = 0; i < batch.seqs.size(); ++i) {
+        Sequence& seq = *batch.seqs[i];
+        seq.computed += batch.counts[i];
+        blocks_.register_full(seq.tokens, seq.computed, seq.blocks, seq.chain);
+        const bool at_boundary = seq.computed % model_.block_size() == 0 &&
+                                 seq.chain.blocks * model_.block_size() == seq.computed;
+        if (snapshot_ && at_boundary && seq.computed <= static_cast<int64_t>(seq.num_prompt)) {
+            if (float* out = snapshots_.slot_for(seq.chain.hash)) model_.save_state(seq.state_slot, out);
+        }
+    }
+}
+
+void Scheduler::release(Sequence& seq) {
+    blocks_.release(seq.blocks);
+    seq.chain = {};
+    if (seq.state_slot >= 0) free_slots_.push_back(seq.state_slot);
+    seq.state_slot = -1;
+}
+
+void Scheduler::preempt(const SeqPtr& seq) {
+    running_.erase(std::find(running_.begin(), running_.end(), seq));
+    release(*seq);
+    seq->computed = 0;
+    waiting_.push_front(seq);
+    ++preemptions_;
+}
+
+void Scheduler::finish(const SeqPtr& seq) {
+    auto it = std::find(running_.begin(), running_.end(), seq);
+    if (it != running_.end()) running_.erase(it);
+    auto w = std::find(waiting_.begin(), waiting_.end(), seq);
+    if (w != waiting_.end()) waiting_.erase(w);
+    release(*seq);
+    by_id_.erase(seq->id);
+}
+
+}  // namespace pocketllm
