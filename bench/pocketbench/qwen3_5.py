@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -98,7 +99,8 @@ def measure(spec: ModelSpec, args: argparse.Namespace) -> tuple[BenchResults, st
     if "cpp" in backends and "torch" in backends:  # the "vs the torch backend on the same file" ratio
         results.baselines.append(("pocketllm-cpp", "pocketllm-torch"))
     types = sorted({t.storage_type for t in checkpoint.tensors()})
-    results.meta |= {"model_config": spec.config, "file_bytes": path.stat().st_size, "storage_types": types,
+    results.meta |= {"load_average_after": os.getloadavg(), "model_config": spec.config,
+                     "file_bytes": path.stat().st_size, "storage_types": types,
                      "bandwidth_bytes_s": bandwidth, "weight_bytes_per_token": per_token,
                      "shared_prefix": dataclasses.asdict(prefix)}
     notes = (f"Model: random weights, `{spec.name}` configuration ({json.dumps(spec.config)}), converted by "
