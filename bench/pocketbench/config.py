@@ -59,6 +59,7 @@ class EngineSpec:
     max_len: int
     backend: str | None = None  # PocketLLM only
     dtype: str = "auto"  # PocketLLM only
+    prefix_caching: bool = False  # PocketLLM only: enable_prefix_caching (the Qwen3.5 shared-prefix workload)
     source: str | None = None  # --baseline: the directory whose PocketLLM packages this engine imports first
 
     @property

@@ -2,7 +2,7 @@
 
 Requests are ``{"op": name, ...arguments}``; replies are ``{"ok": true, "result": {...}}`` or
 ``{"ok": false, "error": traceback text}``. Ops: ``generate``, ``stream``, ``serve`` (the
-``pocketllm-async`` engine only), ``rss``.
+``pocketllm-async`` engine only), ``cache_stats`` (PocketLLM's ``LLM`` engine only), ``rss``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import traceback
 from typing import IO, Any
 
 from pocketbench.config import EngineSpec
-from pocketbench.engines import Engine, ServingEngine, load_engine
+from pocketbench.engines import CachingEngine, Engine, ServingEngine, load_engine
 from pocketbench.protocol import read_message, write_message
 
 
@@ -28,6 +28,8 @@ def handle(engine: Engine | ServingEngine, request: dict[str, Any]) -> dict[str,
     op = request["op"]
     if op == "rss":
         return {"peak_rss_mb": peak_rss_mb()}
+    if op == "cache_stats" and isinstance(engine, CachingEngine):
+        return dataclasses.asdict(engine.cache_stats())
     prompts, max_tokens = request["prompts"], request["max_tokens"]
     start = time.perf_counter()
     timings: list[Any]

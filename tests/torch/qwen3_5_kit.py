@@ -15,12 +15,12 @@ from tests.torch.torch_testkit import EOS, VOCAB
 HIDDEN = 64
 
 
-def hf_config(moe: bool, layers: int, layer_types: list[str] | None = None) -> Any:
+def hf_config(moe: bool, layers: int, layer_types: list[str] | None = None, hidden: int = HIDDEN) -> Any:
     transformers = __import__("transformers")
     # Only what the config class takes: the file save_pretrained writes is then exactly the class's (the MoE one
     # has no intermediate_size, as published Qwen3.5 MoE configs have none).
     common = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
+        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
         layer_types=layer_types or ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)],
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         # Hv > Hk: each key head serves two value heads.
@@ -37,17 +37,18 @@ def hf_config(moe: bool, layers: int, layer_types: list[str] | None = None) -> A
 
 
 def tiny_qwen3_5(path: Path, *, moe: bool = False, wrapped: bool = False, layers: int = 4,
-                 layer_types: list[str] | None = None, seed: int = 0) -> tuple[Any, Path]:
+                 layer_types: list[str] | None = None, seed: int = 0, hidden: int = HIDDEN,
+                 std: float = 0.15) -> tuple[Any, Path]:
     """A random fp32 transformers model and its checkpoint directory (``layers`` of them, every 4th full attention,
     or one per entry of ``layer_types``).
 
-    Weights are drawn larger than transformers' init so that greedy decoding does not collapse into one token;
-    zero-centred norms (weight w, applied as 1 + w) get small w. ``wrapped`` rewrites the checkpoint in the
+    Weights are drawn larger than transformers' init (normal, ``std``) so that greedy decoding does not collapse into
+    one token; zero-centred norms (weight w, applied as 1 + w) get small w. ``wrapped`` rewrites the checkpoint in the
     layout of the multimodal release (``qwen3_5``/``qwen3_5_moe`` with ``text_config``, text weights under
     ``model.language_model.``, a vision tower beside them).
     """
     transformers = __import__("transformers")
-    config = hf_config(moe, len(layer_types) if layer_types else layers, layer_types)
+    config = hf_config(moe, len(layer_types) if layer_types else layers, layer_types, hidden)
     model_cls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -58,7 +59,7 @@ def tiny_qwen3_5(path: Path, *, moe: bool = False, wrapped: bool = False, layers
             elif "norm" in name:
                 param.copy_(0.1 * torch.randn_like(param))
             elif not name.endswith(("A_log", "dt_bias")):
-                param.normal_(0, 0.15)
+                param.normal_(0, std)
     model.save_pretrained(path)
     if wrapped:
         _wrap(path, moe)
@@ -79,7 +80,8 @@ def _wrap(path: Path, moe: bool) -> None:
     renamed = {name if name == "lm_head.weight" else name.replace("model.", "model.language_model.", 1): w
                for name, w in weights.items()}
     renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3)
-    renamed["mtp.fc.weight"] = torch.zeros(HIDDEN, 2 * HIDDEN)
+    hidden = text["hidden_size"]
+    renamed["mtp.fc.weight"] = torch.zeros(hidden, 2 * hidden)
     save_file(renamed, path / "model.safetensors")
 
 
@@ -275,12 +277,13 @@ def _add_mtp_layer(path: Path) -> None:
     """mtp.* tensors as a Qwen3.5 release ships them: one full-attention layer (a copy of the model's first) and the
     head's projection and norms."""
     weights = load_file(path / "model.safetensors")
-    types = json.loads((path / "config.json").read_text())["layer_types"]
+    config = json.loads((path / "config.json").read_text())
+    types, hidden = config["layer_types"], config["hidden_size"]
     full = f"model.layers.{types.index('full_attention')}."
     for name, t in list(weights.items()):
         if name.startswith(full):
             weights["mtp.layers.0." + name.removeprefix(full)] = t.clone()
-    weights["mtp.fc.weight"] = torch.zeros(HIDDEN, 2 * HIDDEN)
+    weights["mtp.fc.weight"] = torch.zeros(hidden, 2 * hidden)
     for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        weights[f"mtp.{norm}.weight"] = torch.zeros(HIDDEN)
+        weights[f"mtp.{norm}.weight"] = torch.zeros(hidden)
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})

@@ -31,6 +31,15 @@ class RequestTiming:
     num_chunks: int
 
 
+@dataclass(frozen=True)
+class CacheStats:
+    """An engine's prefix-cache counters since it loaded: prompt tokens served from the cache, and requests that
+    resumed from a recurrent-state snapshot (hybrid models)."""
+
+    prefix_cache_hits: int
+    state_snapshot_hits: int
+
+
 @runtime_checkable
 class Engine(Protocol):
     def info(self) -> dict[str, Any]:
@@ -43,6 +52,14 @@ class Engine(Protocol):
 
     def stream(self, prompts: list[list[int]], max_tokens: int) -> list[Timing]:
         """Like ``generate``, submitting every prompt at once and timing each sequence's tokens."""
+        ...
+
+
+@runtime_checkable
+class CachingEngine(Protocol):
+    """An engine with a prefix cache whose hits it counts (PocketLLM's)."""
+
+    def cache_stats(self) -> CacheStats:
         ...
 
 

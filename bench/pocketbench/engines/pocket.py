@@ -10,7 +10,7 @@ from typing import Any
 
 import pocketllm
 from pocketbench.config import EngineSpec
-from pocketbench.engines import Timing
+from pocketbench.engines import CacheStats, Timing
 from pocketllm import LLM, SamplingParams, StreamEvent
 from pocketllm.plugins import BackendRegistry
 
@@ -40,7 +40,8 @@ class BackendSetup:
 
     def engine_kwargs(self, spec: EngineSpec) -> dict[str, Any]:
         return {"backend": spec.backend, "dtype": spec.dtype, "max_model_len": spec.max_len,
-                "max_num_seqs": spec.max_seqs, "backend_options": self.options, "registry": self.registry}
+                "max_num_seqs": spec.max_seqs, "enable_prefix_caching": spec.prefix_caching,
+                "backend_options": self.options, "registry": self.registry}
 
     def info(self, spec: EngineSpec) -> dict[str, Any]:
         return {"engine": f"PocketLLM {pocketllm.__version__}, backend {self.version}", "dtype": spec.dtype,
@@ -56,6 +57,10 @@ class PocketEngine:
 
     def info(self) -> dict[str, Any]:
         return self.setup.info(self.spec)
+
+    def cache_stats(self) -> CacheStats:
+        stats = self.llm.stats()
+        return CacheStats(stats.num_prefix_cache_hits, stats.num_state_snapshot_hits)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         outputs = self.llm.generate(prompts, greedy_params(max_tokens))

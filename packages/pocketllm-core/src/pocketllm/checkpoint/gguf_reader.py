@@ -81,6 +81,9 @@ _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _LAYER_ANY = re.compile(r"blk\.(\d+)\..+")
 log = logging.getLogger(__name__)
 _UNQUANTIZED = frozenset({"ALL_F32", "F32", "F16", "BF16"})
+# Matrices of one row in Hugging Face layout. llama.cpp's own GGUF writer (llama-quantize's files) drops a tensor's
+# trailing dimensions of 1, so these come back 1-D; its Python converter keeps them.
+_ONE_ROW = ("mlp.shared_expert_gate.weight",)
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -146,6 +149,8 @@ def _describe(tensor: TensorHeader, file: GGUFFile, path: Path, config: ModelCon
     # GGUF lists dimensions fastest-first; Hugging Face layout is the reverse.
     shape = tuple(reversed(tensor.dims))
     name = hf_name(tensor.name, config.architecture)
+    if len(shape) == 1 and name.endswith(_ONE_ROW):
+        shape = (1, *shape)
     permutation = None
     if config.architecture in _PERMUTES_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
