@@ -7,17 +7,15 @@ import threading
 import time
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 
 kernels = pytest.importorskip("pocketllm_cpp.kernels")
 
 from pocketllm.checkpoint import load_checkpoint  # noqa: E402
+from tests.cpp.weights import QUANTIZED_TYPES, random_weight, reference_activations  # noqa: E402
 
 ISAS = kernels.available_isas().split()  # scalar always, and each SIMD path this CPU runs
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.fixture(params=ISAS)
@@ -27,43 +25,6 @@ def isa(request: pytest.FixtureRequest):
     kernels.set_isa("auto")
 
 
-def _weight(storage_type: str, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(raw bytes, float64 values) of a random matrix stored as ``storage_type``."""
-    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-    if storage_type == "F32":
-        return w.view(np.uint8).reshape(-1), w.astype(np.float64)
-    if storage_type == "F16":
-        half = w.astype(np.float16)
-        return half.view(np.uint8).reshape(-1), half.astype(np.float64)
-    t = gguf.GGMLQuantizationType[storage_type]
-    if storage_type in K_TYPES:  # gguf has no K-quant quantizer: random blocks with sane super-block scales
-        return _random_k_blocks(storage_type, rows, cols, seed)
-    blocks = gguf.quants.quantize(w, t)
-    return np.ascontiguousarray(blocks).reshape(-1), gguf.quants.dequantize(blocks, t).astype(np.float64)
-
-
-def _random_k_blocks(storage_type: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    t = gguf.GGMLQuantizationType[storage_type]
-    block_size, type_size = gguf.GGML_QUANT_SIZES[t]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
-    scales = (rng.random((blocks.shape[0], 2)) * 0.01 + 0.001).astype(np.float16).view(np.uint8)
-    if storage_type == "Q6_K":
-        blocks[:, -2:] = scales[:, :2]  # d comes last
-    else:
-        blocks[:, :4] = scales  # d, dmin first
-    return blocks.reshape(-1), gguf.quants.dequantize(blocks, t).reshape(rows, cols).astype(np.float64)
-
-
-def _reference_activations(x: np.ndarray) -> np.ndarray:
-    """x after 8-bit block quantization, as the kernels do it: d = max|x| / 127, q = rint(x / d), float32."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    d = (np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0).astype(np.float32)
-    q = np.rint(blocks * inv)  # float32 product, rounded half to even
-    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
-
-
 def test_activation_quantization_matches_numpy(isa: str) -> None:
     x = np.random.default_rng(1).standard_normal((5, 96)).astype(np.float32)
     x[2, :32] = 0.0  # an all-zero block
@@ -71,7 +32,7 @@ def test_activation_quantization_matches_numpy(isa: str) -> None:
     blocks = x.reshape(5, 3, 32)
     expected_scales = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
     np.testing.assert_array_equal(scales, expected_scales)
-    expected = _reference_activations(x) / np.repeat(expected_scales.astype(np.float64), 32, axis=1).clip(1e-30)
+    expected = reference_activations(x) / np.repeat(expected_scales.astype(np.float64), 32, axis=1).clip(1e-30)
     np.testing.assert_array_equal(codes, np.rint(expected).astype(np.int8))
     np.testing.assert_allclose(sums, scales * codes.reshape(5, 3, 32).sum(-1), rtol=1e-6)
 
@@ -80,10 +41,10 @@ def test_activation_quantization_matches_numpy(isa: str) -> None:
 @pytest.mark.parametrize("n", [1, 3, 17])
 def test_matmul_matches_numpy(isa: str, storage_type: str, n: int) -> None:
     rows, cols = 42, 512  # rows: whole tiles and a remainder; 2 super-blocks of 256
-    raw, w = _weight(storage_type, rows, cols)
+    raw, w = random_weight(storage_type, rows, cols)
     x = np.random.default_rng(2).standard_normal((n, cols)).astype(np.float32)
     y = kernels._native.matmul(raw, storage_type, rows, cols, x)
-    xs = _reference_activations(x) if storage_type in QUANTIZED_TYPES else x.astype(np.float64)
+    xs = reference_activations(x) if storage_type in QUANTIZED_TYPES else x.astype(np.float64)
     expected = xs @ w.T
     scale = np.abs(xs) @ np.abs(w).T  # the size of the terms summed: relative error is against this
     assert y.shape == (n, rows) and y.dtype == np.float32
@@ -95,10 +56,10 @@ def test_matmul_matches_numpy(isa: str, storage_type: str, n: int) -> None:
 def test_matmul_rows_ending_in_a_partial_group_of_blocks(isa: str, storage_type: str, n: int) -> None:
     # 19 blocks of 32 per row: two groups of 8 and a last group of 3, the default model's 576 columns' shape.
     rows, cols = 13, 608
-    raw, w = _weight(storage_type, rows, cols, seed=4)
+    raw, w = random_weight(storage_type, rows, cols, seed=4)
     x = np.random.default_rng(5).standard_normal((n, cols)).astype(np.float32)
     y = kernels._native.matmul(raw, storage_type, rows, cols, x)
-    xs = _reference_activations(x)
+    xs = reference_activations(x)
     assert np.all(np.abs(y - xs @ w.T) <= 1e-5 * (np.abs(xs) @ np.abs(w).T) + 1e-6)
 
 
@@ -108,7 +69,7 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(isa: str, storage_type: s
     # One row is the decode path, 2 and more the batched tiles (2, 4, their remainders): a row's products must
     # not depend on the rows beside it, or a seeded request samples differently when others share its step.
     rows = 42
-    raw, _ = _weight(storage_type, rows, cols, seed=7)
+    raw, _ = random_weight(storage_type, rows, cols, seed=7)
     x = np.random.default_rng(8).standard_normal((17, cols)).astype(np.float32)
     alone = np.vstack([kernels._native.matmul(raw, storage_type, rows, cols, x[i:i + 1]) for i in range(len(x))])
     for n in (2, 3, 4, 5, 8, 17):
@@ -119,7 +80,7 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(isa: str, storage_type: s
 
 @pytest.mark.parametrize("storage_type", QUANTIZED_TYPES)
 def test_exact_mode_multiplies_float32_activations(storage_type: str) -> None:
-    raw, w = _weight(storage_type, 24, 256)
+    raw, w = random_weight(storage_type, 24, 256)
     x = np.random.default_rng(6).standard_normal((3, 256)).astype(np.float32)
     y = kernels._native.matmul(raw, storage_type, 24, 256, x, exact=True)
     np.testing.assert_allclose(y, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
@@ -127,7 +88,7 @@ def test_exact_mode_multiplies_float32_activations(storage_type: str) -> None:
 
 @pytest.mark.parametrize("storage_type", QUANTIZED_TYPES)
 def test_isas_agree(storage_type: str) -> None:
-    raw, _ = _weight(storage_type, 64, 256)
+    raw, _ = random_weight(storage_type, 64, 256)
     x = np.random.default_rng(3).standard_normal((7, 256)).astype(np.float32)
     results = {}
     for isa in ISAS:
@@ -140,7 +101,7 @@ def test_isas_agree(storage_type: str) -> None:
 
 @pytest.mark.parametrize("storage_type", ["F16", "BF16", *QUANTIZED_TYPES])
 def test_dequantize_equals_gguf(storage_type: str) -> None:
-    raw, w = _weight(storage_type, 16, 256)
+    raw, w = random_weight(storage_type, 16, 256)
     np.testing.assert_array_equal(kernels._native.dequantize(raw, storage_type, 16, 256), w.astype(np.float32))
 
 
@@ -153,7 +114,7 @@ def test_checkpoint_tensors_in_place(pocketllm_kit_checkpoint) -> None:
             w = tensor.dequantize().astype(np.float64)
             np.testing.assert_array_equal(kernels.dequantize(tensor), w.astype(np.float32))
             y = kernels.matmul(tensor, x)
-            expected = _reference_activations(x) @ w.T
+            expected = reference_activations(x) @ w.T
             assert np.all(np.abs(y - expected) <= 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-6), tensor.name
 
 
@@ -167,7 +128,7 @@ def test_checkpoint_tensors_in_place(pocketllm_kit_checkpoint) -> None:
     (("Q4_K", 40, 128), "multiple of 256"),
 ])
 def test_bad_arguments_raise_value_error(args: tuple, message: str | None) -> None:
-    raw, _ = _weight("Q8_0", 40, 128)
+    raw, _ = random_weight("Q8_0", 40, 128)
     x = np.zeros((1, 128), np.float32)  # the weight is checked first
     if message is None:
         assert kernels._native.matmul(raw, *args, x).shape == (1, 40)
@@ -177,7 +138,7 @@ def test_bad_arguments_raise_value_error(args: tuple, message: str | None) -> No
 
 
 def test_bad_activations_and_alignment_raise_value_error() -> None:
-    raw, _ = _weight("F32", 8, 64)
+    raw, _ = random_weight("F32", 8, 64)
     with pytest.raises(ValueError, match="columns"):
         kernels._native.matmul(raw, "F32", 8, 64, np.zeros((2, 32), np.float32))
     shifted = np.zeros(raw.size + 1, np.uint8)[1:]
@@ -189,7 +150,7 @@ def test_bad_activations_and_alignment_raise_value_error() -> None:
 
 
 def test_matmul_releases_the_gil() -> None:
-    raw, _ = _weight("Q4_0", 2048, 2048)
+    raw, _ = random_weight("Q4_0", 2048, 2048)
     x = np.random.default_rng(5).standard_normal((256, 2048)).astype(np.float32)  # tens of ms per product
     ticks, done = [0], threading.Event()
 

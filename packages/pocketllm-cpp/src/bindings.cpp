@@ -9,6 +9,7 @@
 #include <memory>
 #include <stdexcept>
 
+#include "bindings.h"
 #include "pocketllm_cpp/isa.h"
 #include "pocketllm_cpp/matmul.h"
 #include "pocketllm_cpp/engine.h"
@@ -26,18 +27,6 @@ WeightView weight_view(const Bytes& data, const std::string& storage_type, int64
     WeightView w{data.data(), parse_storage_type(storage_type), rows, cols};
     validate(w, static_cast<int64_t>(data.size()));
     return w;
-}
-
-ThreadPool& default_pool() {
-    static ThreadPool pool(available_cpus());
-    return pool;
-}
-
-nb::ndarray<nb::numpy, float, nb::ndim<2>> new_matrix(int64_t rows, int64_t cols) {
-    auto* values = new float[static_cast<size_t>(rows * cols)];
-    nb::capsule owner(values, [](void* p) noexcept { delete[] static_cast<float*>(p); });
-    return nb::ndarray<nb::numpy, float, nb::ndim<2>>(values, {static_cast<size_t>(rows), static_cast<size_t>(cols)},
-                                                     owner);
 }
 
 using Vector = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
@@ -127,6 +116,18 @@ KvType parse_kv_type(const std::string& name) {
 }
 
 }  // namespace
+
+ThreadPool& pocketllm::default_pool() {
+    static ThreadPool pool(available_cpus());
+    return pool;
+}
+
+nb::ndarray<nb::numpy, float, nb::ndim<2>> pocketllm::new_matrix(int64_t rows, int64_t cols) {
+    auto* values = new float[static_cast<size_t>(rows * cols)];
+    nb::capsule owner(values, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+    return nb::ndarray<nb::numpy, float, nb::ndim<2>>(values, {static_cast<size_t>(rows), static_cast<size_t>(cols)},
+                                                     owner);
+}
 
 NB_MODULE(_native, m) {
     m.doc() = "PocketLLM's native CPU kernels (see pocketllm_cpp.kernels).";
@@ -346,4 +347,5 @@ NB_MODULE(_native, m) {
             return nb::make_tuple(scales, sums, code_array);
         },
         nb::arg("x"), "The 8-bit blocks activations are quantized to: (scales, scale * code sums, codes).");
+    bind_moe(m);
 }

@@ -28,6 +28,9 @@ void validate(const MoeWeights& w, int64_t hidden);
 
 // out [n, hidden] = the block applied to each row of x [n, hidden]. A batch groups its tokens by expert, so that
 // each chosen expert's weights are read once per call; a token's result does not depend on the rest of the batch.
+// Routing: softmax of the router's logits in float32, the top_k experts (ties to the lower index), their weights
+// renormalised when norm_topk_prob; a token's expert outputs are added by ascending expert index, then the shared
+// expert's. `w` must have passed validate(w, hidden); `exact` as for matmul.
 void moe_forward(const MoeWeights& w, const float* x, int64_t n, int64_t hidden, float* out, ThreadPool& pool,
                  bool exact);
 

@@ -16,6 +16,7 @@
 #include "pocketllm_cpp/llama_model.h"
 #include "pocketllm_cpp/isa.h"
 #include "pocketllm_cpp/matmul.h"
+#include "../src/moe.h"
 
 using namespace pocketllm;
 
@@ -238,6 +239,76 @@ int main() {
     CHECK(tokens == 36);
     const EngineStats stats = engine.stats();
     CHECK(stats.running == 0 && stats.waiting == 0 && stats.blocks_used == 0);
+
+    // The MoE block on Q8_0 experts: a batch's rows are the bits each row gets alone, on every ISA; the ISAs agree
+    // with the scalar path; inconsistent weights throw.
+    {
+        const int64_t hidden = 64, ff = 96, experts = 4, kn = 5;
+        auto q8 = [&](int64_t r, int64_t c) {
+            std::vector<uint8_t> raw(row_bytes(StorageType::Q8_0, c) * r);
+            for (auto& b : raw) b = static_cast<uint8_t>(byte(rng));
+            for (size_t at = 0; at < raw.size(); at += sizeof(BlockQ8_0)) {
+                const uint16_t half = static_cast<uint16_t>(0x1C00 + byte(rng));
+                std::memcpy(&raw[at], &half, 2);
+            }
+            return raw;
+        };
+        std::vector<float> router(experts * hidden), gate_of_shared(hidden), mx(kn * hidden);
+        for (auto& v : router) v = normal(rng);
+        for (auto& v : gate_of_shared) v = normal(rng);
+        for (auto& v : mx) v = 0.1f * normal(rng);
+        const auto gate = q8(experts * ff, hidden), up = q8(experts * ff, hidden), down = q8(experts * hidden, ff);
+        const auto sgate = q8(ff, hidden), sup = q8(ff, hidden), sdown = q8(hidden, ff);
+        MoeWeights mw{};
+        mw.router = {reinterpret_cast<const uint8_t*>(router.data()), StorageType::F32, experts, hidden};
+        const size_t in_bytes = row_bytes(StorageType::Q8_0, hidden) * ff, out_bytes = row_bytes(StorageType::Q8_0, ff) * hidden;
+        for (int64_t e = 0; e < experts; ++e) {
+            mw.gate.push_back({gate.data() + e * in_bytes, StorageType::Q8_0, ff, hidden});
+            mw.up.push_back({up.data() + e * in_bytes, StorageType::Q8_0, ff, hidden});
+            mw.down.push_back({down.data() + e * out_bytes, StorageType::Q8_0, hidden, ff});
+        }
+        mw.top_k = 2;
+        mw.norm_topk_prob = true;
+        mw.has_shared = true;
+        mw.shared_gate = {sgate.data(), StorageType::Q8_0, ff, hidden};
+        mw.shared_up = {sup.data(), StorageType::Q8_0, ff, hidden};
+        mw.shared_down = {sdown.data(), StorageType::Q8_0, hidden, ff};
+        mw.shared_expert_gate = {reinterpret_cast<const uint8_t*>(gate_of_shared.data()), StorageType::F32, 1, hidden};
+        validate(mw, hidden);
+        std::vector<float> scalar_out(kn * hidden);
+        std::vector<std::string> every{"scalar"};
+        every.insert(every.end(), isas.begin(), isas.end());
+        for (const std::string& isa : every) {
+            set_isa(isa);
+            std::vector<float> batched(kn * hidden), alone(kn * hidden);
+            moe_forward(mw, mx.data(), kn, hidden, batched.data(), pool, false);
+            for (int64_t t = 0; t < kn; ++t) moe_forward(mw, &mx[t * hidden], 1, hidden, &alone[t * hidden], pool, false);
+            CHECK(std::memcmp(batched.data(), alone.data(), batched.size() * sizeof(float)) == 0);
+            if (isa == "scalar") scalar_out = batched;
+            for (int64_t i = 0; i < kn * hidden; ++i) {
+                CHECK(std::fabs(scalar_out[i] - batched[i]) <= 1e-4f * (1.0f + std::fabs(scalar_out[i])));
+            }
+        }
+        set_isa("auto");
+        auto rejects = [&](MoeWeights bad) {
+            try {
+                validate(bad, hidden);
+            } catch (const std::invalid_argument&) {
+                return true;
+            }
+            return false;
+        };
+        MoeWeights bad = mw;
+        bad.top_k = experts + 1;
+        CHECK(rejects(bad));
+        bad = mw;
+        bad.down[2].cols = hidden;
+        CHECK(rejects(bad));
+        bad = mw;
+        bad.up.pop_back();
+        CHECK(rejects(bad));
+        CHECK(!rejects(mw));
+    }
 
     std::printf("%s: isa %s, %d failures\n", failures ? "FAILED" : "ok", isa_name(best_isa()).c_str(), failures);
     return failures ? 1 : 0;

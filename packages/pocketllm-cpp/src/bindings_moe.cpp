@@ -1,0 +1,105 @@
+// pocketllm_cpp._native.moe_forward: the mixture-of-experts block over tensors given as their raw bytes (a GGUF's
+// stacked expert tensors, in place), for tests and users of the kernels.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "moe.h"
+
+namespace nb = nanobind;
+using namespace pocketllm;
+
+namespace {
+
+using Bytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+// A tensor as a file stores it: its bytes, storage type and row-major shape ([rows, cols], or [experts, rows, cols]
+// for experts stacked along the first axis).
+struct MoeTensor {
+    Bytes data;
+    std::string storage_type;
+    std::vector<int64_t> shape;
+};
+
+// The tensor's matrices, checked against its bytes: the matrix of a 2-D tensor, or one window per expert of a
+// stacked 3-D one.
+std::vector<WeightView> matrices(const MoeTensor& t, size_t dims, const std::string& what) {
+    if (t.shape.size() != dims) {
+        throw std::invalid_argument("moe " + what + " has " + std::to_string(t.shape.size()) + " dimensions, expected " +
+                                    std::to_string(dims));
+    }
+    const int64_t count = dims == 3 ? t.shape[0] : 1, rows = t.shape[dims - 2], cols = t.shape[dims - 1];
+    int64_t total = 0;
+    if (count <= 0 || __builtin_mul_overflow(count, rows, &total)) {
+        throw std::invalid_argument("moe " + what + " has " + std::to_string(count) + " experts");
+    }
+    const WeightView whole{t.data.data(), parse_storage_type(t.storage_type), total, cols};
+    try {
+        validate(whole, static_cast<int64_t>(t.data.size()));  // before anything is sized by `count`
+    } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument("moe " + what + ": " + e.what());
+    }
+    const int64_t bytes = rows * static_cast<int64_t>(row_bytes(whole.type, cols));
+    std::vector<WeightView> out;
+    for (int64_t e = 0; e < count; ++e) out.push_back({whole.data + e * bytes, whole.type, rows, cols});
+    return out;
+}
+
+}  // namespace
+
+void pocketllm::bind_moe(nb::module_& m) {
+    nb::class_<MoeTensor>(m, "MoeTensor", "A tensor's raw bytes, storage type and shape, as moe_forward reads them.")
+        .def(nb::init<Bytes, std::string, std::vector<int64_t>>(), nb::arg("data"), nb::arg("storage_type"),
+             nb::arg("shape"))
+        .def_ro("data", &MoeTensor::data)
+        .def_ro("storage_type", &MoeTensor::storage_type)
+        .def_ro("shape", &MoeTensor::shape);
+    m.def(
+        "moe_forward",
+        [](const Matrix& x, const MoeTensor& router, const MoeTensor& gate, const MoeTensor& up, const MoeTensor& down,
+           int64_t top_k, bool norm_topk_prob, const MoeTensor* shared_gate, const MoeTensor* shared_up,
+           const MoeTensor* shared_down, const MoeTensor* shared_expert_gate, bool exact) {
+            const int64_t n = static_cast<int64_t>(x.shape(0)), hidden = static_cast<int64_t>(x.shape(1));
+            MoeWeights w{};
+            w.router = matrices(router, 2, "router")[0];
+            w.gate = matrices(gate, 3, "gate");
+            w.up = matrices(up, 3, "up");
+            w.down = matrices(down, 3, "down");
+            w.top_k = top_k;
+            w.norm_topk_prob = norm_topk_prob;
+            const int given = (shared_gate != nullptr) + (shared_up != nullptr) + (shared_down != nullptr) +
+                              (shared_expert_gate != nullptr);
+            if (given != 0 && given != 4) {
+                throw std::invalid_argument("moe shared expert needs shared_gate, shared_up, shared_down and "
+                                            "shared_expert_gate, or none of them");
+            }
+            w.has_shared = given == 4;
+            if (w.has_shared) {
+                w.shared_gate = matrices(*shared_gate, 2, "shared_gate")[0];
+                w.shared_up = matrices(*shared_up, 2, "shared_up")[0];
+                w.shared_down = matrices(*shared_down, 2, "shared_down")[0];
+                w.shared_expert_gate = matrices(*shared_expert_gate, 2, "shared_expert_gate")[0];
+            }
+            validate(w, hidden);
+            auto out = new_matrix(n, hidden);
+            {
+                nb::gil_scoped_release released;
+                moe_forward(w, x.data(), n, hidden, out.data(), default_pool(), exact);
+            }
+            return out;
+        },
+        nb::arg("x"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::kw_only(),
+        nb::arg("top_k"), nb::arg("norm_topk_prob") = true, nb::arg("shared_gate").none() = nb::none(),
+        nb::arg("shared_up").none() = nb::none(), nb::arg("shared_down").none() = nb::none(),
+        nb::arg("shared_expert_gate").none() = nb::none(), nb::arg("exact") = false,
+        "The MoE block on x [n, hidden]: router [experts, hidden]; gate, up [experts, ff, hidden] and down "
+        "[experts, hidden, ff] stacked; the shared expert's gate, up [shared_ff, hidden], down [hidden, shared_ff] "
+        "and sigmoid gate [1, hidden], all or none.");
+}
