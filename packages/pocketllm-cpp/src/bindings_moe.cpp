@@ -36,9 +36,11 @@ std::vector<WeightView> matrices(const MoeTensor& t, size_t dims, const std::str
                                     std::to_string(dims));
     }
     const int64_t count = dims == 3 ? t.shape[0] : 1, rows = t.shape[dims - 2], cols = t.shape[dims - 1];
+    if (count <= 0) throw std::invalid_argument("moe " + what + " has " + std::to_string(count) + " experts");
     int64_t total = 0;
-    if (count <= 0 || __builtin_mul_overflow(count, rows, &total)) {
-        throw std::invalid_argument("moe " + what + " has " + std::to_string(count) + " experts");
+    if (__builtin_mul_overflow(count, rows, &total)) {
+        throw std::invalid_argument("moe " + what + " has " + std::to_string(count) + " experts of " +
+                                    std::to_string(rows) + " rows: past 64-bit sizes");
     }
     const WeightView whole{t.data.data(), parse_storage_type(t.storage_type), total, cols};
     try {

@@ -1,5 +1,6 @@
 #include "pocketllm_cpp/matmul.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -92,36 +93,76 @@ void matmul(const WeightView& w, const float* x, int64_t n, float* y, ThreadPool
 }
 
 void matmul_many(const std::vector<Product>& products, const float* x, int64_t n, ThreadPool& pool, bool exact) {
-    if (products.empty() || n <= 0) return;
-    const int64_t cols = products[0].w->cols;
-    bool quantized = false;
+    std::vector<GroupedProduct> grouped;
+    grouped.reserve(products.size());
     for (const Product& p : products) {
-        if (p.w->cols != cols) throw std::invalid_argument("products of one input must take the same columns");
-        quantized |= is_quantized(p.w->type) && !exact;
+        if (p.w->cols != products[0].w->cols) throw std::invalid_argument("products of one input must take the same columns");
+        grouped.push_back({p.w, x, n, p.y});
     }
-    // The calling thread's buffer, reused: a decode step quantizes a few hundred small inputs. Workers read it
+    matmul_grouped(grouped, pool, exact);
+}
+
+void matmul_grouped(const std::vector<GroupedProduct>& products, ThreadPool& pool, bool exact) {
+    // The distinct inputs: a product with its predecessor's x, n and columns shares its quantization.
+    struct Input {
+        const float* x;
+        int64_t n, cols;
+        bool quantized;  // some product of it multiplies blocks with 8-bit activations
+    };
+    std::vector<Input> inputs;
+    std::vector<size_t> input(products.size());  // product i's input
+    int64_t rows_to_quantize = 0;
+    for (size_t i = 0; i < products.size(); ++i) {
+        const GroupedProduct& p = products[i];
+        const bool quantized = is_quantized(p.w->type) && !exact && p.n > 0;
+        const Input* last = inputs.empty() ? nullptr : &inputs.back();
+        if (last == nullptr || last->x != p.x || last->n != p.n || last->cols != p.w->cols) {
+            inputs.push_back({p.x, p.n, p.w->cols, false});
+        }
+        input[i] = inputs.size() - 1;
+        if (quantized && !inputs.back().quantized) rows_to_quantize += p.n;
+        inputs.back().quantized |= quantized;
+    }
+    // The calling thread's buffers, reused: a decode step quantizes a few hundred small inputs. Workers read them
     // through this reference (a thread_local named in the task would be each worker's own, empty one).
-    thread_local QuantizedRows buffer;
-    const QuantizedRows& act = buffer;
-    // The x86 kernels' batched tiles read the codes grouped (see kernels_x86.inl's PackedGroup).
-    bool grouped = false;
+    thread_local std::vector<QuantizedRows> buffer;
+    if (buffer.size() < inputs.size()) buffer.resize(inputs.size());
+    std::vector<QuantizedRows>& buffers = buffer;
+    auto quantize = [&](size_t k, ThreadPool* rows_pool) {
+        const Input& in = inputs[k];
+        if (!in.quantized) return;
+        // The x86 kernels' batched tiles read the codes grouped (see kernels_x86.inl's PackedGroup).
+        bool grouped = false;
 #ifdef POCKETLLM_HAVE_X86
-    grouped = n > 1 && current_isa() != Isa::Scalar && !exact;
+        grouped = in.n > 1 && current_isa() != Isa::Scalar;
 #endif
-    if (quantized) quantize_activations(x, n, cols, buffer, &pool, grouped);
+        quantize_activations(in.x, in.n, in.cols, buffers[k], rows_pool, grouped);
+    };
+    if (inputs.size() == 1) {
+        quantize(0, &pool);  // its rows split over the pool when many
+    } else if (rows_to_quantize >= 16) {  // inputs over the pool
+        pool.parallel_each(static_cast<int64_t>(inputs.size()), [&](int64_t k) { quantize(static_cast<size_t>(k), nullptr); });
+    } else {
+        for (size_t k = 0; k < inputs.size(); ++k) quantize(k, nullptr);
+    }
     // Tasks of kRowsPerTask weight rows over every product: first[i] is product i's first task.
     std::vector<int64_t> first(products.size() + 1, 0);
     for (size_t i = 0; i < products.size(); ++i) {
-        first[i + 1] = first[i] + (products[i].w->rows + kRowsPerTask - 1) / kRowsPerTask;
+        const int64_t tasks = products[i].n > 0 ? (products[i].w->rows + kRowsPerTask - 1) / kRowsPerTask : 0;
+        first[i + 1] = first[i] + tasks;
     }
+    if (first.back() == 0) return;
     pool.parallel_for(first.back(), [&](int64_t begin, int64_t end) {
-        for (size_t i = 0; i < products.size(); ++i) {
+        // The product holding task `begin`, then the ones after it.
+        size_t i = static_cast<size_t>(std::upper_bound(first.begin(), first.end(), begin) - first.begin()) - 1;
+        for (; i < products.size() && first[i] < end; ++i) {
             const int64_t lo = std::max(begin, first[i]), hi = std::min(end, first[i + 1]);
             if (lo >= hi) continue;
-            const WeightView& w = *products[i].w;
+            const GroupedProduct& p = products[i];
+            const WeightView& w = *p.w;
             const int64_t row_begin = (lo - first[i]) * kRowsPerTask;
             const int64_t row_end = std::min(w.rows, (hi - first[i]) * kRowsPerTask);
-            gemm_for(w.type, exact)(w, row_begin, row_end, act, x, n, products[i].y, w.rows);
+            gemm_for(w.type, exact)(w, row_begin, row_end, buffers[input[i]], p.x, p.n, p.y, w.rows);
         }
     });
 }

@@ -44,6 +44,7 @@ struct Scratch {
     std::vector<int64_t> offset;         // [experts + 1]: each expert's first row in the grouped buffers
     std::vector<float> xs, gate, up, ys;  // grouped rows: inputs [n * k, hidden], SwiGLU [n * k, ff], outputs
     std::vector<float> shared_gate, shared_up, shared_out, shared_logit;
+    std::vector<GroupedProduct> products;
 };
 
 template <class T>
@@ -149,29 +150,44 @@ void moe_forward(const MoeWeights& w, const float* x, int64_t n, int64_t hidden,
     sized(s.slot, pairs);
     std::vector<int64_t> next(s.offset.begin(), s.offset.end() - 1);
     for (int64_t p = 0; p < pairs; ++p) s.slot[p] = next[s.expert[p]]++;
-    float* xs = sized(s.xs, pairs * hidden);
-    over_tokens(n, pool, [&](int64_t begin, int64_t end) {
-        for (int64_t p = begin * k; p < end * k; ++p) {
-            std::memcpy(xs + s.slot[p] * hidden, x + (p / k) * hidden, static_cast<size_t>(hidden) * sizeof(float));
-        }
-    });
+    // One token's experts all read x itself; a batch's are gathered into rows by expert.
+    float* xs = nullptr;
+    if (n > 1) {
+        xs = sized(s.xs, pairs * hidden);
+        over_tokens(n, pool, [&](int64_t begin, int64_t end) {
+            for (int64_t p = begin * k; p < end * k; ++p) {
+                std::memcpy(xs + s.slot[p] * hidden, x + (p / k) * hidden, static_cast<size_t>(hidden) * sizeof(float));
+            }
+        });
+    }
 
-    // Each chosen expert's SwiGLU over its rows: its weights read once. silu_mul over several rows at once gives
-    // each row the bits it gets alone: ff is a multiple of 32 (validate), so every row starts a vector.
+    // Each chosen expert's SwiGLU over its rows, its weights read once: the gate and up products of every expert in
+    // one parallel region, the down products (and the shared expert's) in another. silu_mul over several rows at
+    // once gives each row the bits it gets alone: ff is a multiple of 32 (validate), so every row starts a vector.
     float* gate = sized(s.gate, pairs * ff);
     float* up = sized(s.up, pairs * ff);
     float* ys = sized(s.ys, pairs * hidden);
+    std::vector<GroupedProduct>& products = s.products;
+    products.clear();
     for (int64_t e = 0; e < experts; ++e) {
         const int64_t row = s.offset[e], rows = s.offset[e + 1] - row;
         if (rows == 0) continue;
-        matmul_many({{&w.gate[e], gate + row * ff}, {&w.up[e], up + row * ff}}, xs + row * hidden, rows, pool, exact);
-        silu_mul(gate + row * ff, up + row * ff, rows * ff);
-        matmul(w.down[e], gate + row * ff, rows, ys + row * hidden, pool, exact);
+        const float* in = n > 1 ? xs + row * hidden : x;
+        products.push_back({&w.gate[e], in, rows, gate + row * ff});
+        products.push_back({&w.up[e], in, rows, up + row * ff});
+    }
+    matmul_grouped(products, pool, exact);
+    silu_mul(gate, up, pairs * ff);
+    products.clear();
+    for (int64_t e = 0; e < experts; ++e) {
+        const int64_t row = s.offset[e], rows = s.offset[e + 1] - row;
+        if (rows > 0) products.push_back({&w.down[e], gate + row * ff, rows, ys + row * hidden});
     }
     if (w.has_shared) {
         silu_mul(s.shared_gate.data(), s.shared_up.data(), n * shared_ff);
-        matmul(w.shared_down, s.shared_gate.data(), n, sized(s.shared_out, n * hidden), pool, exact);
+        products.push_back({&w.shared_down, s.shared_gate.data(), n, sized(s.shared_out, n * hidden)});
     }
+    matmul_grouped(products, pool, exact);
 
     // Each token's sum over its experts by ascending index (as transformers' index_add_ adds them), then the
     // shared expert: an order that depends on the token's own routing alone, not on the batch.

@@ -240,6 +240,19 @@ int main() {
     const EngineStats stats = engine.stats();
     CHECK(stats.running == 0 && stats.waiting == 0 && stats.blocks_used == 0);
 
+    // matmul_grouped: products over their own inputs (one of no rows), in one region, give each row the bits
+    // matmul gives it.
+    {
+        std::vector<float> xa(3 * cols), xb(cols), ya(3 * rows), yb(rows), ga(3 * rows), gb(rows);
+        for (auto& v : xa) v = normal(rng);
+        for (auto& v : xb) v = normal(rng);
+        matmul(w, xa.data(), 3, ya.data(), pool);
+        matmul(w, xb.data(), 1, yb.data(), pool);
+        matmul_grouped({{&w, xa.data(), 3, ga.data()}, {&w, xb.data(), 0, nullptr}, {&w, xb.data(), 1, gb.data()}}, pool);
+        CHECK(std::memcmp(ya.data(), ga.data(), ya.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(yb.data(), gb.data(), yb.size() * sizeof(float)) == 0);
+    }
+
     // The MoE block on Q8_0 experts: a batch's rows are the bits each row gets alone, on every ISA; the ISAs agree
     // with the scalar path; inconsistent weights throw.
     {

@@ -38,6 +38,18 @@ void matmul(const WeightView& w, const float* x, int64_t n, float* y, ThreadPool
 void matmul_many(const std::vector<Product>& products, const float* x, int64_t n, ThreadPool& pool,
                  bool exact = false);
 
+// A product over its own input rows: y [n, w.rows] (row stride w.rows) = x [n, w.cols] @ w.T.
+struct GroupedProduct {
+    const WeightView* w;
+    const float* x;
+    int64_t n;
+    float* y;
+};
+// Products over different inputs (a mixture of experts' chosen experts, each over the rows routed to it) in one
+// parallel region: each input quantized once (products that follow each other with the same x, n and columns share
+// it), each row's result the bits matmul gives it.
+void matmul_grouped(const std::vector<GroupedProduct>& products, ThreadPool& pool, bool exact = false);
+
 // W as float32 [rows, cols] (tests, and layers that need dense values).
 void dequantize(const WeightView& w, float* out);
 // A row of a weight (an embedding lookup) as float32.
