@@ -6,46 +6,11 @@
 #include <stdexcept>
 #include <string>
 
+#include "layer_math.h"
+#include "model_output.h"
 #include "paged_attention.h"
 
 namespace pocketllm {
-namespace {
-
-constexpr int64_t kParallelRows = 16;  // below this many tokens, per-token work runs on the calling thread
-
-float rms_scale(const float* x, int64_t size, float eps) {
-    double sum = 0.0;
-    for (int64_t i = 0; i < size; ++i) sum += static_cast<double>(x[i]) * x[i];
-    return 1.0f / std::sqrt(static_cast<float>(sum / static_cast<double>(size)) + eps);
-}
-
-void rms_norm(const float* x, const float* weight, int64_t size, float eps, float* out) {
-    const float scale = rms_scale(x, size, eps);
-    for (int64_t i = 0; i < size; ++i) out[i] = x[i] * scale * weight[i];
-}
-
-// x += delta, then out = RMSNorm(x): the residual add and the next norm in one pass over x.
-void add_rms_norm(float* x, const float* delta, const float* weight, int64_t size, float eps, float* out) {
-    for (int64_t i = 0; i < size; ++i) x[i] += delta[i];
-    rms_norm(x, weight, size, eps, out);
-}
-
-void rope(float* head, int64_t dim, const float* cos, const float* sin, bool pairs_adjacent) {
-    for (int64_t i = 0; i < dim / 2; ++i) {
-        float& a = pairs_adjacent ? head[2 * i] : head[i];
-        float& b = pairs_adjacent ? head[2 * i + 1] : head[i + dim / 2];
-        const float x0 = a, x1 = b;
-        a = x0 * cos[i] - x1 * sin[i];
-        b = x1 * cos[i] + x0 * sin[i];
-    }
-}
-
-void for_rows(ThreadPool& pool, int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
-    if (n < kParallelRows) return fn(0, n);
-    pool.parallel_for(n, fn);
-}
-
-}  // namespace
 
 // Every buffer of one forward pass, sized once.
 struct LlamaModel::Batch {
@@ -163,38 +128,13 @@ std::vector<float> LlamaModel::forward(const std::vector<int32_t>& tokens, const
         matmul(L.down, batch.gate.data(), n, batch.out.data(), pool_, c.exact_activations);
     }
 
-    std::vector<float> normed(static_cast<size_t>(hidden));
-    for (int64_t s = 0, begin = 0; pooled != nullptr && s < static_cast<int64_t>(slices.size()); ++s) {
-        const SequenceSlice& slice = slices[s];
-        const int64_t end = begin + slice.num_tokens;
-        if (slice.pool != Pooling::None) {
-            const size_t at = pooled->size();
-            pooled->resize(at + static_cast<size_t>(hidden), 0.0f);
-            // Mean sums every row; Cls takes the prompt's first row, Last the slice's last one.
-            const int64_t first = slice.pool == Pooling::Last ? end - 1 : begin;
-            const int64_t stop = slice.pool == Pooling::Mean ? end : (slice.pool == Pooling::Cls && slice.start > 0) ? first : first + 1;
-            for (int64_t t = first; t < stop; ++t) {
-                for (int64_t i = 0; i < hidden; ++i) normed[i] = batch.x[t * hidden + i] + batch.out[t * hidden + i];
-                rms_norm(normed.data(), final_norm_.data(), hidden, c.rms_norm_eps, normed.data());
-                for (int64_t i = 0; i < hidden; ++i) (*pooled)[at + static_cast<size_t>(i)] += normed[i];
-            }
-        }
-        begin = end;
-    }
-    std::vector<float> last;  // the final norm of each wanted slice's last num_logits tokens
-    for (int64_t s = 0, end = 0; s < static_cast<int64_t>(slices.size()); ++s) {
-        end += slices[s].num_tokens;
-        for (int64_t t = end - slices[s].num_logits; t < end; ++t) {
-            for (int64_t i = 0; i < hidden; ++i) batch.x[t * hidden + i] += batch.out[t * hidden + i];
-            last.resize(last.size() + static_cast<size_t>(hidden));
-            rms_norm(&batch.x[t * hidden], final_norm_.data(), hidden, c.rms_norm_eps, &last[last.size() - hidden]);
-        }
-    }
-    const int64_t rows = static_cast<int64_t>(last.size()) / hidden;
-    std::vector<float> logits(static_cast<size_t>(rows * c.vocab_size));
+    // The last MLP output joins the residual stream: the final norm's input.
+    for_rows(pool_, n, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin * hidden; i < end * hidden; ++i) batch.x[i] += batch.out[i];
+    });
     Stopwatch timed(profile_.lm_head);
-    if (rows > 0) matmul(lm_head_, last.data(), rows, logits.data(), pool_, c.exact_activations);
-    return logits;
+    return final_rows(batch.x.data(), slices, {final_norm_, c.rms_norm_eps, lm_head_, c.exact_activations}, pool_,
+                      pooled);
 }
 
 void LlamaModel::attention_layer(int64_t l, Batch& batch, const std::vector<SequenceSlice>& slices) {

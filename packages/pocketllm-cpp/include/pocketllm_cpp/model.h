@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "pocketllm_cpp/profile.h"
@@ -40,6 +41,13 @@ public:
     // Fixed-size state slots (0: no layer keeps a state), one per running request, and one slot's bytes.
     virtual int64_t num_state_slots() const { return 0; }
     virtual int64_t state_bytes() const { return 0; }
+    // A slot's state (state_bytes() / 4 floats) out, or back in (a request resumed elsewhere, a prefix snapshot).
+    virtual void save_state(int32_t /*slot*/, float* /*out*/) const {
+        throw std::logic_error("this model keeps no state per request");
+    }
+    virtual void load_state(int32_t /*slot*/, const float* /*in*/) {
+        throw std::logic_error("this model keeps no state per request");
+    }
 
     // Runs every slice's new tokens (in slice order in `tokens`) through the model, writing their keys and
     // values to the cache; returns the logits [sum of num_logits, vocab]: each slice's last num_logits tokens, in order.
