@@ -25,8 +25,10 @@ struct PyQwen3_5Layer {
     std::string kind;  // "full_attention" or "linear_attention"
     std::vector<float> input_norm, post_attention_norm, q_norm, k_norm, conv, decay, dt_bias, norm;
     std::optional<MoeTensor> q, k, v, o, qkv, z, b, a, out, gate, up, down;
-    // MoE: router, the stacked experts (gate and up apart, or fused as [experts, 2 * ff, hidden]), shared expert.
-    std::optional<MoeTensor> router, experts_gate, experts_up, experts_gate_up, experts_down;
+    // MoE: the router; the experts' gate, up and down, each one stacked [experts, out, in] tensor or a matrix per
+    // expert (or gate and up fused, transformers' [experts, 2 * ff, hidden]); the shared expert.
+    std::optional<MoeTensor> router, experts_gate_up;
+    std::vector<MoeTensor> experts_gate, experts_up, experts_down;
     std::optional<MoeTensor> shared_gate, shared_up, shared_down, shared_expert_gate;
     int64_t top_k = 0;
     bool norm_topk_prob = true;
@@ -46,6 +48,13 @@ struct Builder {
         model.owners.push_back(nb::cast(t->data));
         return matrices(*t, 3, at + what);
     }
+    // One stacked tensor, or one matrix per expert.
+    std::vector<WeightView> experts(const std::vector<MoeTensor>& ts, const char* what) {
+        if (ts.size() == 1 && ts[0].shape.size() == 3) return stacked(ts[0], what);
+        std::vector<WeightView> out;
+        for (const MoeTensor& t : ts) out.push_back(matrix(t, what));
+        return out;
+    }
 };
 
 std::shared_ptr<const MoeWeights> moe_weights(const PyQwen3_5Layer& layer, Builder& get) {
@@ -59,10 +68,10 @@ std::shared_ptr<const MoeWeights> moe_weights(const PyQwen3_5Layer& layer, Build
             w->up.push_back({both.data + bytes, both.type, half, both.cols});
         }
     } else {
-        w->gate = get.stacked(layer.experts_gate, "experts gate");
-        w->up = get.stacked(layer.experts_up, "experts up");
+        w->gate = get.experts(layer.experts_gate, "experts gate");
+        w->up = get.experts(layer.experts_up, "experts up");
     }
-    w->down = get.stacked(layer.experts_down, "experts down");
+    w->down = get.experts(layer.experts_down, "experts down");
     w->top_k = layer.top_k;
     w->norm_topk_prob = layer.norm_topk_prob;
     w->has_shared = layer.shared_gate.has_value();
@@ -131,10 +140,10 @@ void pocketllm::bind_qwen3_5(nb::module_& m) {
         .def_rw("up", &PyQwen3_5Layer::up, nb::arg().none())
         .def_rw("down", &PyQwen3_5Layer::down, nb::arg().none())
         .def_rw("router", &PyQwen3_5Layer::router, nb::arg().none())
-        .def_rw("experts_gate", &PyQwen3_5Layer::experts_gate, nb::arg().none())
-        .def_rw("experts_up", &PyQwen3_5Layer::experts_up, nb::arg().none())
+        .def_rw("experts_gate", &PyQwen3_5Layer::experts_gate)
+        .def_rw("experts_up", &PyQwen3_5Layer::experts_up)
         .def_rw("experts_gate_up", &PyQwen3_5Layer::experts_gate_up, nb::arg().none())
-        .def_rw("experts_down", &PyQwen3_5Layer::experts_down, nb::arg().none())
+        .def_rw("experts_down", &PyQwen3_5Layer::experts_down)
         .def_rw("shared_gate", &PyQwen3_5Layer::shared_gate, nb::arg().none())
         .def_rw("shared_up", &PyQwen3_5Layer::shared_up, nb::arg().none())
         .def_rw("shared_down", &PyQwen3_5Layer::shared_down, nb::arg().none())

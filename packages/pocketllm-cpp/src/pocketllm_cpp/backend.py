@@ -53,10 +53,12 @@ class CppBackend:
         return 15 if _native.best_isa() in ("avx2", "avx512") else 9
 
     def capabilities(self) -> Capabilities:
-        from pocketllm_cpp.model import ARCHITECTURES, STORAGE_TYPES
+        from pocketllm_cpp.model import ARCHITECTURES, HYBRID, STORAGE_TYPES
 
         return Capabilities(
-            architectures=ARCHITECTURES,
+            # Hybrid models need a state slot per running request, which the engine does not allocate yet: built
+            # and tested through Model.forward, served once the engine's scheduler gives each request its slot.
+            architectures=tuple(a for a in ARCHITECTURES if a not in HYBRID),
             storage_types=STORAGE_TYPES,
             sampling_options=SAMPLING_OPTIONS,
             prefix_caching=True,
@@ -77,7 +79,7 @@ class CppEngine:
 
     def __init__(self, args: EngineArgs, checkpoint: Checkpoint, options: CppOptions) -> None:
         from pocketllm_cpp import _native
-        from pocketllm_cpp.model import build_model
+        from pocketllm_cpp.model import build_model, num_attention_layers, state_slot_bytes
 
         # The core has checked every option against this backend's Capabilities, options' types and ranges too.
         assert args.max_model_len is not None  # resolved by the core
@@ -88,11 +90,14 @@ class CppEngine:
         config = checkpoint.config
         kv_dtype = "float16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        per_block = bytes_per_block(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
-                                    head_dim=config.head_dim, itemsize=KV_CACHE_DTYPES[kv_dtype], block_size=block_size)
+        # Only attention layers keep KV; hybrid models' state layers hold a slot per running request instead.
+        per_block = bytes_per_block(num_layers=num_attention_layers(checkpoint),
+                                    num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                                    itemsize=KV_CACHE_DTYPES[kv_dtype], block_size=block_size)
         num_blocks = KVBudget(block_size=block_size, bytes_per_block=per_block, max_model_len=args.max_model_len,
                               max_num_seqs=args.max_num_seqs, memory_bytes=int(physical * KV_MEMORY_FRACTION),
-                              device_bytes=physical).num_blocks(options.num_kv_blocks)
+                              device_bytes=physical, state_slot_bytes=state_slot_bytes(checkpoint),
+                              ).num_blocks(options.num_kv_blocks)
         # By default one thread per CPU this process may use (its affinity and cgroup quota), not the machine's.
         threads = options.num_threads or min(_native.available_cpus(), MAX_THREADS)
         self.num_threads = threads
@@ -103,7 +108,8 @@ class CppEngine:
                                   f"(vocab_size {config.vocab_size})")
         self.eos = tuple(config.eos_token_ids)
         self.model = build_model(checkpoint, num_blocks=num_blocks, block_size=block_size, num_threads=threads,
-                                 exact_activations=options.exact_activations, kv_cache_dtype=kv_dtype)
+                                 exact_activations=options.exact_activations, kv_cache_dtype=kv_dtype,
+                                 num_state_slots=args.max_num_seqs)
         self.engine = _native.Engine(self.model, args.max_num_seqs, args.max_num_batched_tokens,
                                      args.prefill_chunk_size, args.seed, args.enable_prefix_caching)
         self.vocab_size = config.vocab_size
