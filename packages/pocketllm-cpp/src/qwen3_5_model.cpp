@@ -2,43 +2,19 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <functional>
 #include <stdexcept>
 #include <string>
 
 #include "gated_delta.h"
+#include "layer_math.h"
 #include "moe.h"
+#include "model_output.h"
 #include "paged_attention.h"
 
 namespace pocketllm {
 namespace {
 
-constexpr int64_t kParallelRows = 16;  // below this many tokens, per-token work runs on the calling thread
-
-void rms_norm(const float* x, const float* weight, int64_t size, float eps, float* out) {
-    double sum = 0.0;
-    for (int64_t i = 0; i < size; ++i) sum += static_cast<double>(x[i]) * x[i];
-    const float scale = 1.0f / std::sqrt(static_cast<float>(sum / static_cast<double>(size)) + eps);
-    for (int64_t i = 0; i < size; ++i) out[i] = x[i] * scale * weight[i];
-}
-
-// RoPE, rotate-half style, on the first `rotary` values of a head: pairs (i, i + rotary / 2).
-void rope_partial(float* head, int64_t rotary, const float* cos, const float* sin) {
-    const int64_t half = rotary / 2;
-    for (int64_t i = 0; i < half; ++i) {
-        const float a = head[i], b = head[i + half];
-        head[i] = a * cos[i] - b * sin[i];
-        head[i + half] = b * cos[i] + a * sin[i];
-    }
-}
-
 float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-
-void for_rows(ThreadPool& pool, int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
-    if (n < kParallelRows) return fn(0, n);
-    pool.parallel_for(n, fn);
-}
 
 void expect_shape(const WeightView& w, int64_t rows, int64_t cols, const std::string& what) {
     if (w.rows != rows || w.cols != cols) {
@@ -167,11 +143,6 @@ void Qwen3_5Model::reset_profile() {
 std::vector<float> Qwen3_5Model::forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
                                          std::vector<float>* pooled) {
     check(tokens, slices);
-    if (pooled != nullptr) {
-        for (const auto& s : slices) {
-            if (s.pool != Pooling::None) throw std::invalid_argument("Qwen3.5 does not pool embeddings");
-        }
-    }
     Stopwatch total(profile_.forward);
     const Qwen3_5Config& c = config_;
     const int64_t n = static_cast<int64_t>(tokens.size()), hidden = c.hidden_size, half = c.rotary_dim / 2;
@@ -230,19 +201,9 @@ std::vector<float> Qwen3_5Model::forward(const std::vector<int32_t>& tokens, con
         for (size_t i = 0; i < batch.x.size(); ++i) batch.x[i] += batch.out[i];
     }
 
-    std::vector<float> last;  // the final norm of each slice's last num_logits tokens
-    for (int64_t s = 0, end = 0; s < static_cast<int64_t>(slices.size()); ++s) {
-        end += slices[s].num_tokens;
-        for (int64_t t = end - slices[s].num_logits; t < end; ++t) {
-            last.resize(last.size() + static_cast<size_t>(hidden));
-            rms_norm(&batch.x[t * hidden], final_norm_.data(), hidden, c.rms_norm_eps, &last[last.size() - hidden]);
-        }
-    }
-    const int64_t rows = static_cast<int64_t>(last.size()) / hidden;
-    std::vector<float> logits(static_cast<size_t>(rows * c.vocab_size));
     Stopwatch timed(profile_.lm_head);
-    if (rows > 0) matmul(lm_head_, last.data(), rows, logits.data(), pool_, c.exact_activations);
-    return logits;
+    return final_rows(batch.x.data(), slices, {final_norm_, c.rms_norm_eps, lm_head_, c.exact_activations}, pool_,
+                      pooled);
 }
 
 void Qwen3_5Model::attention_layer(int64_t l, int64_t index, Batch& batch, const std::vector<SequenceSlice>& slices) {
@@ -272,13 +233,13 @@ void Qwen3_5Model::attention_layer(int64_t l, int64_t index, Batch& batch, const
                     const float* both = &batch.proj[t * 2 * q_size + hd * 2 * dim];
                     float* head = &batch.q[t * q_size + hd * dim];
                     rms_norm(both, L.q_norm.data(), dim, c.rms_norm_eps, head);
-                    rope_partial(head, c.rotary_dim, cos, sin);
+                    rope(head, c.rotary_dim, cos, sin, false);  // rotate-half on the first rotary_dim
                     std::copy(both + dim, both + 2 * dim, &batch.gate[t * q_size + hd * dim]);
                 }
                 for (int64_t hd = 0; hd < c.num_kv_heads; ++hd) {
                     float* head = &batch.k[t * kv_size + hd * dim];
                     rms_norm(head, L.k_norm.data(), dim, c.rms_norm_eps, head);
-                    rope_partial(head, c.rotary_dim, cos, sin);
+                    rope(head, c.rotary_dim, cos, sin, false);  // rotate-half on the first rotary_dim
                 }
                 kv_->store(index, slices[batch.slice_of[t]], batch.position[t], &batch.k[t * kv_size],
                            &batch.v[t * kv_size]);
