@@ -30,11 +30,18 @@ struct GatedDeltaWeights {
 // Throws std::invalid_argument when the sizes do not fit the shape (or Hv is not a multiple of Hk).
 void validate(const GatedDeltaShape& s, const GatedDeltaWeights& w);
 
-// One sequence's n tokens in order: proj [n, proj_size] (rows q k v | z | b | a) -> out [n, Hv * v_dim], before
-// out_proj. `state` (state_floats: the conv's previous kernel-1 inputs per channel [channels, kernel-1], then
-// the recurrent state [Hv, k_dim, v_dim]) is read and left after the n tokens. The exact recurrent form, token
-// by token, so a token's bits depend on its sequence alone.
-void gated_delta(const GatedDeltaShape& s, const GatedDeltaWeights& w, float eps, const float* proj, int64_t n,
-                 float* state, float* out);
+// The two passes over one sequence's n tokens, proj [n, proj_size] (rows q k v | z | b | a) -> out
+// [n, Hv * v_dim] before out_proj; `state` is state_floats: the conv's previous kernel-1 inputs per channel
+// [channels, kernel-1], then the recurrent state [Hv, k_dim, v_dim]. The exact recurrent form, token by token, so
+// a token's bits depend on its sequence alone.
+//
+// First the convolution with SiLU over every token (the conv state moves on to the last kernel-1 inputs), q and k
+// L2-normalised, q scaled by k_dim^-0.5: mixed [n, channels].
+void gated_delta_conv(const GatedDeltaShape& s, const GatedDeltaWeights& w, const float* proj, int64_t n, float* state,
+                      float* mixed);
+// Then value head h on its own (heads run in parallel): the delta rule on its [k_dim, v_dim] state and the gated
+// RMSNorm norm(o) * w * silu(z), into out's head h columns.
+void gated_delta_head(const GatedDeltaShape& s, const GatedDeltaWeights& w, float eps, const float* proj,
+                      const float* mixed, int64_t n, int64_t h, float* state, float* out);
 
 }  // namespace pocketllm

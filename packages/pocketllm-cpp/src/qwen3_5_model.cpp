@@ -277,17 +277,27 @@ void Qwen3_5Model::linear_layer(int64_t l, int64_t offset, Batch& batch, const s
         std::copy_n(&batch.v[t * hv], hv, row + channels + hv * dv + hv);
     }
     batch.mixed.resize(static_cast<size_t>(n * hv * dv));
+    batch.attn.resize(static_cast<size_t>(n * channels));  // the convolution's outputs
     const GatedDeltaWeights weights{L.conv, L.decay, L.dt_bias, L.norm};
     {
         Stopwatch timed(profile_.attention);
-        // Each sequence's tokens in order, sequences side by side: a sequence's bits do not depend on the batch.
-        pool_.parallel_each(static_cast<int64_t>(slices.size()), [&](int64_t s) {
-            const SequenceSlice& slice = slices[static_cast<size_t>(s)];
-            float* state = &states_[static_cast<size_t>(slice.state_slot) * static_cast<size_t>(slot_floats_) +
-                                    static_cast<size_t>(offset)];
+        // Each sequence's tokens in order, sequences side by side (then each value head apart): a sequence's bits
+        // do not depend on the batch.
+        const auto state = [&](int64_t s) {
+            return &states_[static_cast<size_t>(slices[static_cast<size_t>(s)].state_slot) *
+                                static_cast<size_t>(slot_floats_) + static_cast<size_t>(offset)];
+        };
+        const int64_t num_slices = static_cast<int64_t>(slices.size());
+        pool_.parallel_each(num_slices, [&](int64_t s) {
             const int64_t first = batch.first[static_cast<size_t>(s)];
-            gated_delta(shape, weights, c.rms_norm_eps, &batch.proj[first * width], slice.num_tokens, state,
-                        &batch.mixed[first * hv * dv]);
+            gated_delta_conv(shape, weights, &batch.proj[first * width], slices[static_cast<size_t>(s)].num_tokens,
+                             state(s), &batch.attn[first * channels]);
+        });
+        pool_.parallel_each(num_slices * hv, [&](int64_t job) {
+            const int64_t s = job / hv, first = batch.first[static_cast<size_t>(s)];
+            gated_delta_head(shape, weights, c.rms_norm_eps, &batch.proj[first * width], &batch.attn[first * channels],
+                             slices[static_cast<size_t>(s)].num_tokens, job % hv, state(s),
+                             &batch.mixed[first * hv * dv]);
         });
     }
     Stopwatch timed(profile_.matmul);
