@@ -162,3 +162,24 @@ def test_gguf_files_of_llama_cpp_s_own_converter_match_transformers(tmp_path, ll
     got = model_of(gguf).forward(ids, [(0, len(ids), TABLES[0], len(ids))], [0])
     np.testing.assert_allclose(got, hf_logits(hf, ids), atol=1e-3, rtol=0)
     assert greedy(model_of(gguf), ids[:5], 16) == hf_greedy(hf, ids[:5], 16)
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_with_a_checkpoint_error(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from pocketllm.errors import CheckpointError
+
+    _, path = tiny_qwen3_5(tmp_path / "hf")
+    weights = load_file(path / "model.safetensors")
+    del weights["model.layers.0.linear_attn.dt_bias"]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="dt_bias"):
+        model_of(path)
+
+
+def test_state_slots_are_checked_before_any_work(tiny) -> None:
+    _, path = tiny("dense")
+    with pytest.raises(ValueError, match="state slot"):
+        model_of(path).forward([1, 2], [(0, 2, TABLES[0], 1)], [5])
+    with pytest.raises(ValueError, match="one slot per slice"):
+        model_of(path).forward([1, 2], [(0, 2, TABLES[0], 1)], [0, 1])
