@@ -23,3 +23,13 @@ class TestCppModels(ModelConformance):
     backend = "cpp"
     engine_kwargs: ClassVar[dict[str, object]] = {"backend_options": {"exact_activations": True},
                                                   "kv_cache_dtype": "float32"}
+
+
+class TestCppQwen3_5Protocol(ProtocolConformance):
+    """The protocol checks on the kit's hybrid Qwen3.5 (Gated DeltaNet state slots and snapshots beside the KV
+    cache), prefix caching included."""
+
+    backend = "cpp"
+    checkpoint = "qwen3_5"
+    engine_kwargs: ClassVar[dict[str, object]] = {"backend_options": {"exact_activations": True},
+                                                  "kv_cache_dtype": "float32"}

@@ -15,7 +15,8 @@ from tests.torch.torch_testkit import EOS, VOCAB
 HIDDEN = 64
 
 
-def hf_config(moe: bool, layers: int, layer_types: list[str] | None = None, hidden: int = HIDDEN) -> Any:
+def hf_config(moe: bool, layers: int, layer_types: list[str] | None = None, hidden: int = HIDDEN,
+              shared_expert_ff: int = 48) -> Any:
     transformers = __import__("transformers")
     # Only what the config class takes: the file save_pretrained writes is then exactly the class's (the MoE one
     # has no intermediate_size, as published Qwen3.5 MoE configs have none).
@@ -32,23 +33,24 @@ def hf_config(moe: bool, layers: int, layer_types: list[str] | None = None, hidd
     )
     if moe:
         return transformers.Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                                 shared_expert_intermediate_size=48, **common)
+                                                 shared_expert_intermediate_size=shared_expert_ff, **common)
     return transformers.Qwen3_5TextConfig(intermediate_size=128, **common)
 
 
 def tiny_qwen3_5(path: Path, *, moe: bool = False, wrapped: bool = False, layers: int = 4,
                  layer_types: list[str] | None = None, seed: int = 0, hidden: int = HIDDEN,
-                 std: float = 0.15) -> tuple[Any, Path]:
+                 std: float = 0.15, shared_expert_ff: int = 48) -> tuple[Any, Path]:
     """A random fp32 transformers model and its checkpoint directory (``layers`` of them, every 4th full attention,
     or one per entry of ``layer_types``).
 
     Weights are drawn larger than transformers' init (normal, ``std``) so that greedy decoding does not collapse into
     one token; zero-centred norms (weight w, applied as 1 + w) get small w. ``wrapped`` rewrites the checkpoint in the
     layout of the multimodal release (``qwen3_5``/``qwen3_5_moe`` with ``text_config``, text weights under
-    ``model.language_model.``, a vision tower beside them).
+    ``model.language_model.``, a vision tower beside them). ``shared_expert_ff``: the MoE shared expert's size
+    (the cpp backend's kernels take multiples of 32).
     """
     transformers = __import__("transformers")
-    config = hf_config(moe, len(layer_types) if layer_types else layers, layer_types, hidden)
+    config = hf_config(moe, len(layer_types) if layer_types else layers, layer_types, hidden, shared_expert_ff)
     model_cls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
     torch.manual_seed(seed)
     model = model_cls(config).eval()

@@ -320,22 +320,23 @@ def test_the_snapshot_budget_comes_out_of_the_kv_cache_s(qwen, monkeypatch) -> N
     assert blocks == {False: 64, True: 40}
 
 
-def test_auto_serves_a_qwen3_5_gguf_on_torch_and_cpp_refuses_it_by_name(tmp_path) -> None:
+def test_a_qwen3_5_gguf_is_served_by_torch_and_auto_picks_cpp_on_x86(tmp_path) -> None:
     from pocketllm import LLM
-    from pocketllm.errors import UnsupportedOptionError
 
-    hf, _ = tiny_qwen3_5(tmp_path / "hf")
+    hf, _ = tiny_qwen3_5(tmp_path / "hf", shared_expert_ff=64)
     path = str(to_gguf(hf, tmp_path / "model.gguf"))
     ids = prompt(20, offset=1)
-    llm = LLM(path, backend="auto", dtype="float32")
+    llm = LLM(path, backend="torch", dtype="float32")
     try:
-        assert llm.backend_name == "torch"
         assert llm.generate([ids], greedy(8))[0].outputs[0].token_ids == hf_greedy(hf, ids, 8)
     finally:
         llm.shutdown()
-    pytest.importorskip("pocketllm_cpp")
-    with pytest.raises(UnsupportedOptionError, match="qwen3_5_text"):
-        LLM(path, backend="cpp")
+    native = pytest.importorskip("pocketllm_cpp._native")
+    llm = LLM(path, backend="auto")
+    try:
+        assert llm.backend_name == ("cpp" if native.best_isa() in ("avx2", "avx512") else "torch")
+    finally:
+        llm.shutdown()
 
 
 def test_kit_configs_are_exactly_what_the_config_classes_write(qwen) -> None:

@@ -20,7 +20,6 @@ using namespace pocketllm;
 
 namespace {
 
-using Bytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 WeightView weight_view(const Bytes& data, const std::string& storage_type, int64_t rows, int64_t cols) {
@@ -33,17 +32,11 @@ using Vector = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::c
 using Mask = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Matmul = std::tuple<Bytes, std::string, int64_t, int64_t>;  // raw bytes, storage type, rows, cols
 
-// The model plus the Python arrays its weight views point into, kept alive as long as it is.
-struct PyModel {
-    std::shared_ptr<Model> model;
-    std::vector<nb::object> owners;
-
-    WeightView view(const Matmul& m) {
-        const auto& [data, storage_type, rows, cols] = m;
-        owners.push_back(nb::cast(data));
-        return weight_view(data, storage_type, rows, cols);
-    }
-};
+WeightView view(PyModel& model, const Matmul& m) {
+    const auto& [data, storage_type, rows, cols] = m;
+    model.owners.push_back(nb::cast(data));
+    return weight_view(data, storage_type, rows, cols);
+}
 
 // What a value from Python must be, for the errors of field().
 template <class T> constexpr const char* kKind = "of another type";
@@ -194,7 +187,7 @@ NB_MODULE(_native, m) {
                 std::vector<LlamaLayer> weights;
                 for (const nb::dict& layer : layers) {
                     const std::string where = "layer " + std::to_string(weights.size());
-                    auto mat = [&](const char* key) { return self->view(field<Matmul>(layer, key, where)); };
+                    auto mat = [&](const char* key) { return view(*self, field<Matmul>(layer, key, where)); };
                     auto norm = [&](const char* key, int64_t size) {
                         return to_vector(field<Vector>(layer, key, where), size, key);
                     };
@@ -217,7 +210,7 @@ NB_MODULE(_native, m) {
                     }
                     weights.push_back(std::move(w));
                 }
-                const WeightView embed = self->view(embedding), head = self->view(lm_head);
+                const WeightView embed = view(*self, embedding), head = view(*self, lm_head);
                 if (embed.rows != c.vocab_size || embed.cols != c.hidden_size || head.rows != c.vocab_size ||
                     head.cols != c.hidden_size) {
                     throw std::invalid_argument("embedding and lm_head must be [vocab_size, hidden_size]");
@@ -231,9 +224,14 @@ NB_MODULE(_native, m) {
         .def(
             "forward",
             [](PyModel& self, const std::vector<int32_t>& tokens,
-               const std::vector<std::tuple<int64_t, int64_t, std::vector<int32_t>, int64_t>>& slices) {
+               const std::vector<std::tuple<int64_t, int64_t, std::vector<int32_t>, int64_t>>& slices,
+               const std::vector<int32_t>& state_slots) {
+                if (!state_slots.empty() && state_slots.size() != slices.size()) {
+                    throw std::invalid_argument("state_slots must give one slot per slice");
+                }
                 std::vector<SequenceSlice> parts;
                 for (const auto& [start, count, table, logits] : slices) parts.push_back({start, count, table, logits});
+                for (size_t s = 0; s < state_slots.size(); ++s) parts[s].state_slot = state_slots[s];
                 std::vector<float> logits;
                 {
                     nb::gil_scoped_release released;
@@ -244,9 +242,31 @@ NB_MODULE(_native, m) {
                 std::copy(logits.begin(), logits.end(), out.data());
                 return out;
             },
-            nb::arg("tokens"), nb::arg("slices"),
-            "Run tokens of several sequences: slices are (start, num_tokens, block_table, num_logits); returns "
-            "the logits of each slice's last num_logits tokens.");
+            nb::arg("tokens"), nb::arg("slices"), nb::arg("state_slots") = std::vector<int32_t>{},
+            "Run tokens of several sequences: slices are (start, num_tokens, block_table, num_logits), each in "
+            "its state slot (models with num_state_slots > 0); returns the logits of each slice's last num_logits "
+            "tokens.")
+        .def_prop_ro("num_state_slots", [](const PyModel& self) { return self.model->num_state_slots(); })
+        .def_prop_ro("state_bytes", [](const PyModel& self) { return self.model->state_bytes(); })
+        .def(
+            "save_state",
+            [](const PyModel& self, int32_t slot) {
+                const int64_t floats = self.model->state_bytes() / 4;
+                auto out = new_matrix(1, floats);
+                self.model->save_state(slot, out.data());
+                return out;
+            },
+            nb::arg("slot"), "A state slot's contents as float32 [1, state_bytes / 4].")
+        .def(
+            "load_state",
+            [](PyModel& self, int32_t slot, const Vector& state) {
+                if (static_cast<int64_t>(state.size()) * 4 != self.model->state_bytes()) {
+                    throw std::invalid_argument("a state of " + std::to_string(state.size()) + " floats, expected " +
+                                                std::to_string(self.model->state_bytes() / 4));
+                }
+                self.model->load_state(slot, state.data());
+            },
+            nb::arg("slot"), nb::arg("state"), "Restore a slot from save_state's floats (flattened).");
     nb::class_<EngineStats>(m, "EngineStats", "The engine's counters now (stats()).")
         .def_ro("running", &EngineStats::running)
         .def_ro("waiting", &EngineStats::waiting)
@@ -355,4 +375,5 @@ NB_MODULE(_native, m) {
         },
         nb::arg("x"), "The 8-bit blocks activations are quantized to: (scales, scale * code sums, codes).");
     bind_moe(m);
+    bind_qwen3_5(m);
 }

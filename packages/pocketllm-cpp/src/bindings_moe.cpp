@@ -17,20 +17,11 @@ using namespace pocketllm;
 
 namespace {
 
-using Bytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
-// A tensor as a file stores it: its bytes, storage type and row-major shape ([rows, cols], or [experts, rows, cols]
-// for experts stacked along the first axis).
-struct MoeTensor {
-    Bytes data;
-    std::string storage_type;
-    std::vector<int64_t> shape;
-};
+}  // namespace
 
-// The tensor's matrices, checked against its bytes: the matrix of a 2-D tensor, or one window per expert of a
-// stacked 3-D one.
-std::vector<WeightView> matrices(const MoeTensor& t, size_t dims, const std::string& what) {
+std::vector<WeightView> pocketllm::matrices(const MoeTensor& t, size_t dims, const std::string& what) {
     if (t.shape.size() != dims) {
         throw std::invalid_argument("moe " + what + " has " + std::to_string(t.shape.size()) + " dimensions, expected " +
                                     std::to_string(dims));
@@ -53,8 +44,6 @@ std::vector<WeightView> matrices(const MoeTensor& t, size_t dims, const std::str
     for (int64_t e = 0; e < count; ++e) out.push_back({whole.data + e * bytes, whole.type, rows, cols});
     return out;
 }
-
-}  // namespace
 
 void pocketllm::bind_moe(nb::module_& m) {
     nb::class_<MoeTensor>(m, "MoeTensor", "A tensor's raw bytes, storage type and shape, as moe_forward reads them.")

@@ -28,10 +28,13 @@ struct LlamaLayer {
     std::vector<float> input_norm, post_attention_norm, q_norm, k_norm;
 };
 
+class PagedAttention;
+
 class LlamaModel final : public Model {
 public:
     LlamaModel(LlamaConfig config, WeightView embedding, std::vector<LlamaLayer> layers, std::vector<float> final_norm,
           WeightView lm_head, int64_t num_blocks, int64_t block_size, int num_threads);
+    ~LlamaModel() override;
 
     const LlamaConfig& config() const { return config_; }
 
@@ -44,16 +47,12 @@ private:
     struct Batch;  // one forward's tokens, positions and work buffers
 
     void attention_layer(int64_t layer, Batch& batch, const std::vector<SequenceSlice>& slices);
-    void attend(int64_t layer, Batch& batch, const std::vector<SequenceSlice>& slices);
-    // Keys (which 0) or values (1) of one layer's block: [kv_heads, block_size, head_dim] elements.
-    uint8_t* kv(int64_t layer, int64_t block, int which);
 
     LlamaConfig config_;
     WeightView embedding_, lm_head_;
     std::vector<LlamaLayer> layers_;
     std::vector<float> final_norm_;
-    size_t kv_element_;  // bytes per cached value
-    std::unique_ptr<uint8_t[]> cache_;
+    std::unique_ptr<PagedAttention> kv_;  // every layer's KV cache
     ThreadPool pool_;
     Profile profile_;
     double wait_at_reset_ = 0;

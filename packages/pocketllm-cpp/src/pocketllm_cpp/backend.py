@@ -18,7 +18,7 @@ from pocketllm.backend import (
     TokenLogprob,
 )
 from pocketllm.errors import CheckpointError, ConfigError
-from pocketllm.kv_budget import KVBudget, bytes_per_block
+from pocketllm.kv_budget import KVBudget, bytes_per_block, snapshot_capacity
 from pocketllm.limits import MAX_THREADS
 from pocketllm.pooling import POOLING_TYPES
 from pocketllm.structured import bitmask_words, fill_bitmasks
@@ -77,7 +77,7 @@ class CppEngine:
 
     def __init__(self, args: EngineArgs, checkpoint: Checkpoint, options: CppOptions) -> None:
         from pocketllm_cpp import _native
-        from pocketllm_cpp.model import build_model
+        from pocketllm_cpp.model import build_model, num_attention_layers, state_slot_bytes
 
         # The core has checked every option against this backend's Capabilities, options' types and ranges too.
         assert args.max_model_len is not None  # resolved by the core
@@ -88,11 +88,19 @@ class CppEngine:
         config = checkpoint.config
         kv_dtype = "float16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        per_block = bytes_per_block(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
-                                    head_dim=config.head_dim, itemsize=KV_CACHE_DTYPES[kv_dtype], block_size=block_size)
+        # Only attention layers keep KV; hybrid models' state layers hold a slot per running request instead, and
+        # with prefix caching snapshots of it, whose budget is memory they may come to hold: not the KV cache's.
+        state_bytes = state_slot_bytes(checkpoint)
+        snapshot_bytes = options.state_snapshot_mb << 20 if state_bytes and args.enable_prefix_caching else 0
+        if snapshot_bytes:
+            snapshot_capacity(snapshot_bytes, state_bytes, option="state_snapshot_mb")
+        per_block = bytes_per_block(num_layers=num_attention_layers(checkpoint),
+                                    num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                                    itemsize=KV_CACHE_DTYPES[kv_dtype], block_size=block_size)
         num_blocks = KVBudget(block_size=block_size, bytes_per_block=per_block, max_model_len=args.max_model_len,
                               max_num_seqs=args.max_num_seqs, memory_bytes=int(physical * KV_MEMORY_FRACTION),
-                              device_bytes=physical).num_blocks(options.num_kv_blocks)
+                              device_bytes=physical, state_slot_bytes=state_bytes, snapshot_bytes=snapshot_bytes,
+                              ).num_blocks(options.num_kv_blocks)
         # By default one thread per CPU this process may use (its affinity and cgroup quota), not the machine's.
         threads = options.num_threads or min(_native.available_cpus(), MAX_THREADS)
         self.num_threads = threads
@@ -103,9 +111,10 @@ class CppEngine:
                                   f"(vocab_size {config.vocab_size})")
         self.eos = tuple(config.eos_token_ids)
         self.model = build_model(checkpoint, num_blocks=num_blocks, block_size=block_size, num_threads=threads,
-                                 exact_activations=options.exact_activations, kv_cache_dtype=kv_dtype)
+                                 exact_activations=options.exact_activations, kv_cache_dtype=kv_dtype,
+                                 num_state_slots=args.max_num_seqs)
         self.engine = _native.Engine(self.model, args.max_num_seqs, args.max_num_batched_tokens,
-                                     args.prefill_chunk_size, args.seed, args.enable_prefix_caching)
+                                     args.prefill_chunk_size, args.seed, args.enable_prefix_caching, snapshot_bytes)
         self.vocab_size = config.vocab_size
         self.constraints: dict[str, Constraint] = {}  # structured outputs: running requests' grammars
 

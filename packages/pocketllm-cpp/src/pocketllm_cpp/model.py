@@ -1,37 +1,64 @@
-"""Build the native model from a checkpoint: matrices stay in their file bytes, norms become float32 copies."""
+"""Build the native model from a checkpoint, by architecture: matrices stay in their file bytes, norms become
+float32 copies."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from pocketllm.errors import CheckpointError, UnsupportedOptionError
 from pocketllm.rope import rope_frequencies
-from pocketllm_cpp import _native
+from pocketllm_cpp import _native, qwen3_5
+from pocketllm_cpp.loading import STORAGE_TYPES, BuildOptions
 from pocketllm_cpp.name import NAME
 
 if TYPE_CHECKING:
     from pocketllm.checkpoint import Checkpoint, CheckpointTensor
 
-ARCHITECTURES = ("llama", "qwen3")
-STORAGE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # read in place
+__all__ = ["ARCHITECTURES", "HYBRID", "STORAGE_TYPES", "build_model", "num_attention_layers", "state_slot_bytes"]
 _MATRICES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 _NORMS = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
           "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
 
 
+class _Builder(Protocol):
+    def __call__(self, checkpoint: Checkpoint, options: BuildOptions) -> _native.Model: ...
+
+
 def build_model(checkpoint: Checkpoint, *, num_blocks: int, block_size: int, num_threads: int | None = None,
-                exact_activations: bool = False, kv_cache_dtype: str = "float16") -> _native.Model:
+                exact_activations: bool = False, kv_cache_dtype: str = "float16",
+                num_state_slots: int = 1) -> _native.Model:
     """The native model over ``checkpoint``'s tensors. With ``exact_activations``, block weights multiply float32
     activations (a float32 reference's arithmetic) instead of 8-bit ones (llama.cpp's, faster). The KV cache
-    holds ``kv_cache_dtype`` values: float16 (half the bytes attention reads) or float32."""
+    holds ``kv_cache_dtype`` values: float16 (half the bytes attention reads) or float32. Hybrid models hold
+    ``num_state_slots`` requests' states (max_num_seqs)."""
     config = checkpoint.config
-    if config.architecture not in ARCHITECTURES:
+    if config.architecture not in _BUILDERS:
         raise UnsupportedOptionError("model", NAME, f"architecture {config.architecture!r}")
     if config.attention_bias or config.mlp_bias:
         raise UnsupportedOptionError("model", NAME, "linear biases are not implemented yet")
+    options = BuildOptions(num_blocks=num_blocks, block_size=block_size,
+                           num_threads=num_threads or _native.available_cpus(), exact_activations=exact_activations,
+                           kv_cache_dtype=kv_cache_dtype, num_state_slots=num_state_slots)
+    return _BUILDERS[config.architecture](checkpoint, options)
+
+
+def num_attention_layers(checkpoint: Checkpoint) -> int:
+    """Layers that keep KV in the paged cache (what the KV budget counts)."""
+    config = checkpoint.config
+    return qwen3_5.num_attention_layers(config) if config.architecture in HYBRID else config.num_hidden_layers
+
+
+def state_slot_bytes(checkpoint: Checkpoint) -> int:
+    """One request's fixed-size state (0 for models without state layers)."""
+    config = checkpoint.config
+    return qwen3_5.state_slot_bytes(config) if config.architecture in HYBRID else 0
+
+
+def _build_llama(checkpoint: Checkpoint, options: BuildOptions) -> _native.Model:
+    config = checkpoint.config
     tensors = {t.name: t for t in checkpoint.tensors()}
 
     def take(name: str) -> CheckpointTensor:
@@ -58,11 +85,11 @@ def build_model(checkpoint: Checkpoint, *, num_blocks: int, block_size: int, num
         "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps,
         # llama.cpp stores Llama q/k rows so that RoPE rotates adjacent pairs: run them that way, unpermuted.
         "rope_pairs_adjacent": permuted == {True}, "qk_norm": config.architecture == "qwen3",
-        "exact_activations": exact_activations, "inv_freq": inv_freq.tolist(), "rope_attention_factor": attention,
-        "kv_cache_dtype": kv_cache_dtype,
+        "exact_activations": options.exact_activations, "inv_freq": inv_freq.tolist(),
+        "rope_attention_factor": attention, "kv_cache_dtype": options.kv_cache_dtype,
     }
     return _native.Model(native_config, _matrix(embedding), layers, _vector(take("model.norm.weight")),
-                         _matrix(lm_head), num_blocks, block_size, num_threads or _native.available_cpus())
+                         _matrix(lm_head), options.num_blocks, options.block_size, options.num_threads)
 
 
 def _matrix(tensor: CheckpointTensor) -> tuple[np.ndarray, str, int, int]:
@@ -78,3 +105,9 @@ def _matrix(tensor: CheckpointTensor) -> tuple[np.ndarray, str, int, int]:
 
 def _vector(tensor: CheckpointTensor) -> np.ndarray:
     return np.ascontiguousarray(tensor.dequantize(), dtype=np.float32).reshape(-1)
+
+
+_BUILDERS: dict[str, _Builder] = {"llama": _build_llama, "qwen3": _build_llama,
+                                  "qwen3_5_text": qwen3_5.build, "qwen3_5_moe_text": qwen3_5.build}
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")
+ARCHITECTURES = tuple(_BUILDERS)

@@ -22,3 +22,6 @@ class CppOptions(BackendOptions, kw_only=True):
     num_threads: Annotated[int, msgspec.Meta(
         ge=1, le=MAX_THREADS, description="worker threads; by default one per CPU this process may use (its "
                                           "affinity and cgroup quota)")] | None = None
+    state_snapshot_mb: Annotated[int, msgspec.Meta(
+        ge=1, le=1 << 30, description="memory for prefix-cache snapshots of hybrid models' state layers, in MiB "
+                                      "(Qwen3.5-9B: ~50 MB each)")] = 512

@@ -1,0 +1,91 @@
+// Qwen3.5, dense and MoE: a hybrid of Gated DeltaNet layers (a fixed-size state per request, in the model's state
+// slots) and gated full-attention layers (the paged KV cache), over weights read in place.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "pocketllm_cpp/matmul.h"
+#include "pocketllm_cpp/model.h"
+#include "pocketllm_cpp/profile.h"
+#include "pocketllm_cpp/thread_pool.h"
+
+namespace pocketllm {
+
+struct Qwen3_5Config {
+    int64_t vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, head_dim;
+    int64_t rotary_dim;  // RoPE (rotate-half) on the first rotary_dim values of each head
+    float rms_norm_eps;
+    std::vector<float> inv_freq;  // rotary_dim / 2 frequencies, scaling applied
+    float rope_attention_factor = 1.0f;
+    // Gated DeltaNet
+    int64_t linear_num_k_heads, linear_num_v_heads, linear_k_dim, linear_v_dim, conv_kernel;
+    bool tiled_heads;  // llama.cpp's GGUF value-head order (see gated_delta.h)
+    bool exact_activations;
+    KvType kv_type = KvType::F16;
+};
+
+struct MoeWeights;  // moe.h
+
+// What a layer keeps per request: KV in the paged cache, or a fixed-size state in a slot.
+enum class LayerKind { FullAttention, LinearAttention };
+
+struct Qwen3_5Layer {
+    LayerKind kind;
+    std::vector<float> input_norm, post_attention_norm;  // zero-centred norms: 1 + w already added
+    // FullAttention: q rows are per head its query then its output gate.
+    WeightView q, k, v, o;
+    std::vector<float> q_norm, k_norm;
+    // LinearAttention: in_proj rows q k v | z | b | a as four matrices, out_proj.
+    WeightView qkv, z, b, a, out;
+    std::vector<float> conv, decay, dt_bias, norm;  // conv [channels, kernel], -exp(A_log), dt_bias, norm [v_dim]
+    // Feed-forward: a dense SwiGLU (gate, up, down), or experts (moe.h's MoeWeights, kept opaque here).
+    WeightView gate, up, down;
+    bool is_moe = false;
+    std::shared_ptr<const MoeWeights> moe;
+};
+
+class PagedAttention;
+
+class Qwen3_5Model final : public Model {
+public:
+    // `num_state_slots`: requests that may run at once (max_num_seqs). Throws std::invalid_argument for sizes that do
+    // not match the config or overflow.
+    Qwen3_5Model(Qwen3_5Config config, WeightView embedding, std::vector<Qwen3_5Layer> layers,
+                 std::vector<float> final_norm, WeightView lm_head, int64_t num_blocks, int64_t block_size,
+                 int64_t num_state_slots, int num_threads);
+    ~Qwen3_5Model() override;
+
+    const Qwen3_5Config& config() const { return config_; }
+    int64_t num_state_slots() const override { return num_slots_; }
+    int64_t state_bytes() const override { return slot_floats_ * 4; }
+    void save_state(int32_t slot, float* out) const override;
+    void load_state(int32_t slot, const float* in) override;
+
+    std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
+                               std::vector<float>* pooled = nullptr) override;
+    void add_profile(Profile& into) const override;
+    void reset_profile() override;
+
+private:
+    struct Batch;
+
+    void attention_layer(int64_t layer, int64_t attention_index, Batch& batch, const std::vector<SequenceSlice>& slices);
+    void linear_layer(int64_t layer, int64_t state_offset, Batch& batch, const std::vector<SequenceSlice>& slices);
+    void feed_forward(int64_t layer, Batch& batch);
+
+    Qwen3_5Config config_;
+    WeightView embedding_, lm_head_;
+    std::vector<Qwen3_5Layer> layers_;
+    std::vector<float> final_norm_;
+    std::unique_ptr<PagedAttention> kv_;  // the attention layers' KV cache
+    int64_t num_slots_, slot_floats_ = 0;
+    std::vector<float> states_;  // [slots, slot_floats]: per slot each linear layer's conv then recurrent state
+    ThreadPool pool_;
+    Profile profile_;
+    double wait_at_reset_ = 0;
+    int64_t regions_at_reset_ = 0;
+};
+
+}  // namespace pocketllm

@@ -1,0 +1,47 @@
+// Gated DeltaNet (Qwen3.5's linear attention) after its input projection: the depthwise causal convolution with
+// its state, L2-normalised q/k, the gated delta rule on a float32 state, and the gated RMSNorm. Private to the
+// library; qwen3_5_model.cpp calls it per slice.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace pocketllm {
+
+struct GatedDeltaShape {
+    int64_t num_k_heads, num_v_heads, k_dim, v_dim, kernel;
+    // Value head h reads key head h % Hk (llama.cpp's GGUF order) instead of h / (Hv / Hk) (Hugging Face's).
+    bool tiled_heads;
+
+    int64_t channels() const { return 2 * num_k_heads * k_dim + num_v_heads * v_dim; }  // q, k, v
+    int64_t proj_size() const { return channels() + num_v_heads * v_dim + 2 * num_v_heads; }  // + z, b, a
+    int64_t conv_floats() const { return channels() * (kernel - 1); }
+    int64_t recurrent_floats() const { return num_v_heads * k_dim * v_dim; }
+    int64_t state_floats() const { return conv_floats() + recurrent_floats(); }
+};
+
+struct GatedDeltaWeights {
+    std::vector<float> conv;     // [channels, kernel]
+    std::vector<float> decay;    // -exp(A_log) [Hv]
+    std::vector<float> dt_bias;  // [Hv]
+    std::vector<float> norm;     // [v_dim]: the gated RMSNorm's weight
+};
+
+// Throws std::invalid_argument when the sizes do not fit the shape (or Hv is not a multiple of Hk).
+void validate(const GatedDeltaShape& s, const GatedDeltaWeights& w);
+
+// The two passes over one sequence's n tokens, proj [n, proj_size] (rows q k v | z | b | a) -> out
+// [n, Hv * v_dim] before out_proj; `state` is state_floats: the conv's previous kernel-1 inputs per channel
+// [channels, kernel-1], then the recurrent state [Hv, k_dim, v_dim]. The exact recurrent form, token by token, so
+// a token's bits depend on its sequence alone.
+//
+// First the convolution with SiLU over every token (the conv state moves on to the last kernel-1 inputs), q and k
+// L2-normalised, q scaled by k_dim^-0.5: mixed [n, channels].
+void gated_delta_conv(const GatedDeltaShape& s, const GatedDeltaWeights& w, const float* proj, int64_t n, float* state,
+                      float* mixed);
+// Then value head h on its own (heads run in parallel): the delta rule on its [k_dim, v_dim] state and the gated
+// RMSNorm norm(o) * w * silu(z), into out's head h columns.
+void gated_delta_head(const GatedDeltaShape& s, const GatedDeltaWeights& w, float eps, const float* proj,
+                      const float* mixed, int64_t n, int64_t h, float* state, float* out);
+
+}  // namespace pocketllm

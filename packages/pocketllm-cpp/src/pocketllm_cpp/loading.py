@@ -1,0 +1,67 @@
+"""What every architecture's loader shares: the build options, and the checkpoint's tensors as the native
+module reads them (matrices in their file bytes where the kernels read that storage type, vectors as float32)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+
+from pocketllm.errors import CheckpointError, UnsupportedOptionError
+from pocketllm_cpp import _native
+from pocketllm_cpp.name import NAME
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from pathlib import Path
+
+    from pocketllm.checkpoint import CheckpointTensor
+
+STORAGE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # read in place
+
+
+class BuildOptions(msgspec.Struct, frozen=True, kw_only=True):
+    num_blocks: int
+    block_size: int
+    num_threads: int
+    exact_activations: bool
+    kv_cache_dtype: str
+    num_state_slots: int  # requests that may run at once: the fixed-size state slots of hybrid models
+
+
+class Tensors:
+    """A checkpoint's tensors by name; a missing one is a CheckpointError naming the file."""
+
+    def __init__(self, path: Path | str, tensors: Iterable[CheckpointTensor]) -> None:
+        self.path = path
+        self.by_name = {t.name: t for t in tensors}
+
+    def has(self, name: str) -> bool:
+        return name in self.by_name
+
+    def take(self, name: str) -> CheckpointTensor:
+        if name not in self.by_name:
+            raise CheckpointError(f"{self.path}: checkpoint has no tensor {name!r}")
+        return self.by_name[name]
+
+    def matrix(self, name: str) -> _native.MoeTensor:
+        tensor = self.take(name)
+        if len(tensor.shape) != 2:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(tensor.shape)}, expected a matrix")
+        return moe_tensor(tensor)
+
+
+def moe_tensor(tensor: CheckpointTensor) -> _native.MoeTensor:
+    """A matrix or stacked matrices as the kernels take them: the file bytes where they can read its storage type,
+    else a float32 copy."""
+    if tensor.storage_type in STORAGE_TYPES:
+        return _native.MoeTensor(np.frombuffer(tensor.data, dtype=np.uint8), tensor.storage_type, list(tensor.shape))
+    if tensor.row_permutation is not None:  # dequantize() undid it; the kernels expect the file's order
+        raise UnsupportedOptionError("quantization", NAME, f"{tensor.storage_type} q/k matrices of a permuted GGUF")
+    dense = np.ascontiguousarray(tensor.dequantize(), dtype=np.float32)
+    return _native.MoeTensor(dense.view(np.uint8).reshape(-1), "F32", list(tensor.shape))
+
+
+def vector(tensor: CheckpointTensor) -> np.ndarray:
+    return np.ascontiguousarray(tensor.dequantize(), dtype=np.float32).reshape(-1)

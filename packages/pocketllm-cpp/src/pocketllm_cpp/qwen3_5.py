@@ -1,0 +1,179 @@
+"""Qwen3.5 (dense and MoE) for the native model: the checkpoint's tensors as typed layer structs, matrices in their
+file bytes. Names as the core gives them: Hugging Face's, except the GGUF tensors llama.cpp's converter changed
+(norms stored as 1 + w, ssm_a = -exp(A_log), the convolution squeezed, value heads tiled), which keep their
+GGUF names."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pocketllm.errors import CheckpointError
+from pocketllm.rope import rope_frequencies
+from pocketllm_cpp import _native
+from pocketllm_cpp.loading import Tensors, moe_tensor, vector
+from pocketllm_cpp.name import NAME
+
+if TYPE_CHECKING:
+    from pocketllm.checkpoint import Checkpoint
+    from pocketllm.model_config import ModelConfig
+    from pocketllm_cpp.loading import BuildOptions
+
+log = logging.getLogger(__name__)
+
+# The multi-token-prediction head (speculative decoding, not served): recognised, kept aside.
+_MTP = re.compile(r"^mtp\.|^blk\.\d+\.nextn\.")
+_HF = {"input_norm": "model.layers.{i}.input_layernorm.weight",
+       "post_norm": "model.layers.{i}.post_attention_layernorm.weight",
+       "q_norm": "model.layers.{i}.self_attn.q_norm.weight", "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+       "final_norm": "model.norm.weight",
+       "qkv": "model.layers.{i}.linear_attn.in_proj_qkv.weight", "z": "model.layers.{i}.linear_attn.in_proj_z.weight",
+       "b": "model.layers.{i}.linear_attn.in_proj_b.weight", "a": "model.layers.{i}.linear_attn.in_proj_a.weight",
+       "conv": "model.layers.{i}.linear_attn.conv1d.weight", "decay": "model.layers.{i}.linear_attn.A_log",
+       "dt_bias": "model.layers.{i}.linear_attn.dt_bias", "out": "model.layers.{i}.linear_attn.out_proj.weight"}
+_GGUF = {"input_norm": "blk.{i}.attn_norm.weight", "post_norm": "blk.{i}.post_attention_norm.weight",
+         "q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
+         "final_norm": "output_norm.weight",
+         "qkv": "blk.{i}.attn_qkv.weight", "z": "blk.{i}.attn_gate.weight", "b": "blk.{i}.ssm_beta.weight",
+         "a": "blk.{i}.ssm_alpha.weight", "conv": "blk.{i}.ssm_conv1d.weight", "decay": "blk.{i}.ssm_a",
+         "dt_bias": "blk.{i}.ssm_dt.bias", "out": "blk.{i}.ssm_out.weight"}
+_SIZES = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+          "linear_conv_kernel_dim")
+
+
+def layer_types(config: ModelConfig) -> list[str]:
+    """'linear_attention' or 'full_attention' per layer (every full_attention_interval-th one without a list)."""
+    types = config.extra.get("layer_types")
+    if types is None:
+        interval = config.extra.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(config.num_hidden_layers)]
+    if len(types) != config.num_hidden_layers or set(types) - {"linear_attention", "full_attention"}:
+        raise CheckpointError(f"layer_types must name linear_attention or full_attention for each of the "
+                              f"{config.num_hidden_layers} layers, got {types!r}")
+    return list(types)
+
+
+def linear_sizes(config: ModelConfig) -> tuple[int, int, int, int, int]:
+    """Key heads, value heads, key and value head sizes, and conv kernel of the Gated DeltaNet layers."""
+    extra = config.extra
+    for key in _SIZES:
+        if not isinstance(extra.get(key), int) or isinstance(extra[key], bool) or extra[key] <= 0:
+            raise CheckpointError(f"config {key!r} must be a positive integer, got {extra.get(key)!r}")
+    hk, hv, dk, dv, kernel = (extra[key] for key in _SIZES)
+    return hk, hv, dk, dv, kernel
+
+
+def state_slot_bytes(config: ModelConfig) -> int:
+    """One request's state: per Gated DeltaNet layer the conv's kernel-1 inputs per channel and [Hv, dk, dv]."""
+    hk, hv, dk, dv, kernel = linear_sizes(config)
+    per_layer = (2 * hk * dk + hv * dv) * (kernel - 1) + hv * dk * dv
+    return 4 * per_layer * layer_types(config).count("linear_attention")
+
+
+def num_attention_layers(config: ModelConfig) -> int:
+    return layer_types(config).count("full_attention")
+
+
+def build(checkpoint: Checkpoint, options: BuildOptions) -> _native.Model:
+    config = checkpoint.config
+    extra = config.extra
+    all_tensors = list(checkpoint.tensors())
+    mtp = [t for t in all_tensors if _MTP.match(t.name)]
+    if mtp:
+        log.info("%s: keeping aside the %d tensors of the multi-token-prediction head (not served)",
+                 checkpoint.path, len(mtp))
+    tensors = Tensors(checkpoint.path, [t for t in all_tensors if not _MTP.match(t.name)])
+    gguf = tensors.has(_GGUF["final_norm"])
+    names = _GGUF if gguf else _HF
+    hk, hv, dk, dv, kernel = linear_sizes(config)
+    if hv % hk:
+        raise CheckpointError(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads {hk}")
+    channels = 2 * hk * dk + hv * dv
+
+    def name(part: str, i: int = 0) -> str:
+        return names[part].format(i=i)
+
+    def norm(part: str, i: int = 0) -> list[float]:
+        weight = vector(tensors.take(name(part, i)))
+        return (weight if gguf else 1 + weight).tolist()  # zero-centred: applied as 1 + w
+
+    layers = []
+    for i, kind in enumerate(layer_types(config)):
+        p = f"model.layers.{i}"
+        layer = _native.Qwen3_5Layer()
+        layer.kind = kind
+        layer.input_norm, layer.post_attention_norm = norm("input_norm", i), norm("post_norm", i)
+        if kind == "full_attention":
+            a = f"{p}.self_attn"
+            layer.q, layer.k, layer.v, layer.o = (tensors.matrix(f"{a}.{m}.weight")
+                                                  for m in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            layer.q_norm, layer.k_norm = norm("q_norm", i), norm("k_norm", i)
+        else:
+            layer.qkv, layer.z, layer.b, layer.a, layer.out = (tensors.matrix(name(m, i))
+                                                              for m in ("qkv", "z", "b", "a", "out"))
+            conv = vector(tensors.take(name("conv", i)))
+            if conv.size != channels * kernel:
+                raise CheckpointError(f"{checkpoint.path}: {name('conv', i)} has {conv.size} values, expected "
+                                      f"{channels} channels x {kernel}")
+            layer.conv = conv.tolist()
+            decay = vector(tensors.take(name("decay", i)))
+            layer.decay = (decay if gguf else -np.exp(decay)).tolist()
+            layer.dt_bias = vector(tensors.take(name("dt_bias", i))).tolist()
+            layer.norm = vector(tensors.take(f"{p}.linear_attn.norm.weight")).tolist()
+        if "num_experts" in extra:
+            _moe(layer, tensors, f"{p}.mlp", extra)
+        else:
+            layer.gate, layer.up, layer.down = (tensors.matrix(f"{p}.mlp.{m}.weight")
+                                                for m in ("gate_proj", "up_proj", "down_proj"))
+        layers.append(layer)
+    embedding = tensors.matrix("model.embed_tokens.weight")
+    if config.tie_word_embeddings and not tensors.has("lm_head.weight"):
+        lm_head = embedding
+    else:
+        lm_head = tensors.matrix("lm_head.weight")
+    final_norm = norm("final_norm")
+    dim = config.head_dim
+    rotary = int(dim * extra.get("partial_rotary_factor", 1.0))
+    inv_freq, attention = rope_frequencies(config, NAME, rotary)
+    c = _native.Qwen3_5Config()
+    c.vocab_size, c.hidden_size, c.num_layers = config.vocab_size, config.hidden_size, config.num_hidden_layers
+    c.num_heads, c.num_kv_heads, c.head_dim = config.num_attention_heads, config.num_key_value_heads, dim
+    c.rotary_dim, c.rms_norm_eps, c.inv_freq, c.rope_attention_factor = rotary, config.rms_norm_eps, \
+        inv_freq.tolist(), attention
+    c.linear_num_k_heads, c.linear_num_v_heads, c.linear_k_dim, c.linear_v_dim, c.conv_kernel = hk, hv, dk, dv, kernel
+    c.tiled_heads = gguf and hv > hk  # llama.cpp's converter reorders the value heads
+    c.exact_activations, c.kv_cache_dtype = options.exact_activations, options.kv_cache_dtype
+    return _native.qwen3_5_model(c, embedding, layers, final_norm, lm_head, options.num_blocks, options.block_size,
+                                 options.num_state_slots, options.num_threads)
+
+
+def _moe(layer: _native.Qwen3_5Layer, tensors: Tensors, prefix: str, extra: dict[str, object]) -> None:
+    experts = f"{prefix}.experts"
+    layer.router = tensors.matrix(f"{prefix}.gate.weight")
+    if tensors.has(f"{experts}.gate_up_proj"):  # transformers' fused layout
+        layer.experts_gate_up = moe_tensor(tensors.take(f"{experts}.gate_up_proj"))
+        layer.experts_down = [moe_tensor(tensors.take(f"{experts}.down_proj"))]
+    elif tensors.has(f"{experts}.down_proj.weight"):  # GGUF: stacked [experts, out, in]
+        layer.experts_gate, layer.experts_up, layer.experts_down = (
+            [moe_tensor(tensors.take(f"{experts}.{m}.weight"))] for m in ("gate_proj", "up_proj", "down_proj"))
+    else:  # a matrix per expert
+        count = extra.get("num_experts")
+        if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+            raise CheckpointError(f"config 'num_experts' must be a positive integer, got {count!r}")
+        layer.experts_gate, layer.experts_up, layer.experts_down = (
+            [tensors.matrix(f"{experts}.{e}.{m}.weight") for e in range(count)]
+            for m in ("gate_proj", "up_proj", "down_proj"))
+    shared = f"{prefix}.shared_expert"
+    if tensors.has(f"{shared}.gate_proj.weight"):
+        layer.shared_gate, layer.shared_up, layer.shared_down = (
+            tensors.matrix(f"{shared}.{m}.weight") for m in ("gate_proj", "up_proj", "down_proj"))
+        layer.shared_expert_gate = tensors.matrix(f"{prefix}.shared_expert_gate.weight")
+    top_k = extra.get("num_experts_per_tok")
+    if not isinstance(top_k, int) or isinstance(top_k, bool):
+        raise CheckpointError(f"config 'num_experts_per_tok' must be an integer, got {top_k!r}")
+    layer.top_k = top_k
+    layer.norm_topk_prob = bool(extra.get("norm_topk_prob", True))

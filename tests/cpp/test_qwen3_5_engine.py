@@ -1,0 +1,81 @@
+"""Qwen3.5 served by the cpp engine (state slots per request, snapshots for prefix caching) against transformers'
+greedy ids, dense and MoE: batched with chunked prefill and a token budget, preempted, and resumed from a cached
+prefix, with every block and slot given back."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pocketllm_cpp._native")
+pytest.importorskip("transformers")
+
+from pocketllm import LLM, SamplingParams
+from pocketllm.testing.checkpoints import _write_tokenizer
+from tests.torch.qwen3_5_kit import tiny_qwen3_5
+from tests.torch.torch_testkit import hf_greedy, prompt
+
+LENGTHS = (3, 17, 70, 130)
+TOKENS = 24
+EXACT = {"backend": "cpp", "backend_options": {"exact_activations": True, "block_size": 16},
+         "kv_cache_dtype": "float32", "max_model_len": 256}
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def qwen(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(checkpoint directory, transformers' greedy ids per prompt length)."""
+    hf, path = tiny_qwen3_5(tmp_path_factory.mktemp(request.param) / "hf", moe=request.param == "moe",
+                            shared_expert_ff=64)
+    _write_tokenizer(path)
+    return path, {n: hf_greedy(hf, prompt(n, offset=n), TOKENS) for n in LENGTHS}
+
+
+def _generate(llm: LLM) -> dict[int, list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    outputs = llm.generate([prompt(n, offset=n) for n in LENGTHS], params)
+    return {n: list(out.outputs[0].token_ids) for n, out in zip(LENGTHS, outputs, strict=True)}
+
+
+@pytest.mark.parametrize("engine", [
+    {"max_num_seqs": 4, "prefill_chunk_size": 32, "max_num_batched_tokens": 48},
+    {"max_num_seqs": 2, "enable_prefix_caching": False},
+    {"max_num_seqs": 4, "backend_options": {**EXACT["backend_options"], "num_kv_blocks": 16}},  # preempts
+], ids=["chunked", "two-slots", "preempting"])
+def test_greedy_ids_match_transformers(qwen, engine: dict) -> None:
+    path, reference = qwen
+    llm = LLM(str(path), **(EXACT | engine))
+    try:
+        assert _generate(llm) == reference
+        stats = llm.stats()
+        assert stats.num_running == 0 and stats.num_kv_blocks_used == 0
+        assert (stats.num_preemptions > 0) == ("num_kv_blocks" in engine.get("backend_options", {}))
+    finally:
+        llm.shutdown()
+
+
+def test_a_cached_prefix_resumes_from_its_snapshot(qwen) -> None:
+    """The second run of the same prompts resumes each from a snapshot at a block boundary of its prompt (the
+    prefix cache's blocks with the states that end there) and gives the cold run's ids."""
+    path, reference = qwen
+    llm = LLM(str(path), **EXACT, enable_prefix_caching=True, prefill_chunk_size=32)
+    try:
+        assert _generate(llm) == reference
+        cold = llm.stats()
+        assert cold.num_state_snapshots > 0 and cold.num_state_snapshot_hits == 0
+        assert _generate(llm) == reference
+        warm = llm.stats()
+        assert warm.num_state_snapshot_hits == 3  # the three prompts of a full block or more
+        assert warm.num_prefix_cache_hits > cold.num_prefix_cache_hits
+    finally:
+        llm.shutdown()
+
+
+def test_auto_picks_cpp_for_qwen3_5(qwen) -> None:
+    from pocketllm_cpp import _native
+
+    path, _ = qwen
+    llm = LLM(str(path), max_model_len=64)
+    try:
+        assert llm.backend_engine.__class__.__module__.startswith(
+            "pocketllm_cpp" if _native.best_isa() in ("avx2", "avx512") else "pocketllm_torch")
+    finally:
+        llm.shutdown()
