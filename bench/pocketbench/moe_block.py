@@ -3,8 +3,8 @@
     python -m pocketbench.moe_block [--experts 256] [--types Q4_K Q8_0] [--prefill 256]
 
 Random experts stored in the given block types (the router and the shared expert's sigmoid gate in float32, as
-GGUF files keep them), called through ``pocketllm_cpp.kernels.moe_forward`` on the kernels' pool (a thread per available CPU:
-``taskset`` sets how many). Decode: one token a call, its experts varying call to call,
+GGUF files keep them), called through ``pocketllm_cpp.kernels.moe_forward`` on the kernels' pool (a thread per
+available CPU: ``taskset`` sets how many). Decode: one token a call, its experts varying call to call,
 the bytes a call must read (router, its top-k experts, the shared expert) per second, beside the kernels' rate on
 one large matrix of the same type (the stacked gate tensor, one activation row). Prefill: one call over the
 prompt's tokens (each chosen expert's weights read once) against the same tokens one call each (every token
