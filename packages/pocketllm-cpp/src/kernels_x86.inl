@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -264,6 +265,66 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
     }
 }
 
+// The 8 sub-blocks' 6-bit scales and mins of a Q4_K/Q5_K block as float lanes, k_scale_min for all 8 at once:
+// bytes 0-3 of the 12 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7, bytes 4-7 the same for the
+// mins, bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and of mins 4-7 (high nibble).
+inline void k_scales8(const uint8_t* q, __m256& scales, __m256& mins) {
+    uint32_t u[3];
+    std::memcpy(u, q, sizeof(u));
+    constexpr uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, low2 = 0x03030303;
+    const uint64_t sc = (u[0] & low6) | static_cast<uint64_t>((u[2] & low4) | (((u[0] >> 6) & low2) << 4)) << 32;
+    const uint64_t mn = (u[1] & low6) | static_cast<uint64_t>(((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4)) << 32;
+    scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc))));
+    mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mn))));
+}
+
+// Decode (one activation row) for Q4_K and Q5_K: C weight rows a 256-value block at a time, its nibbles unpacked
+// with one mask and one shift per 64 values and its 8 scales and mins unpacked together, rather than sub-block by
+// sub-block through decode(). The arithmetic is tile<T, 1, C>'s groups of 8 blocks (a block is one group), so
+// the results are those of the batched path's packed_tile bit for bit.
+template <StorageType T, int C>
+void k_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, float* y) {
+    using Block = std::conditional_t<T == StorageType::Q4_K, BlockQ4_K, BlockQ5_K>;
+    const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    const int64_t supers = w.cols / kSuper;
+    for (int64_t k = 0; k < supers; ++k) {
+        const int8_t* x = act.codes(0, 8 * k);
+        const __m256 dx = _mm256_loadu_ps(act.d.data() + 8 * k), sx = _mm256_loadu_ps(act.s.data() + 8 * k);
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) {
+            const Block& blk = reinterpret_cast<const Block*>(base + c * stride)[k];
+            const char* ahead = reinterpret_cast<const char*>(&blk) + kPrefetchBytes;
+            for (size_t at = 0; at < sizeof(Block); at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+            __m256i high = _mm256_setzero_si256();
+            if constexpr (T == StorageType::Q5_K) high = load(blk.qh);
+            __m256i sums[8];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) {  // sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles)
+                const __m256i q = load(blk.qs + 32 * i);
+                __m256i even = _mm256_and_si256(q, low4), odd = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+                if constexpr (T == StorageType::Q5_K) {  // sub-block j's 5th bits: bit j of qh's bytes
+                    even = _mm256_or_si256(even, _mm256_slli_epi16(bits(high, 2 * i, 1), 4));
+                    odd = _mm256_or_si256(odd, _mm256_slli_epi16(bits(high, 2 * i + 1, 1), 4));
+                }
+                sums[2 * i] = udot(even, load(x + 2 * i * kBlock));
+                sums[2 * i + 1] = udot(odd, load(x + (2 * i + 1) * kBlock));
+            }
+            __m256 scales, mins;
+            k_scales8(blk.scales, scales, mins);
+            const __m256 dw = _mm256_mul_ps(_mm256_set1_ps(half(blk.d)), scales);
+            const __m256 mw = _mm256_mul_ps(_mm256_set1_ps(-half(blk.dmin)), mins);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(sums)), _mm256_mul_ps(dw, dx), acc[c]);
+            acc[c] = _mm256_fmadd_ps(mw, sx, acc[c]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) y[row + c] = hsum(acc[c]);
+}
+
 template <StorageType T, int C>
 void rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t n, float* y,
           int64_t y_stride) {
@@ -409,6 +470,13 @@ void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const 
                  float* y, int64_t y_stride) {
     const size_t stride = row_bytes(w.type, w.cols);
     int64_t row = row_begin;
+    if constexpr (T == StorageType::Q4_K || T == StorageType::Q5_K) {
+        if (n == 1) {
+            for (; row + 4 <= row_end; row += 4) k_rows<T, 4>(w, stride, row, act, y);
+            for (; row < row_end; ++row) k_rows<T, 1>(w, stride, row, act, y);
+            return;
+        }
+    }
     if (n == 1) {  // decode: 4 weight rows in flight, whose blocks stream from memory
         for (; row + 4 <= row_end; row += 4) rows<T, 4>(w, stride, row, act, n, y, y_stride);
         for (; row < row_end; ++row) rows<T, 1>(w, stride, row, act, n, y, y_stride);
