@@ -65,23 +65,11 @@ inline Sub decode(const uint8_t* row, int64_t b) {
         s.codes = nibbles(blk.qs);
         s.dw = half(blk.d);
         s.mw = half(blk.m);
-    } else if constexpr (T == StorageType::Q8_0) {
+    } else {
+        static_assert(T == StorageType::Q8_0);
         const BlockQ8_0& blk = reinterpret_cast<const BlockQ8_0*>(row)[b];
         s.codes = load(blk.qs);
         s.dw = half(blk.d);
-    } else {
-        static_assert(T == StorageType::Q4_K || T == StorageType::Q5_K);
-        using Block = std::conditional_t<T == StorageType::Q4_K, BlockQ4_K, BlockQ5_K>;
-        const Block& blk = reinterpret_cast<const Block*>(row)[b / 8];
-        const int j = static_cast<int>(b % 8);
-        s.codes = bits(load(blk.qs + 32 * (j / 2)), 4 * (j % 2), 0x0F);
-        if constexpr (T == StorageType::Q5_K) {
-            s.codes = _mm256_or_si256(s.codes, _mm256_slli_epi16(bits(load(blk.qh), j, 1), 4));
-        }
-        int scale, min;
-        k_scale_min(j, blk.scales, scale, min);
-        s.dw = half(blk.d) * static_cast<float>(scale);
-        s.mw = -half(blk.dmin) * static_cast<float>(min);
     }
     return s;
 }
@@ -94,9 +82,7 @@ constexpr int64_t kPrefetchBytes = 1024;
 template <StorageType T>
 constexpr int64_t kStorageBytes = T == StorageType::Q4_0   ? sizeof(BlockQ4_0)
                                   : T == StorageType::Q4_1 ? sizeof(BlockQ4_1)
-                                  : T == StorageType::Q8_0 ? sizeof(BlockQ8_0)
-                                  : T == StorageType::Q4_K ? sizeof(BlockQ4_K)
-                                                           : sizeof(BlockQ5_K);
+                                                           : sizeof(BlockQ8_0);
 
 template <StorageType T>
 constexpr bool kBlock32 = T == StorageType::Q4_0 || T == StorageType::Q4_1 || T == StorageType::Q8_0;
@@ -124,10 +110,7 @@ inline void scales8(const uint8_t* row, int64_t b0, float* dw, float* mw) {
 
 template <StorageType T>
 inline void prefetch(const uint8_t* row, int64_t b) {
-    // the K-quants: 8 sub-blocks per block
-    constexpr bool super = T == StorageType::Q4_K || T == StorageType::Q5_K;
-    const int64_t at = super ? (b / 8) * kStorageBytes<T> + (b % 8) * (kStorageBytes<T> / 8) : b * kStorageBytes<T>;
-    _mm_prefetch(reinterpret_cast<const char*>(row + at + kPrefetchBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + b * kStorageBytes<T> + kPrefetchBytes), _MM_HINT_T0);
 }
 
 // acc + sum(w8 * x) of unsigned codes w8 and signed x, in 8 int32 lanes of 4 products each.
@@ -262,15 +245,40 @@ inline void k_scales8(const uint8_t* q, __m256& scales, __m256& mins) {
     mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mn))));
 }
 
-// Decode (one activation row) for Q4_K and Q5_K: C weight rows a 256-value block at a time, its nibbles unpacked
-// with one mask and one shift per 64 values and its 8 scales and mins unpacked together, rather than sub-block by
-// sub-block through decode(). The arithmetic is tile<T, 1, C>'s groups of 8 blocks (a block is one group), so
+template <StorageType T>
+using KBlock = std::conditional_t<T == StorageType::Q4_K, BlockQ4_K, BlockQ5_K>;
+
+// A Q4_K/Q5_K block's 8 sub-blocks of unsigned codes, its nibbles unpacked with one mask and one shift per 64
+// values, and its scales dw and offsets mw (w = dw * code + mw, decode_sub_block's form) as 8 float lanes.
+template <StorageType T>
+inline void k_block(const KBlock<T>& blk, __m256i (&codes)[8], __m256& dw, __m256& mw) {
+    const char* ahead = reinterpret_cast<const char*>(&blk) + kPrefetchBytes;
+    for (size_t at = 0; at < sizeof(blk); at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i high = _mm256_setzero_si256();
+    if constexpr (T == StorageType::Q5_K) high = load(blk.qh);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {  // sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles)
+        const __m256i q = load(blk.qs + 32 * i);
+        codes[2 * i] = _mm256_and_si256(q, low4);
+        codes[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        if constexpr (T == StorageType::Q5_K) {  // sub-block j's 5th bits: bit j of qh's bytes
+            codes[2 * i] = _mm256_or_si256(codes[2 * i], _mm256_slli_epi16(bits(high, 2 * i, 1), 4));
+            codes[2 * i + 1] = _mm256_or_si256(codes[2 * i + 1], _mm256_slli_epi16(bits(high, 2 * i + 1, 1), 4));
+        }
+    }
+    __m256 scales, mins;
+    k_scales8(blk.scales, scales, mins);
+    dw = _mm256_mul_ps(_mm256_set1_ps(half(blk.d)), scales);
+    mw = _mm256_mul_ps(_mm256_set1_ps(-half(blk.dmin)), mins);
+}
+
+// Decode (one activation row) for Q4_K and Q5_K: C weight rows a 256-value block at a time (k_block), rather
+// than sub-block by sub-block. The arithmetic is tile<T, 1, C>'s groups of 8 blocks (a block is one group), so
 // the results are those of the batched path's packed_tile bit for bit.
 template <StorageType T, int C>
 void k_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, float* y) {
-    using Block = std::conditional_t<T == StorageType::Q4_K, BlockQ4_K, BlockQ5_K>;
     const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[C];
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
@@ -280,27 +288,11 @@ void k_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows
         const __m256 dx = _mm256_loadu_ps(act.d.data() + 8 * k), sx = _mm256_loadu_ps(act.s.data() + 8 * k);
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
-            const Block& blk = reinterpret_cast<const Block*>(base + c * stride)[k];
-            const char* ahead = reinterpret_cast<const char*>(&blk) + kPrefetchBytes;
-            for (size_t at = 0; at < sizeof(Block); at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
-            __m256i high = _mm256_setzero_si256();
-            if constexpr (T == StorageType::Q5_K) high = load(blk.qh);
-            __m256i sums[8];
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) {  // sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles)
-                const __m256i q = load(blk.qs + 32 * i);
-                __m256i even = _mm256_and_si256(q, low4), odd = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-                if constexpr (T == StorageType::Q5_K) {  // sub-block j's 5th bits: bit j of qh's bytes
-                    even = _mm256_or_si256(even, _mm256_slli_epi16(bits(high, 2 * i, 1), 4));
-                    odd = _mm256_or_si256(odd, _mm256_slli_epi16(bits(high, 2 * i + 1, 1), 4));
-                }
-                sums[2 * i] = udot(even, load(x + 2 * i * kBlock));
-                sums[2 * i + 1] = udot(odd, load(x + (2 * i + 1) * kBlock));
-            }
-            __m256 scales, mins;
-            k_scales8(blk.scales, scales, mins);
-            const __m256 dw = _mm256_mul_ps(_mm256_set1_ps(half(blk.d)), scales);
-            const __m256 mw = _mm256_mul_ps(_mm256_set1_ps(-half(blk.dmin)), mins);
+            __m256i codes[8], sums[8];
+            __m256 dw, mw;
+            k_block<T>(reinterpret_cast<const KBlock<T>*>(base + c * stride)[k], codes, dw, mw);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; ++j) sums[j] = udot(codes[j], load(x + j * kBlock));
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(sums)), _mm256_mul_ps(dw, dx), acc[c]);
             acc[c] = _mm256_fmadd_ps(mw, sx, acc[c]);
         }
@@ -328,22 +320,29 @@ void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* gro
         const int64_t count = std::min<int64_t>(8, nb - b0);
         for (int c = 0; c < C; ++c) {
             const uint8_t* row = base + c * stride;
-            // The gather reads 8 blocks' heads: only where all 8 are in the row.
-            if (kBlock32<T> && count == 8) scales8<T>(row, b0, p.dw[c], p.mw[c]);
             __m256i codes[8], signs[8];
-            for (int64_t k = 0; k < 8; ++k) {
-                if (k >= count) {
-                    codes[k] = signs[k] = _mm256_setzero_si256();
-                    p.dw[c][k] = p.mw[c][k] = 0.0f;
-                    continue;
-                }
-                prefetch<T>(row, b0 + k);
-                const Sub sub = decode<T>(row, b0 + k);
-                codes[k] = kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes;
-                signs[k] = sub.codes;
-                if (!kBlock32<T> || count < 8) {
-                    p.dw[c][k] = sub.dw;
-                    p.mw[c][k] = sub.mw;
+            if constexpr (!kBlock32<T>) {  // a group is one whole 256-value block (cols are a multiple of 256)
+                __m256 dw, mw;
+                k_block<T>(reinterpret_cast<const KBlock<T>*>(row)[b0 / 8], codes, dw, mw);
+                _mm256_store_ps(p.dw[c], dw);
+                _mm256_store_ps(p.mw[c], mw);
+            } else {
+                // The gather reads 8 blocks' heads: only where all 8 are in the row.
+                if (count == 8) scales8<T>(row, b0, p.dw[c], p.mw[c]);
+                for (int64_t k = 0; k < 8; ++k) {
+                    if (k >= count) {
+                        codes[k] = signs[k] = _mm256_setzero_si256();
+                        p.dw[c][k] = p.mw[c][k] = 0.0f;
+                        continue;
+                    }
+                    prefetch<T>(row, b0 + k);
+                    const Sub sub = decode<T>(row, b0 + k);
+                    codes[k] = kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes;
+                    signs[k] = sub.codes;
+                    if (count < 8) {
+                        p.dw[c][k] = sub.dw;
+                        p.mw[c][k] = sub.mw;
+                    }
                 }
             }
             if (count == 8) {
