@@ -183,15 +183,11 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
         alignas(32) float dw[C][8], mw[C][8];
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
-            if constexpr (kBlock32<T>) scales8<T>(base + c * stride, b0, dw[c], mw[c]);
+            scales8<T>(base + c * stride, b0, dw[c], mw[c]);
             __m256i sums[8];
             for (int k = 0; k < 8; ++k) {
                 prefetch<T>(base + c * stride, b0 + k);
                 const Sub sub = decode<T>(base + c * stride, b0 + k);
-                if constexpr (!kBlock32<T>) {
-                    dw[c][k] = sub.dw;
-                    mw[c][k] = sub.mw;
-                }
                 __m256i x = load(act.codes(r0, b0 + k));
                 if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, sub.codes);
                 sums[k] = udot(kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes, x);
