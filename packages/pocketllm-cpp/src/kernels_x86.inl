@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -32,15 +33,14 @@ inline __m256i bits(__m256i v, int shift, int mask) {
 }
 
 template <StorageType T>
-constexpr bool kSigned = T == StorageType::Q8_0 || T == StorageType::Q6_K;  // codes are int8, and no offset term
+constexpr bool kSigned = T == StorageType::Q8_0;  // codes are int8, and no offset term
 template <StorageType T>
 constexpr bool kOffset = !kSigned<T>;
-template <StorageType T>
-constexpr bool kGrouped = T != StorageType::Q6_K;  // sub-blocks with one scale: the 8-block groups of tile() and pack()
 
-// A 32-value sub-block decoded into registers: w = dw * code * mul + mw, as decode_sub_block defines it.
+// A 32-value sub-block decoded into registers: w = dw * code + mw, as decode_sub_block defines it (Q6_K, whose
+// per-16 scales this form lacks, has its own kernels below).
 struct Sub {
-    __m256i codes, mul;  // mul: Q6_K's per-16 scales as 16-bit lanes
+    __m256i codes;
     float dw, mw;
 };
 
@@ -65,31 +65,10 @@ inline Sub decode(const uint8_t* row, int64_t b) {
         s.codes = nibbles(blk.qs);
         s.dw = half(blk.d);
         s.mw = half(blk.m);
-    } else if constexpr (T == StorageType::Q8_0) {
+    } else {
+        static_assert(T == StorageType::Q8_0);
         const BlockQ8_0& blk = reinterpret_cast<const BlockQ8_0*>(row)[b];
         s.codes = load(blk.qs);
-        s.dw = half(blk.d);
-    } else if constexpr (T == StorageType::Q4_K || T == StorageType::Q5_K) {
-        using Block = std::conditional_t<T == StorageType::Q4_K, BlockQ4_K, BlockQ5_K>;
-        const Block& blk = reinterpret_cast<const Block*>(row)[b / 8];
-        const int j = static_cast<int>(b % 8);
-        s.codes = bits(load(blk.qs + 32 * (j / 2)), 4 * (j % 2), 0x0F);
-        if constexpr (T == StorageType::Q5_K) {
-            s.codes = _mm256_or_si256(s.codes, _mm256_slli_epi16(bits(load(blk.qh), j, 1), 4));
-        }
-        int scale, min;
-        k_scale_min(j, blk.scales, scale, min);
-        s.dw = half(blk.d) * static_cast<float>(scale);
-        s.mw = -half(blk.dmin) * static_cast<float>(min);
-    } else {
-        static_assert(T == StorageType::Q6_K);
-        const BlockQ6_K& blk = reinterpret_cast<const BlockQ6_K*>(row)[b / 8];
-        const int j = static_cast<int>(b % 8), h = j / 4, part = j % 4;
-        const __m256i low = bits(load(blk.ql + 64 * h + 32 * (part & 1)), 4 * (part / 2), 0x0F);
-        const __m256i high = bits(load(blk.qh + 32 * h), 2 * part, 3);
-        s.codes = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
-        s.mul = _mm256_set_m128i(_mm_set1_epi16(blk.scales[8 * h + 2 * part + 1]),
-                                 _mm_set1_epi16(blk.scales[8 * h + 2 * part]));
         s.dw = half(blk.d);
     }
     return s;
@@ -103,10 +82,7 @@ constexpr int64_t kPrefetchBytes = 1024;
 template <StorageType T>
 constexpr int64_t kStorageBytes = T == StorageType::Q4_0   ? sizeof(BlockQ4_0)
                                   : T == StorageType::Q4_1 ? sizeof(BlockQ4_1)
-                                  : T == StorageType::Q8_0 ? sizeof(BlockQ8_0)
-                                  : T == StorageType::Q4_K ? sizeof(BlockQ4_K)
-                                  : T == StorageType::Q5_K ? sizeof(BlockQ5_K)
-                                                           : sizeof(BlockQ6_K);
+                                                           : sizeof(BlockQ8_0);
 
 template <StorageType T>
 constexpr bool kBlock32 = T == StorageType::Q4_0 || T == StorageType::Q4_1 || T == StorageType::Q8_0;
@@ -134,22 +110,7 @@ inline void scales8(const uint8_t* row, int64_t b0, float* dw, float* mw) {
 
 template <StorageType T>
 inline void prefetch(const uint8_t* row, int64_t b) {
-    // the K-quants: 8 sub-blocks per block
-    constexpr bool super = T == StorageType::Q4_K || T == StorageType::Q5_K || T == StorageType::Q6_K;
-    const int64_t at = super ? (b / 8) * kStorageBytes<T> + (b % 8) * (kStorageBytes<T> / 8) : b * kStorageBytes<T>;
-    _mm_prefetch(reinterpret_cast<const char*>(row + at + kPrefetchBytes), _MM_HINT_T0);
-}
-
-// sum(code * x) in 8 int32 lanes; `unsigned_codes` is |code| for the signed storage types, whose sign moves onto x.
-template <StorageType T>
-inline __m256i dot32(const Sub& s, __m256i unsigned_codes, __m256i x) {
-    if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, s.codes);
-#if PLLM_VNNI
-    if constexpr (T != StorageType::Q6_K) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), unsigned_codes, x);
-#endif
-    const __m256i pairs = _mm256_maddubs_epi16(unsigned_codes, x);  // |pair sums| <= 2 * 128 * 127: no saturation
-    if constexpr (T == StorageType::Q6_K) return _mm256_madd_epi16(pairs, s.mul);
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    _mm_prefetch(reinterpret_cast<const char*>(row + b * kStorageBytes<T> + kPrefetchBytes), _MM_HINT_T0);
 }
 
 // acc + sum(w8 * x) of unsigned codes w8 and signed x, in 8 int32 lanes of 4 products each.
@@ -160,6 +121,13 @@ inline __m256i udot(__m256i w8, __m256i x, __m256i acc = _mm256_setzero_si256())
     const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w8, x), _mm256_set1_epi16(1));  // |pairs| <= 2 * 128 * 127
     return _mm256_add_epi32(acc, sums);
 #endif
+}
+
+// sum(code * x) in 8 int32 lanes; `unsigned_codes` is |code| for the signed storage types, whose sign moves onto x.
+template <StorageType T>
+inline __m256i dot32(const Sub& s, __m256i unsigned_codes, __m256i x) {
+    if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, s.codes);
+    return udot(unsigned_codes, x);
 }
 
 // rows[j] lane k becomes rows[k] lane j: an 8 x 8 transpose of 32-bit lanes.
@@ -191,7 +159,7 @@ inline __m256i block_sums(const __m256i (&sums)[8]) {
 }
 
 // C weight rows from `row` against R activation rows from `r0`, each decoded block used from registers: the
-// decode path (one activation row; R > 1 only for Q6_K, whose per-16 scales the packed path does not take).
+// decode path (one activation row) of the 32-value block types.
 template <StorageType T, int R, int C>
 void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t r0, float* y,
           int64_t y_stride) {
@@ -207,7 +175,7 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
         }
     }
     const int64_t nb = w.cols / kBlock;
-    const int64_t grouped = kGrouped<T> && R == 1 ? nb / 8 * 8 : 0;
+    const int64_t grouped = R == 1 ? nb / 8 * 8 : 0;
     // Groups of 8 blocks: per weight row 8 integer dot products with the activation row summed across lanes by
     // one hadd tree, converted and scaled as one vector of 8 block scales (instead of a conversion, a broadcast
     // and a scalar offset per block).
@@ -215,15 +183,11 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
         alignas(32) float dw[C][8], mw[C][8];
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
-            if constexpr (kBlock32<T>) scales8<T>(base + c * stride, b0, dw[c], mw[c]);
+            scales8<T>(base + c * stride, b0, dw[c], mw[c]);
             __m256i sums[8];
             for (int k = 0; k < 8; ++k) {
                 prefetch<T>(base + c * stride, b0 + k);
                 const Sub sub = decode<T>(base + c * stride, b0 + k);
-                if constexpr (!kBlock32<T>) {
-                    dw[c][k] = sub.dw;
-                    mw[c][k] = sub.mw;
-                }
                 __m256i x = load(act.codes(r0, b0 + k));
                 if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, sub.codes);
                 sums[k] = udot(kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes, x);
@@ -264,16 +228,73 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
     }
 }
 
-template <StorageType T, int C>
-void rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t n, float* y,
-          int64_t y_stride) {
-    int64_t r = 0;
-    for (; r + 4 <= n; r += 4) tile<T, 4, C>(w, stride, row, act, r, y, y_stride);
-    if (r + 2 <= n) {
-        tile<T, 2, C>(w, stride, row, act, r, y, y_stride);
-        r += 2;
+// The 8 sub-blocks' 6-bit scales and mins of a Q4_K/Q5_K block as float lanes, k_scale_min for all 8 at once:
+// bytes 0-3 of the 12 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7, bytes 4-7 the same for the
+// mins, bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and of mins 4-7 (high nibble).
+inline void k_scales8(const uint8_t* q, __m256& scales, __m256& mins) {
+    uint32_t u[3];
+    std::memcpy(u, q, sizeof(u));
+    constexpr uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, low2 = 0x03030303;
+    const uint64_t sc = (u[0] & low6) | static_cast<uint64_t>((u[2] & low4) | (((u[0] >> 6) & low2) << 4)) << 32;
+    const uint64_t mn = (u[1] & low6) | static_cast<uint64_t>(((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4)) << 32;
+    scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc))));
+    mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mn))));
+}
+
+template <StorageType T>
+using KBlock = std::conditional_t<T == StorageType::Q4_K, BlockQ4_K, BlockQ5_K>;
+
+// A Q4_K/Q5_K block's 8 sub-blocks of unsigned codes, its nibbles unpacked with one mask and one shift per 64
+// values, and its scales dw and offsets mw (w = dw * code + mw, decode_sub_block's form) as 8 float lanes.
+template <StorageType T>
+inline void k_block(const KBlock<T>& blk, __m256i (&codes)[8], __m256& dw, __m256& mw) {
+    const char* ahead = reinterpret_cast<const char*>(&blk) + kPrefetchBytes;
+    for (size_t at = 0; at < sizeof(blk); at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i high = _mm256_setzero_si256();
+    if constexpr (T == StorageType::Q5_K) high = load(blk.qh);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {  // sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles)
+        const __m256i q = load(blk.qs + 32 * i);
+        codes[2 * i] = _mm256_and_si256(q, low4);
+        codes[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        if constexpr (T == StorageType::Q5_K) {  // sub-block j's 5th bits: bit j of qh's bytes
+            codes[2 * i] = _mm256_or_si256(codes[2 * i], _mm256_slli_epi16(bits(high, 2 * i, 1), 4));
+            codes[2 * i + 1] = _mm256_or_si256(codes[2 * i + 1], _mm256_slli_epi16(bits(high, 2 * i + 1, 1), 4));
+        }
     }
-    if (r < n) tile<T, 1, C>(w, stride, row, act, r, y, y_stride);
+    __m256 scales, mins;
+    k_scales8(blk.scales, scales, mins);
+    dw = _mm256_mul_ps(_mm256_set1_ps(half(blk.d)), scales);
+    mw = _mm256_mul_ps(_mm256_set1_ps(-half(blk.dmin)), mins);
+}
+
+// Decode (one activation row) for Q4_K and Q5_K: C weight rows a 256-value block at a time (k_block), rather
+// than sub-block by sub-block. The arithmetic is tile<T, 1, C>'s groups of 8 blocks (a block is one group), so
+// the results are those of the batched path's packed_tile bit for bit.
+template <StorageType T, int C>
+void k_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, float* y) {
+    const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
+    __m256 acc[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    const int64_t supers = w.cols / kSuper;
+    for (int64_t k = 0; k < supers; ++k) {
+        const int8_t* x = act.codes(0, 8 * k);
+        const __m256 dx = _mm256_loadu_ps(act.d.data() + 8 * k), sx = _mm256_loadu_ps(act.s.data() + 8 * k);
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) {
+            __m256i codes[8], sums[8];
+            __m256 dw, mw;
+            k_block<T>(reinterpret_cast<const KBlock<T>*>(base + c * stride)[k], codes, dw, mw);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; ++j) sums[j] = udot(codes[j], load(x + j * kBlock));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(sums)), _mm256_mul_ps(dw, dx), acc[c]);
+            acc[c] = _mm256_fmadd_ps(mw, sx, acc[c]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) y[row + c] = hsum(acc[c]);
 }
 
 // Batched products (prefill, several sequences decoding): C weight rows are decoded once for all n activation
@@ -295,22 +316,29 @@ void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* gro
         const int64_t count = std::min<int64_t>(8, nb - b0);
         for (int c = 0; c < C; ++c) {
             const uint8_t* row = base + c * stride;
-            // The gather reads 8 blocks' heads: only where all 8 are in the row.
-            if (kBlock32<T> && count == 8) scales8<T>(row, b0, p.dw[c], p.mw[c]);
             __m256i codes[8], signs[8];
-            for (int64_t k = 0; k < 8; ++k) {
-                if (k >= count) {
-                    codes[k] = signs[k] = _mm256_setzero_si256();
-                    p.dw[c][k] = p.mw[c][k] = 0.0f;
-                    continue;
-                }
-                prefetch<T>(row, b0 + k);
-                const Sub sub = decode<T>(row, b0 + k);
-                codes[k] = kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes;
-                signs[k] = sub.codes;
-                if (!kBlock32<T> || count < 8) {
-                    p.dw[c][k] = sub.dw;
-                    p.mw[c][k] = sub.mw;
+            if constexpr (!kBlock32<T>) {  // a group is one whole 256-value block (cols are a multiple of 256)
+                __m256 dw, mw;
+                k_block<T>(reinterpret_cast<const KBlock<T>*>(row)[b0 / 8], codes, dw, mw);
+                _mm256_store_ps(p.dw[c], dw);
+                _mm256_store_ps(p.mw[c], mw);
+            } else {
+                // The gather reads 8 blocks' heads: only where all 8 are in the row.
+                if (count == 8) scales8<T>(row, b0, p.dw[c], p.mw[c]);
+                for (int64_t k = 0; k < 8; ++k) {
+                    if (k >= count) {
+                        codes[k] = signs[k] = _mm256_setzero_si256();
+                        p.dw[c][k] = p.mw[c][k] = 0.0f;
+                        continue;
+                    }
+                    prefetch<T>(row, b0 + k);
+                    const Sub sub = decode<T>(row, b0 + k);
+                    codes[k] = kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes;
+                    signs[k] = sub.codes;
+                    if (count < 8) {
+                        p.dw[c][k] = sub.dw;
+                        p.mw[c][k] = sub.mw;
+                    }
                 }
             }
             if (count == 8) {
@@ -404,28 +432,179 @@ void packed_rows(const WeightView& w, size_t stride, int64_t row, const Quantize
     if (r < n) packed_tile<T, 1, C>(groups.data(), nb, act, r, y, y_stride, row);
 }
 
+// Q6_K, a 256-value block at a time: each weight row's blocks are decoded once, for every activation row, into
+// the integer dot's operands (|code|, the codes for their signs, the per-16 scales as 16-bit lanes), then R x C
+// tiles take them from L1. Per block and activation row the 8 sub-blocks' integer sums (exact) are scaled as one
+// vector by d * dx, the same whatever R, C and n are, so a row's result does not depend on what shares its step.
+struct Q6Decoded {
+    alignas(32) uint8_t magnitude[8][kBlock];
+    alignas(32) int8_t codes[8][kBlock];
+    alignas(32) int16_t mul[8][16];
+    float d;
+};
+
+// f(j, codes, mul) for each sub-block j of a Q6_K block: its 32 signed codes, and its two per-16 scales each in
+// 8 of the 16-bit lanes (values 0-15, then 16-31).
+template <class F>
+inline void q6_sub_blocks(const BlockQ6_K& blk, F&& f) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+    const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales));
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // sub-blocks 4h + part: ql's low/high nibbles, qh's bit pair `part`
+        const __m256i ql0 = load(blk.ql + 64 * h), ql1 = load(blk.ql + 64 * h + 32), qh = load(blk.qh + 32 * h);
+        const __m256i low[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
+                                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
+#pragma GCC unroll 4
+        for (int part = 0; part < 4; ++part) {
+            const int j = 4 * h + part;
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), low2);
+            const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low[part], _mm256_slli_epi16(high, 4)), bias);
+            const __m128i pick = _mm_set_epi64x(0x0101010101010101LL * (2 * j + 1), 0x0101010101010101LL * (2 * j));
+            f(j, codes, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick)));
+        }
+    }
+}
+
+inline void q6_prefetch(const BlockQ6_K& blk) {
+    const char* ahead = reinterpret_cast<const char*>(&blk) + kPrefetchBytes;
+    for (size_t at = 0; at < sizeof(BlockQ6_K); at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+}
+
+// sum(code * mul * x) of one sub-block in 8 int32 lanes.
+inline __m256i q6_dot(__m256i magnitude, __m256i codes, __m256i mul, __m256i x) {
+    const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, codes));  // |pairs| <= 2 * 32 * 128
+    return _mm256_madd_epi16(pairs, mul);
+}
+
+template <int C>
+void q6_decode(const uint8_t* base, size_t stride, int64_t supers, Q6Decoded* out) {
+    for (int64_t k = 0; k < supers; ++k) {
+        for (int c = 0; c < C; ++c) {
+            const BlockQ6_K& blk = reinterpret_cast<const BlockQ6_K*>(base + c * stride)[k];
+            q6_prefetch(blk);
+            Q6Decoded& p = out[k * C + c];
+            q6_sub_blocks(blk, [&](int j, __m256i codes, __m256i mul) {
+                _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes[j]), codes);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(p.magnitude[j]), _mm256_sign_epi8(codes, codes));
+                _mm256_store_si256(reinterpret_cast<__m256i*>(p.mul[j]), mul);
+            });
+            p.d = half(blk.d);
+        }
+    }
+}
+
+// Decode (one activation row): q6_tile<1, C>'s arithmetic, the blocks used from registers.
+template <int C>
+void q6_decode_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, float* y) {
+    const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
+    __m256 acc[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    const int64_t supers = w.cols / kSuper;
+    for (int64_t k = 0; k < supers; ++k) {
+        const int8_t* x = act.codes(0, 8 * k);
+        const __m256 dx = _mm256_loadu_ps(act.d.data() + 8 * k);
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) {
+            const BlockQ6_K& blk = reinterpret_cast<const BlockQ6_K*>(base + c * stride)[k];
+            q6_prefetch(blk);
+            __m256i sums[8];
+            q6_sub_blocks(blk, [&](int j, __m256i codes, __m256i mul) {
+                sums[j] = q6_dot(_mm256_sign_epi8(codes, codes), codes, mul, load(x + j * kBlock));
+            });
+            const __m256 d = _mm256_set1_ps(half(blk.d));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(sums)), _mm256_mul_ps(d, dx), acc[c]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) y[row + c] = hsum(acc[c]);
+}
+
+template <int R, int C>
+void q6_tile(const Q6Decoded* decoded, int64_t supers, const QuantizedRows& act, int64_t r0, float* y,
+             int64_t y_stride, int64_t row) {
+    __m256 acc[R][C];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
+    }
+    const int64_t nb = act.blocks_per_row();
+    for (int64_t k = 0; k < supers; ++k) {
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) {
+            const Q6Decoded& p = decoded[k * C + c];
+            const __m256 d = _mm256_set1_ps(p.d);
+#pragma GCC unroll 16
+            for (int i = 0; i < R; ++i) {
+                const int8_t* x = act.codes(r0 + i, 8 * k);
+                __m256i sums[8];
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; ++j) {
+                    sums[j] = q6_dot(load(p.magnitude[j]), load(p.codes[j]), load(p.mul[j]), load(x + j * kBlock));
+                }
+                const __m256 dx = _mm256_loadu_ps(act.d.data() + (r0 + i) * nb + 8 * k);
+                acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(sums)), _mm256_mul_ps(d, dx), acc[i][c]);
+            }
+        }
+    }
+    for (int i = 0; i < R; ++i) {
+        for (int c = 0; c < C; ++c) y[(r0 + i) * y_stride + row + c] = hsum(acc[i][c]);
+    }
+}
+
+template <int C>
+void q6_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t n, float* y,
+             int64_t y_stride) {
+    const int64_t supers = w.cols / kSuper;
+    thread_local std::vector<Q6Decoded> decoded;
+    decoded.resize(static_cast<size_t>(supers * C));
+    q6_decode<C>(w.data + row * static_cast<int64_t>(stride), stride, supers, decoded.data());
+    int64_t r = 0;
+    for (; r + 4 <= n; r += 4) q6_tile<4, C>(decoded.data(), supers, act, r, y, y_stride, row);
+    if (r + 2 <= n) {
+        q6_tile<2, C>(decoded.data(), supers, act, r, y, y_stride, row);
+        r += 2;
+    }
+    if (r < n) q6_tile<1, C>(decoded.data(), supers, act, r, y, y_stride, row);
+}
+
+void gemm_q6_k(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, int64_t n,
+               float* y, int64_t y_stride) {
+    const size_t stride = row_bytes(w.type, w.cols);
+    int64_t row = row_begin;
+    if (n == 1) {
+        for (; row + 4 <= row_end; row += 4) q6_decode_rows<4>(w, stride, row, act, y);
+        for (; row < row_end; ++row) q6_decode_rows<1>(w, stride, row, act, y);
+        return;
+    }
+    for (; row + 4 <= row_end; row += 4) q6_rows<4>(w, stride, row, act, n, y, y_stride);
+    for (; row < row_end; ++row) q6_rows<1>(w, stride, row, act, n, y, y_stride);
+}
+
 template <StorageType T>
 void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, int64_t n,
                  float* y, int64_t y_stride) {
     const size_t stride = row_bytes(w.type, w.cols);
     int64_t row = row_begin;
     if (n == 1) {  // decode: 4 weight rows in flight, whose blocks stream from memory
-        for (; row + 4 <= row_end; row += 4) rows<T, 4>(w, stride, row, act, n, y, y_stride);
-        for (; row < row_end; ++row) rows<T, 1>(w, stride, row, act, n, y, y_stride);
-    } else if constexpr (kGrouped<T>) {
-        if (n == 2) {  // 2 x 4 sums: as many weight rows in flight as decode has
-            for (; row + 4 <= row_end; row += 4) packed_rows<T, 4>(w, stride, row, act, n, y, y_stride);
+        if constexpr (T == StorageType::Q4_K || T == StorageType::Q5_K) {
+            for (; row + 4 <= row_end; row += 4) k_rows<T, 4>(w, stride, row, act, y);
+            for (; row < row_end; ++row) k_rows<T, 1>(w, stride, row, act, y);
+        } else {
+            for (; row + 4 <= row_end; row += 4) tile<T, 1, 4>(w, stride, row, act, 0, y, y_stride);
+            for (; row < row_end; ++row) tile<T, 1, 1>(w, stride, row, act, 0, y, y_stride);
         }
-        for (; row + PLLM_TILE_ROWS <= row_end; row += PLLM_TILE_ROWS) {
-            packed_rows<T, PLLM_TILE_ROWS>(w, stride, row, act, n, y, y_stride);
-        }
-        for (; row < row_end; ++row) packed_rows<T, 1>(w, stride, row, act, n, y, y_stride);
-    } else {
-        for (; row + PLLM_TILE_ROWS <= row_end; row += PLLM_TILE_ROWS) {
-            rows<T, PLLM_TILE_ROWS>(w, stride, row, act, n, y, y_stride);
-        }
-        for (; row < row_end; ++row) rows<T, 1>(w, stride, row, act, n, y, y_stride);
+        return;
     }
+    if (n == 2) {  // 2 x 4 sums: as many weight rows in flight as decode has
+        for (; row + 4 <= row_end; row += 4) packed_rows<T, 4>(w, stride, row, act, n, y, y_stride);
+    }
+    for (; row + PLLM_TILE_ROWS <= row_end; row += PLLM_TILE_ROWS) {
+        packed_rows<T, PLLM_TILE_ROWS>(w, stride, row, act, n, y, y_stride);
+    }
+    for (; row < row_end; ++row) packed_rows<T, 1>(w, stride, row, act, n, y, y_stride);
 }
 
 template <StorageType T>
@@ -474,7 +653,7 @@ void PLLM_GEMM(const WeightView& w, int64_t row_begin, int64_t row_end, const Qu
         case StorageType::Q8_0: return gemm_blocks<StorageType::Q8_0>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::Q4_K: return gemm_blocks<StorageType::Q4_K>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::Q5_K: return gemm_blocks<StorageType::Q5_K>(w, row_begin, row_end, act, n, y, y_stride);
-        case StorageType::Q6_K: return gemm_blocks<StorageType::Q6_K>(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::Q6_K: return gemm_q6_k(w, row_begin, row_end, act, n, y, y_stride);
     }
 }
 
