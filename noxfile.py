@@ -89,7 +89,7 @@ def llama_cpp_sdist(session: nox.Session) -> str:
     archive = os.path.join(folder, f"llama_cpp_python-{LLAMA_CPP_SDIST_VERSION}.tar.gz")
     if not os.path.exists(archive):
         session.log(f"fetching the llama-cpp-python {LLAMA_CPP_SDIST_VERSION} sdist (77 MB) for llama.cpp's converter")
-        session.run("python", "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+        session.run_install("python", "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
                     f"llama-cpp-python=={LLAMA_CPP_SDIST_VERSION}", "-d", folder)
     return archive
 
@@ -105,13 +105,13 @@ def llama_cpp_reference(session: nox.Session, sdist: str) -> None:
             session.log("compiling llama.cpp's libllama, the tests' reference engine: 2 to 3 minutes on 2 cores")
             started = time.monotonic()
             source = unpack_llama_cpp(sdist, folder / "src")
-            session.run("cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", *LLAMA_CPP_CMAKE_ARGS,
+            session.run_install("cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", *LLAMA_CPP_CMAKE_ARGS,
                         external=True, silent=True)
-            session.run("cmake", "--build", str(build), "--target", "llama", "--parallel", "2", external=True,
+            session.run_install("cmake", "--build", str(build), "--target", "llama", "--parallel", "2", external=True,
                         silent=True)
             session.log(f"libllama built in {time.monotonic() - started:.0f} s")
         if not any(wheels.glob("*.whl")):
-            session.run("python", "-m", "pip", "wheel", "--quiet", "--no-deps", sdist, "-w", str(wheels),
+            session.run_install("python", "-m", "pip", "wheel", "--quiet", "--no-deps", sdist, "-w", str(wheels),
                         env={"CMAKE_ARGS": "-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"}, silent=True)
         session.install(*map(str, wheels.glob("*.whl")))
     except nox.command.CommandFailed:
@@ -136,9 +136,9 @@ def install_debian(session: nox.Session, commands: dict[str, str]) -> None:
         session.log(f"not installing {', '.join(missing)} (needs root and apt-get): the tests that need them skip")
         return
     session.log(f"installing Debian packages as root for the tests that need them: {', '.join(missing)}")
-    session.run("apt-get", "update", "-qq", external=True)
-    session.run("apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing, external=True,
-                env={"DEBIAN_FRONTEND": "noninteractive"})
+    session.run_install("apt-get", "update", "-qq", external=True)
+    session.run_install("apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing, external=True,
+                            env={"DEBIAN_FRONTEND": "noninteractive"})
 
 
 @nox.session

@@ -26,21 +26,21 @@ HIDDEN, FF, SHARED_FF, TOP_K = 2048, 512, 512, 8
 LEADING_HALVES = {"Q4_0": 1, "Q8_0": 1, "Q4_1": 2, "Q4_K": 2, "Q5_K": 2}  # fp16 scale fields at each block's start
 
 
-def random_blocks(storage_type: str, shape: list[int], rng: np.random.Generator) -> kernels.MoeTensor:
+def random_blocks(storage_type: str, shape: list[int], rng: np.random.Generator) -> kernels.Tensor:
     """Random codes with small positive scales: the values' magnitudes, not a real model's, but the same bytes read."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[storage_type]]
     blocks = rng.integers(0, 256, (int(np.prod(shape)) // block_size, type_size), dtype=np.uint8)
     halves = 2 * LEADING_HALVES[storage_type]
     blocks[:, :halves] = (rng.random((len(blocks), halves // 2)) * 0.01 + 0.001).astype(np.float16).view(np.uint8)
-    return kernels.MoeTensor(blocks.reshape(-1), storage_type, shape)
+    return kernels.Tensor(blocks.reshape(-1), storage_type, shape)
 
 
-def float32(shape: list[int], rng: np.random.Generator) -> kernels.MoeTensor:
+def float32(shape: list[int], rng: np.random.Generator) -> kernels.Tensor:
     values = rng.standard_normal(shape).astype(np.float32)
-    return kernels.MoeTensor(values.view(np.uint8).reshape(-1), "F32", shape)
+    return kernels.Tensor(values.view(np.uint8).reshape(-1), "F32", shape)
 
 
-def nbytes(tensor: kernels.MoeTensor) -> int:
+def nbytes(tensor: kernels.Tensor) -> int:
     return int(tensor.data.size)
 
 

@@ -70,12 +70,13 @@ def profile(llm: Any, context: int) -> dict[str, float]:
         pass
     wall = time.perf_counter() - start
     p = engine.profile()
-    steps = p["steps"]
-    per = {k: p[k] / steps * 1e3 for k in ("step", "matmul", "lm_head", "attention", "wait", "sample", "schedule")}
-    per["other"] = (p["forward"] - p["matmul"] - p["lm_head"] - p["attention"]) / steps * 1e3
+    steps = p.steps
+    per = {k: getattr(p, k) / steps * 1e3 for k in ("step", "matmul", "lm_head", "attention", "wait", "sample",
+                                                     "schedule")}
+    per["other"] = (p.forward - p.matmul - p.lm_head - p.attention) / steps * 1e3
     per["python"] = wall / steps * 1e3 - per["step"]
     per["token"] = wall / steps * 1e3
-    per["regions"] = p["regions"] / steps
+    per["regions"] = p.regions / steps
     return per
 
 

@@ -11,6 +11,7 @@ from pocketllm.checkpoint import load_checkpoint
 from pocketllm.testing import checkpoints, references
 from pocketllm_cpp import kernels
 from pocketllm_cpp.model import build_model as _build_model
+from tests.cpp.slices import forward
 
 REFERENCES = references.load()
 BLOCK = 4  # small blocks: every prompt spans several, in a shuffled table
@@ -33,7 +34,7 @@ def _greedy(model, prompts: list[list[int]], steps: int, tables: list[list[int]]
     lengths = [len(p) for p in prompts]
     out: list[list[np.ndarray]] = [[] for _ in prompts]
     for _ in range(steps):
-        logits = model.forward(tokens, slices)
+        logits = forward(model, tokens, slices)
         tokens = []
         for i, row in enumerate(logits):
             out[i].append(_log_softmax(row))
@@ -128,14 +129,14 @@ def test_a_sequence_is_the_same_bits_alone_and_batched(kind: str, isa: str, pock
     rng = np.random.default_rng(10)
     prompt, others = rng.integers(3, 323, 150).tolist(), [rng.integers(3, 323, n).tolist() for n in (40, 20, 60)]
     table, *tables = _tables(5, 100)
-    alone = [model.forward(prompt, [(0, 150, table, True)])[0]]
+    alone = [forward(model, prompt, [(0, 150, table, True)])[0]]
     for step in range(5):
         token = int(np.argmax(alone[-1]))
-        alone.append(model.forward([token], [(150 + step, 1, table, True)])[0])
+        alone.append(forward(model, [token], [(150 + step, 1, table, True)])[0])
     table = tables.pop(0)
     # Step 1: another prompt and the first chunk of ours; step 2: the rest of ours, a decode and a new prompt.
-    model.forward(others[0] + prompt[:37], [(0, 40, tables[0], True), (0, 37, table, False)])
-    logits = model.forward(prompt[37:] + [5] + others[1], [(37, 113, table, True), (40, 1, tables[0], True),
+    forward(model, others[0] + prompt[:37], [(0, 40, tables[0], True), (0, 37, table, False)])
+    logits = forward(model, prompt[37:] + [5] + others[1], [(37, 113, table, True), (40, 1, tables[0], True),
                                                           (0, 20, tables[1], True)])
     batched = [logits[0]]
     for step in range(5):
@@ -144,7 +145,7 @@ def test_a_sequence_is_the_same_bits_alone_and_batched(kind: str, isa: str, pock
                                          (20 + step, 1, tables[1], True)]
         if step == 2:  # a prompt joins mid-way
             tokens, slices = tokens + others[2], [*slices, (0, 60, tables[2], True)]
-        batched.append(model.forward(tokens, slices)[0])
+        batched.append(forward(model, tokens, slices)[0])
     for ours, reference in zip(batched, alone, strict=True):
         np.testing.assert_array_equal(ours, reference)
 
@@ -163,10 +164,10 @@ def test_bad_slices_raise_value_error(pocketllm_kit_checkpoint) -> None:
         ([5], [(-3, 1, [0], True)], "start"),
     ]:
         if message is None:
-            assert model.forward(tokens, slices).shape == (1, 323)
+            assert forward(model, tokens, slices).shape == (1, 323)
         else:
             with pytest.raises(ValueError, match=message):
-                model.forward(tokens, slices)
+                forward(model, tokens, slices)
 
 
 @pytest.mark.parametrize("damage", ["cut", "offset", "dims"])
@@ -207,26 +208,24 @@ def test_an_eos_id_outside_the_vocabulary_fails_the_load(pocketllm_kit_checkpoin
         LLM(str(path), backend="cpp").shutdown()
 
 
-def test_native_arguments_that_do_not_convert_are_value_errors(pocketllm_kit_checkpoint) -> None:
-    """What the native module is given is checked there too: a typed error naming the field, never std::bad_cast."""
+def test_native_arguments_are_typed_and_checked(pocketllm_kit_checkpoint) -> None:
+    """What the native module is given is typed (a value that does not convert is a TypeError as it is set, never
+    std::bad_cast later) and checked there too (a ValueError)."""
     from pocketllm_cpp import _native
 
     model = build_model(load_checkpoint(str(pocketllm_kit_checkpoint("llama"))), num_blocks=8, block_size=BLOCK,
                         num_threads=1)
     engine = _native.Engine(model, 2, 16, 16, 0)
-    sampling = {"max_tokens": 2, "min_tokens": 0, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "seed": None,
-                "stop_ids": [0], "request_stop_ids": [], "logit_bias": [], "logprobs": -1}
-    for change, message in [({"stop_ids": [2**32 - 1]}, r"'stop_ids' must be a list of 32-bit token ids"),
-                            ({"logit_bias": [(2**40, 1.0)]}, r"'logit_bias' must be"),
-                            ({"temperature": "hot"}, r"'temperature' must be a number, got 'hot'"),
-                            ({"seed": 2**70}, r"'seed' must be a 64-bit integer"),
-                            ({"stop_ids": [10**6]}, r"token id out of range")]:
-        with pytest.raises(ValueError, match=message):
-            engine.add_request("a", [5, 6], {**sampling, **change})
-    del sampling["logprobs"]
-    with pytest.raises(ValueError, match=r"sampling has no 'logprobs'"):
+    sampling = _native.SamplingConfig()
+    for field, value in [("stop_ids", [2**32 - 1]), ("logit_bias", {2**40: 1.0}), ("temperature", "hot"),
+                         ("seed", 2**70), ("max_tokens", None)]:
+        with pytest.raises(TypeError, match="incompatible function arguments"):
+            setattr(sampling, field, value)
+    sampling.stop_ids = [10**6]
+    with pytest.raises(ValueError, match=r"token id out of range"):
         engine.add_request("a", [5, 6], sampling)
+    with pytest.raises(TypeError):
+        engine.add_request("a", [5, 6], {"max_tokens": 2})  # a dict is not a SamplingConfig
     with pytest.raises(TypeError, match=r"must be a pocketllm_cpp\._native\.Model"):
         _native.Engine(object(), 2, 16, 16, 0)
     assert not engine.has_unfinished()
@@ -308,11 +307,11 @@ def test_a_slice_yields_the_logits_of_its_last_tokens(pocketllm_kit_checkpoint) 
                         num_threads=2, kv_cache_dtype="float16")
     prompt = np.random.default_rng(3).integers(3, 323, 40).tolist()
     first, second = _tables(2, 50)
-    rows = model.forward(prompt, [(0, 40, first, 5)])
+    rows = forward(model, prompt, [(0, 40, first, 5)])
     assert rows.shape == (5, 323)
-    stepwise = [model.forward(prompt[:36], [(0, 36, second, 1)])[0]]
-    stepwise += [model.forward([token], [(36 + i, 1, second, 1)])[0] for i, token in enumerate(prompt[36:39])]
+    stepwise = [forward(model, prompt[:36], [(0, 36, second, 1)])[0]]
+    stepwise += [forward(model, [token], [(36 + i, 1, second, 1)])[0] for i, token in enumerate(prompt[36:39])]
     np.testing.assert_array_equal(rows[:4], np.stack(stepwise))
     for bad in (-1, 41):
         with pytest.raises(ValueError, match="num_logits"):
-            model.forward(prompt, [(0, 40, first, bad)])
+            forward(model, prompt, [(0, 40, first, bad)])

@@ -28,7 +28,7 @@ def isa(request: pytest.FixtureRequest):
 
 @dataclass(frozen=True)
 class Tensor:
-    moe: kernels.MoeTensor  # as moe_forward takes it
+    moe: kernels.Tensor  # as moe_forward takes it
     values: np.ndarray  # its exact values, float64
 
 
@@ -49,12 +49,12 @@ def _block(expert_type: str, seed: int = 0) -> Block:
 
     def float32(shape: tuple[int, ...]) -> Tensor:  # the router and the sigmoid gate, as GGUF files keep them
         w = rng.standard_normal(shape).astype(np.float32)
-        return Tensor(kernels.MoeTensor(w.view(np.uint8).reshape(-1), "F32", list(shape)), w.astype(np.float64))
+        return Tensor(kernels.Tensor(w.view(np.uint8).reshape(-1), "F32", list(shape)), w.astype(np.float64))
 
     def stored(shape: tuple[int, ...], seed: int) -> Tensor:
         # A stacked tensor's bytes are its experts' matrices in turn: one matrix of experts * rows rows.
         raw, w = random_weight(expert_type, int(np.prod(shape[:-1])), shape[-1], seed=seed)
-        return Tensor(kernels.MoeTensor(raw, expert_type, list(shape)), w.reshape(shape))
+        return Tensor(kernels.Tensor(raw, expert_type, list(shape)), w.reshape(shape))
 
     return Block(router=float32((EXPERTS, HIDDEN)), gate=stored((EXPERTS, FF, HIDDEN), seed + 1),
                  up=stored((EXPERTS, FF, HIDDEN), seed + 2), down=stored((EXPERTS, HIDDEN, FF), seed + 3),
@@ -174,7 +174,7 @@ def test_ties_go_to_the_lower_expert_index(isa: str) -> None:
     """A router that cannot tell the experts apart: every probability equal, the first top_k experts chosen."""
     block = _block("F32", seed=14)
     zero = np.zeros((EXPERTS, HIDDEN), np.float32)
-    tied = replace(block, router=Tensor(kernels.MoeTensor(zero.view(np.uint8).reshape(-1), "F32", [EXPERTS, HIDDEN]),
+    tied = replace(block, router=Tensor(kernels.Tensor(zero.view(np.uint8).reshape(-1), "F32", [EXPERTS, HIDDEN]),
                                         zero.astype(np.float64)))
     x = _inputs(3, seed=15)
     _assert_close(_run(tied, x), _reference(tied, x), 1e-4)  # the reference's stable sort keeps the lower index
@@ -192,12 +192,12 @@ def test_isas_agree() -> None:
 
 
 def test_checkpoint_tensors_in_place() -> None:
-    """moe_tensor: a stacked checkpoint tensor's bytes as they are, no copy."""
+    """tensor_of: a stacked checkpoint tensor's bytes as they are, no copy."""
     gate = _block("Q8_0", seed=11).gate.moe
     tensor = CheckpointTensor(name="model.layers.0.mlp.experts.gate_proj", file_name="blk.0.ffn_gate_exps.weight",
                               shape=tuple(gate.shape), storage_type="Q8_0", path=None, offset=0,
                               nbytes=gate.data.size, _buffer=gate.data)
-    converted = kernels.moe_tensor(tensor)
+    converted = kernels.tensor_of(tensor)
     assert converted.shape == gate.shape and converted.storage_type == "Q8_0"
     assert np.shares_memory(converted.data, gate.data)
 
@@ -216,7 +216,7 @@ def test_checkpoint_tensors_in_place() -> None:
 ])
 def test_bad_shapes_raise_value_error(name: str, storage_type: str, shape: list[int], message: str) -> None:
     block = _block("F32", seed=12)
-    bad = replace(getattr(block, name), moe=kernels.MoeTensor(getattr(block, name).moe.data, storage_type, shape))
+    bad = replace(getattr(block, name), moe=kernels.Tensor(getattr(block, name).moe.data, storage_type, shape))
     with pytest.raises(ValueError, match=message):
         _run(replace(block, **{name: bad}), _inputs(2))
 

@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 from pocketllm.checkpoint import load_checkpoint  # noqa: E402
 from pocketllm_cpp.model import build_model  # noqa: E402
+from tests.cpp.slices import forward  # noqa: E402
 from tests.torch.qwen3_5_kit import IRREGULAR_LAYERS, tiny_qwen3_5, to_gguf  # noqa: E402
 from tests.torch.torch_testkit import hf_greedy, prompt  # noqa: E402
 
@@ -46,10 +47,10 @@ def hf_logits(hf, ids: list[int]) -> np.ndarray:
 
 def greedy(model, ids: list[int], steps: int, slot: int = 0) -> list[int]:
     """Greedy ids, feeding each argmax back through forward one token at a time."""
-    logits = model.forward(ids, [(0, len(ids), TABLES[slot], 1)], [slot])
+    logits = forward(model, ids, [(0, len(ids), TABLES[slot], 1)], [slot])
     out = [int(np.argmax(logits[-1]))]
     for _ in range(steps - 1):
-        logits = model.forward([out[-1]], [(len(ids) + len(out) - 1, 1, TABLES[slot], 1)], [slot])
+        logits = forward(model, [out[-1]], [(len(ids) + len(out) - 1, 1, TABLES[slot], 1)], [slot])
         out.append(int(np.argmax(logits[-1])))
     return out
 
@@ -58,7 +59,7 @@ def greedy(model, ids: list[int], steps: int, slot: int = 0) -> list[int]:
 def test_prefill_logits_match_transformers(tiny, kind: str) -> None:
     hf, path = tiny(kind)
     ids = prompt(40, offset=3)
-    got = model_of(path).forward(ids, [(0, len(ids), TABLES[0], len(ids))], [0])
+    got = forward(model_of(path), ids, [(0, len(ids), TABLES[0], len(ids))], [0])
     np.testing.assert_allclose(got, hf_logits(hf, ids), atol=1e-3, rtol=0)
 
 
@@ -75,13 +76,13 @@ def test_a_sequence_batched_is_the_same_bits_as_alone(tiny) -> None:
     alone = []
     for i, ids in enumerate(prompts):
         model = model_of(path)
-        steps = [model.forward(ids, [(0, len(ids), TABLES[i], 2)], [i])]
-        steps.append(model.forward([5], [(len(ids), 1, TABLES[i], 1)], [i]))
+        steps = [forward(model, ids, [(0, len(ids), TABLES[i], 2)], [i])]
+        steps.append(forward(model, [5], [(len(ids), 1, TABLES[i], 1)], [i]))
         alone.append(steps)
     model = model_of(path)
-    first = model.forward([t for p in prompts for t in p], [(0, len(p), TABLES[i], 2) for i, p in enumerate(prompts)],
+    first = forward(model, [t for p in prompts for t in p], [(0, len(p), TABLES[i], 2) for i, p in enumerate(prompts)],
                           [0, 1, 2])
-    second = model.forward([5, 5, 5], [(len(p), 1, TABLES[i], 1) for i, p in enumerate(prompts)], [0, 1, 2])
+    second = forward(model, [5, 5, 5], [(len(p), 1, TABLES[i], 1) for i, p in enumerate(prompts)], [0, 1, 2])
     for i in range(3):
         np.testing.assert_array_equal(first[2 * i:2 * i + 2], alone[i][0])
         np.testing.assert_array_equal(second[i:i + 1], alone[i][1])
@@ -90,27 +91,27 @@ def test_a_sequence_batched_is_the_same_bits_as_alone(tiny) -> None:
 def test_a_chunked_prefill_is_the_same_bits_as_one_shot(tiny) -> None:
     _, path = tiny("dense")
     ids = prompt(90, offset=4)
-    one_shot = model_of(path).forward(ids, [(0, len(ids), TABLES[1], 1)], [1])
+    one_shot = forward(model_of(path), ids, [(0, len(ids), TABLES[1], 1)], [1])
     model = model_of(path)
     for start in range(0, 80, 16):
-        model.forward(ids[start:start + 16], [(start, 16, TABLES[1], 1)], [1])
-    np.testing.assert_array_equal(model.forward(ids[80:], [(80, 10, TABLES[1], 1)], [1]), one_shot)
+        forward(model, ids[start:start + 16], [(start, 16, TABLES[1], 1)], [1])
+    np.testing.assert_array_equal(forward(model, ids[80:], [(80, 10, TABLES[1], 1)], [1]), one_shot)
 
 
 def test_a_state_saved_and_loaded_into_another_slot_resumes_the_sequence(tiny) -> None:
     _, path = tiny("dense")
     ids = prompt(30, offset=6)
     model = model_of(path)
-    model.forward(ids, [(0, len(ids), TABLES[0], 1)], [0])
+    forward(model, ids, [(0, len(ids), TABLES[0], 1)], [0])
     saved = model.save_state(0)
     assert saved.size * 4 == model.state_bytes > 0 and model.num_state_slots == 3
     model.load_state(2, saved.reshape(-1))
     # Slot 2 over the same KV blocks continues exactly as slot 0 does.
-    resumed = model.forward([7], [(len(ids), 1, TABLES[0], 1)], [2])
-    continued = model.forward([7], [(len(ids), 1, TABLES[0], 1)], [0])
+    resumed = forward(model, [7], [(len(ids), 1, TABLES[0], 1)], [2])
+    continued = forward(model, [7], [(len(ids), 1, TABLES[0], 1)], [0])
     np.testing.assert_array_equal(resumed, continued)
     with pytest.raises(ValueError, match="state slot"):
-        model.forward([7], [(len(ids), 1, TABLES[0], 1)], [3])
+        forward(model, [7], [(len(ids), 1, TABLES[0], 1)], [3])
     with pytest.raises(ValueError, match="floats"):
         model.load_state(1, saved.reshape(-1)[:-1])
 
@@ -121,7 +122,7 @@ def test_gguf_files_match_transformers(tiny, tmp_path, kind: str) -> None:
     hf, _ = tiny(kind)
     path = to_gguf(hf, tmp_path / "model.gguf", mtp_layers=1)
     ids = prompt(40, offset=3)
-    got = model_of(path).forward(ids, [(0, len(ids), TABLES[0], len(ids))], [0])
+    got = forward(model_of(path), ids, [(0, len(ids), TABLES[0], len(ids))], [0])
     np.testing.assert_allclose(got, hf_logits(hf, ids), atol=1e-3, rtol=0)
 
 
@@ -132,9 +133,9 @@ def test_q8_0_gguf_files_read_in_place_match_their_dequantized_values(tiny, tmp_
     hf, _ = tiny(kind)
     path = to_gguf(hf, tmp_path / "q8.gguf", matrices="Q8_0")
     ids = prompt(40, offset=3)
-    kept = model_of(path).forward(ids, [(0, len(ids), TABLES[0], len(ids))], [0])
+    kept = forward(model_of(path), ids, [(0, len(ids), TABLES[0], len(ids))], [0])
     monkeypatch.setattr(loading, "STORAGE_TYPES", ("F32",))  # every Q8_0 matrix as a float32 copy
-    dequantized = model_of(path).forward(ids, [(0, len(ids), TABLES[0], len(ids))], [0])
+    dequantized = forward(model_of(path), ids, [(0, len(ids), TABLES[0], len(ids))], [0])
     np.testing.assert_allclose(kept, dequantized, atol=1e-3, rtol=0)
     if kind == "dense":  # in the MoE, rounding flips some routing choices: far apart, rightly
         reference = hf_logits(hf, ids)
@@ -159,7 +160,7 @@ def test_gguf_files_of_llama_cpp_s_own_converter_match_transformers(tmp_path, ll
     hf, path = tiny_qwen3_5(tmp_path / "hf", moe=moe, layer_types=IRREGULAR_LAYERS, shared_expert_ff=64)
     gguf = convert_with_llama_cpp(llama_cpp, path, tmp_path / "model.gguf")
     ids = prompt(40, offset=3)
-    got = model_of(gguf).forward(ids, [(0, len(ids), TABLES[0], len(ids))], [0])
+    got = forward(model_of(gguf), ids, [(0, len(ids), TABLES[0], len(ids))], [0])
     np.testing.assert_allclose(got, hf_logits(hf, ids), atol=1e-3, rtol=0)
     assert greedy(model_of(gguf), ids[:5], 16) == hf_greedy(hf, ids[:5], 16)
 
@@ -180,6 +181,4 @@ def test_a_checkpoint_missing_a_tensor_is_refused_with_a_checkpoint_error(tmp_pa
 def test_state_slots_are_checked_before_any_work(tiny) -> None:
     _, path = tiny("dense")
     with pytest.raises(ValueError, match="state slot"):
-        model_of(path).forward([1, 2], [(0, 2, TABLES[0], 1)], [5])
-    with pytest.raises(ValueError, match="one slot per slice"):
-        model_of(path).forward([1, 2], [(0, 2, TABLES[0], 1)], [0, 1])
+        forward(model_of(path), [1, 2], [(0, 2, TABLES[0], 1)], [5])

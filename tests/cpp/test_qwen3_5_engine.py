@@ -4,12 +4,17 @@ prefix, with every block and slot given back."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 pytest.importorskip("pocketllm_cpp._native")
 pytest.importorskip("transformers")
 
 from pocketllm import LLM, SamplingParams
+from pocketllm.errors import UnsupportedOptionError
+from pocketllm.plugins import BackendRegistry
+from pocketllm.testing import GatedBackend
 from pocketllm.testing.checkpoints import _write_tokenizer
 from tests.torch.qwen3_5_kit import tiny_qwen3_5
 from tests.torch.torch_testkit import hf_greedy, prompt
@@ -35,16 +40,34 @@ def _generate(llm: LLM) -> dict[int, list[int]]:
     return {n: list(out.outputs[0].token_ids) for n, out in zip(LENGTHS, outputs, strict=True)}
 
 
+def _generate_together(llm: LLM, gated: GatedBackend) -> dict[int, list[int]]:
+    """_generate with every prompt in the engine before its first step: the schedule (and so whether the KV
+    cache runs short) does not depend on how the engine thread's steps fall between the adds."""
+    gated.gate.hold()
+    result: dict[int, list[int]] = {}
+    worker = threading.Thread(target=lambda: result.update(_generate(llm)))
+    worker.start()
+    try:
+        assert gated.gate.wait_added(len(LENGTHS))
+    finally:
+        gated.gate.open()
+        worker.join()
+    return result
+
+
 @pytest.mark.parametrize("engine", [
     {"max_num_seqs": 4, "prefill_chunk_size": 32, "max_num_batched_tokens": 48},
     {"max_num_seqs": 2, "enable_prefix_caching": False},
-    {"max_num_seqs": 4, "backend_options": {**EXACT["backend_options"], "num_kv_blocks": 16}},  # preempts
+    # Every prompt's blocks fit at once (1 + 2 + 5 + 9 of 18), not their growth: one is preempted.
+    {"max_num_seqs": 4, "backend_options": {**EXACT["backend_options"], "num_kv_blocks": 18}},
 ], ids=["chunked", "two-slots", "preempting"])
 def test_greedy_ids_match_transformers(qwen, engine: dict) -> None:
     path, reference = qwen
-    llm = LLM(str(path), **(EXACT | engine))
+    registry = BackendRegistry()
+    gated = GatedBackend.install(registry, "cpp")
+    llm = LLM(str(path), **(EXACT | engine | {"backend": gated.name}), registry=registry)
     try:
-        assert _generate(llm) == reference
+        assert _generate_together(llm, gated) == reference
         stats = llm.stats()
         assert stats.num_running == 0 and stats.num_kv_blocks_used == 0
         assert (stats.num_preemptions > 0) == ("num_kv_blocks" in engine.get("backend_options", {}))
@@ -79,3 +102,11 @@ def test_auto_picks_cpp_for_qwen3_5(qwen) -> None:
             "pocketllm_cpp" if _native.best_isa() in ("avx2", "avx512") else "pocketllm_torch")
     finally:
         llm.shutdown()
+
+
+def test_rows_the_kernels_cannot_block_are_refused_naming_the_tensor(tmp_path) -> None:
+    """The kit's default shared expert is 48 wide: its down projection's rows do not divide into 32-value blocks."""
+    _, path = tiny_qwen3_5(tmp_path / "hf", moe=True, shared_expert_ff=48)
+    _write_tokenizer(path)
+    with pytest.raises(UnsupportedOptionError, match=r"'cpp'.*shared_expert\.down_proj.*rows of 48 values"):
+        LLM(str(path), backend="cpp", max_model_len=64)

@@ -7,10 +7,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include "pocketllm_cpp/matmul.h"
+#include "kernels.h"
 #include "pocketllm_cpp/model.h"
 #include "pocketllm_cpp/thread_pool.h"
 
@@ -31,8 +32,8 @@ struct PyModel {
 };
 
 // A tensor as a file stores it: its bytes, storage type and row-major shape ([rows, cols], or [experts, rows, cols]
-// for experts stacked along the first axis). pocketllm_cpp._native.MoeTensor.
-struct MoeTensor {
+// for experts stacked along the first axis). pocketllm_cpp._native.Tensor.
+struct Tensor {
     Bytes data;
     std::string storage_type;
     std::vector<int64_t> shape;
@@ -40,8 +41,27 @@ struct MoeTensor {
 
 // The tensor's matrices, checked against its bytes: the matrix of a 2-D tensor, or one window per expert of a
 // stacked 3-D one; std::invalid_argument naming `what` otherwise.
-std::vector<WeightView> matrices(const MoeTensor& t, size_t dims, const std::string& what);
+std::vector<WeightView> matrices(const Tensor& t, size_t dims, const std::string& what);
 
+// Views of a model's tensors, each kept alive by the model; std::invalid_argument naming `at` and the tensor for
+// one that is missing or does not fit its bytes.
+struct TensorViews {
+    PyModel& model;
+    std::string at;
+
+    WeightView matrix(const std::optional<Tensor>& t, const char* what);
+    WeightView matrix(const Tensor& t, const char* what) { return matrix(std::optional<Tensor>(t), what); }
+    std::vector<WeightView> stacked(const std::optional<Tensor>& t, const char* what);
+    // One stacked tensor, or one matrix per expert.
+    std::vector<WeightView> experts(const std::vector<Tensor>& ts, const char* what);
+};
+
+KvType parse_kv_type(const std::string& name);  // "float16" or "float32"
+std::string kv_type_name(KvType type);
+
+void bind_tensors(nanobind::module_& m);  // bindings_tensors.cpp: Tensor
+void bind_model(nanobind::module_& m);    // bindings_model.cpp: Model, SequenceSlice, the Llama model
+void bind_engine(nanobind::module_& m);   // bindings_engine.cpp: Engine and what crosses its boundary
 void bind_moe(nanobind::module_& m);      // bindings_moe.cpp
 void bind_qwen3_5(nanobind::module_& m);  // bindings_qwen3_5.cpp
 

@@ -21,48 +21,18 @@ using Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::c
 
 }  // namespace
 
-std::vector<WeightView> pocketllm::matrices(const MoeTensor& t, size_t dims, const std::string& what) {
-    if (t.shape.size() != dims) {
-        throw std::invalid_argument("moe " + what + " has " + std::to_string(t.shape.size()) + " dimensions, expected " +
-                                    std::to_string(dims));
-    }
-    const int64_t count = dims == 3 ? t.shape[0] : 1, rows = t.shape[dims - 2], cols = t.shape[dims - 1];
-    if (count <= 0) throw std::invalid_argument("moe " + what + " has " + std::to_string(count) + " experts");
-    int64_t total = 0;
-    if (__builtin_mul_overflow(count, rows, &total)) {
-        throw std::invalid_argument("moe " + what + " has " + std::to_string(count) + " experts of " +
-                                    std::to_string(rows) + " rows: past 64-bit sizes");
-    }
-    const WeightView whole{t.data.data(), parse_storage_type(t.storage_type), total, cols};
-    try {
-        validate(whole, static_cast<int64_t>(t.data.size()));  // before anything is sized by `count`
-    } catch (const std::invalid_argument& e) {
-        throw std::invalid_argument("moe " + what + ": " + e.what());
-    }
-    const int64_t bytes = rows * static_cast<int64_t>(row_bytes(whole.type, cols));
-    std::vector<WeightView> out;
-    for (int64_t e = 0; e < count; ++e) out.push_back({whole.data + e * bytes, whole.type, rows, cols});
-    return out;
-}
-
 void pocketllm::bind_moe(nb::module_& m) {
-    nb::class_<MoeTensor>(m, "MoeTensor", "A tensor's raw bytes, storage type and shape, as moe_forward reads them.")
-        .def(nb::init<Bytes, std::string, std::vector<int64_t>>(), nb::arg("data"), nb::arg("storage_type"),
-             nb::arg("shape"))
-        .def_ro("data", &MoeTensor::data)
-        .def_ro("storage_type", &MoeTensor::storage_type)
-        .def_ro("shape", &MoeTensor::shape);
     m.def(
         "moe_forward",
-        [](const Matrix& x, const MoeTensor& router, const MoeTensor& gate, const MoeTensor& up, const MoeTensor& down,
-           int64_t top_k, bool norm_topk_prob, const MoeTensor* shared_gate, const MoeTensor* shared_up,
-           const MoeTensor* shared_down, const MoeTensor* shared_expert_gate, bool exact) {
+        [](const Matrix& x, const Tensor& router, const Tensor& gate, const Tensor& up, const Tensor& down,
+           int64_t top_k, bool norm_topk_prob, const Tensor* shared_gate, const Tensor* shared_up,
+           const Tensor* shared_down, const Tensor* shared_expert_gate, bool exact) {
             const int64_t n = static_cast<int64_t>(x.shape(0)), hidden = static_cast<int64_t>(x.shape(1));
             MoeWeights w{};
-            w.router = matrices(router, 2, "router")[0];
-            w.gate = matrices(gate, 3, "gate");
-            w.up = matrices(up, 3, "up");
-            w.down = matrices(down, 3, "down");
+            w.router = matrices(router, 2, "moe router")[0];
+            w.gate = matrices(gate, 3, "moe gate");
+            w.up = matrices(up, 3, "moe up");
+            w.down = matrices(down, 3, "moe down");
             w.top_k = top_k;
             w.norm_topk_prob = norm_topk_prob;
             const int given = (shared_gate != nullptr) + (shared_up != nullptr) + (shared_down != nullptr) +
@@ -73,10 +43,10 @@ void pocketllm::bind_moe(nb::module_& m) {
             }
             w.has_shared = given == 4;
             if (w.has_shared) {
-                w.shared_gate = matrices(*shared_gate, 2, "shared_gate")[0];
-                w.shared_up = matrices(*shared_up, 2, "shared_up")[0];
-                w.shared_down = matrices(*shared_down, 2, "shared_down")[0];
-                w.shared_expert_gate = matrices(*shared_expert_gate, 2, "shared_expert_gate")[0];
+                w.shared_gate = matrices(*shared_gate, 2, "moe shared_gate")[0];
+                w.shared_up = matrices(*shared_up, 2, "moe shared_up")[0];
+                w.shared_down = matrices(*shared_down, 2, "moe shared_down")[0];
+                w.shared_expert_gate = matrices(*shared_expert_gate, 2, "moe shared_expert_gate")[0];
             }
             validate(w, hidden);
             auto out = new_matrix(n, hidden);

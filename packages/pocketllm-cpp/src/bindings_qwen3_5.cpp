@@ -24,40 +24,17 @@ namespace {
 struct PyQwen3_5Layer {
     std::string kind;  // "full_attention" or "linear_attention"
     std::vector<float> input_norm, post_attention_norm, q_norm, k_norm, conv, decay, dt_bias, norm;
-    std::optional<MoeTensor> q, k, v, o, qkv, z, b, a, out, gate, up, down;
+    std::optional<Tensor> q, k, v, o, qkv, z, b, a, out, gate, up, down;
     // MoE: the router; the experts' gate, up and down, each one stacked [experts, out, in] tensor or a matrix per
     // expert (or gate and up fused, transformers' [experts, 2 * ff, hidden]); the shared expert.
-    std::optional<MoeTensor> router, experts_gate_up;
-    std::vector<MoeTensor> experts_gate, experts_up, experts_down;
-    std::optional<MoeTensor> shared_gate, shared_up, shared_down, shared_expert_gate;
+    std::optional<Tensor> router, experts_gate_up;
+    std::vector<Tensor> experts_gate, experts_up, experts_down;
+    std::optional<Tensor> shared_gate, shared_up, shared_down, shared_expert_gate;
     int64_t top_k = 0;
     bool norm_topk_prob = true;
 };
 
-struct Builder {
-    PyModel& model;
-    std::string at;
-
-    WeightView matrix(const std::optional<MoeTensor>& t, const char* what) {
-        if (!t) throw std::invalid_argument(at + "has no " + what);
-        model.owners.push_back(nb::cast(t->data));
-        return matrices(*t, 2, at + what)[0];
-    }
-    std::vector<WeightView> stacked(const std::optional<MoeTensor>& t, const char* what) {
-        if (!t) throw std::invalid_argument(at + "has no " + what);
-        model.owners.push_back(nb::cast(t->data));
-        return matrices(*t, 3, at + what);
-    }
-    // One stacked tensor, or one matrix per expert.
-    std::vector<WeightView> experts(const std::vector<MoeTensor>& ts, const char* what) {
-        if (ts.size() == 1 && ts[0].shape.size() == 3) return stacked(ts[0], what);
-        std::vector<WeightView> out;
-        for (const MoeTensor& t : ts) out.push_back(matrix(t, what));
-        return out;
-    }
-};
-
-std::shared_ptr<const MoeWeights> moe_weights(const PyQwen3_5Layer& layer, Builder& get) {
+std::shared_ptr<const MoeWeights> moe_weights(const PyQwen3_5Layer& layer, TensorViews& get) {
     auto w = std::make_shared<MoeWeights>();
     w->router = get.matrix(layer.router, "router");
     if (layer.experts_gate_up) {  // transformers' fused layout: each expert's gate rows, then its up rows
@@ -84,12 +61,6 @@ std::shared_ptr<const MoeWeights> moe_weights(const PyQwen3_5Layer& layer, Build
     return w;
 }
 
-KvType kv_type(const std::string& name) {
-    if (name == "float16") return KvType::F16;
-    if (name == "float32") return KvType::F32;
-    throw std::invalid_argument("kv_cache_dtype must be float16 or float32, got '" + name + "'");
-}
-
 }  // namespace
 
 void pocketllm::bind_qwen3_5(nb::module_& m) {
@@ -114,8 +85,8 @@ void pocketllm::bind_qwen3_5(nb::module_& m) {
         .def_rw("exact_activations", &Qwen3_5Config::exact_activations)
         .def_prop_rw(
             "kv_cache_dtype",
-            [](const Qwen3_5Config& c) { return std::string(c.kv_type == KvType::F16 ? "float16" : "float32"); },
-            [](Qwen3_5Config& c, const std::string& name) { c.kv_type = kv_type(name); });
+            [](const Qwen3_5Config& c) { return kv_type_name(c.kv_type); },
+            [](Qwen3_5Config& c, const std::string& name) { c.kv_type = parse_kv_type(name); });
     nb::class_<PyQwen3_5Layer>(m, "Qwen3_5Layer", "One layer's tensors: its mixer's and its feed-forward's.")
         .def(nb::init<>())
         .def_rw("kind", &PyQwen3_5Layer::kind)
@@ -152,13 +123,13 @@ void pocketllm::bind_qwen3_5(nb::module_& m) {
         .def_rw("norm_topk_prob", &PyQwen3_5Layer::norm_topk_prob);
     m.def(
         "qwen3_5_model",
-        [](const Qwen3_5Config& config, const MoeTensor& embedding, const std::vector<PyQwen3_5Layer>& layers,
-           const std::vector<float>& final_norm, const MoeTensor& lm_head, int64_t num_blocks, int64_t block_size,
+        [](const Qwen3_5Config& config, const Tensor& embedding, const std::vector<PyQwen3_5Layer>& layers,
+           const std::vector<float>& final_norm, const Tensor& lm_head, int64_t num_blocks, int64_t block_size,
            int64_t num_state_slots, int num_threads) {
             PyModel model;
             std::vector<Qwen3_5Layer> built;
             for (const PyQwen3_5Layer& layer : layers) {
-                Builder get{model, "layer " + std::to_string(built.size()) + " "};
+                TensorViews get{model, "layer " + std::to_string(built.size()) + " "};
                 Qwen3_5Layer L{};
                 L.input_norm = layer.input_norm;
                 L.post_attention_norm = layer.post_attention_norm;
@@ -195,7 +166,7 @@ void pocketllm::bind_qwen3_5(nb::module_& m) {
                 }
                 built.push_back(std::move(L));
             }
-            Builder get{model, ""};
+            TensorViews get{model, ""};
             const WeightView embed = get.matrix(embedding, "embedding"), head = get.matrix(lm_head, "lm_head");
             model.model = std::make_shared<Qwen3_5Model>(config, embed, std::move(built), final_norm, head, num_blocks,
                                                          block_size, num_state_slots, num_threads);

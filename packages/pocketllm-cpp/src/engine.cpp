@@ -29,7 +29,7 @@ void Engine::add_request(const std::string& id, std::vector<int32_t> prompt, Sam
         throw std::invalid_argument("request '" + id + "': token id out of range, or max_tokens < 1");
     }
     check_prompt(id, prompt, static_cast<int64_t>(prompt.size()) + sampling.max_tokens);
-    const uint64_t seed = sampling.has_seed ? sampling.seed : seeds_.next();
+    const uint64_t seed = sampling.seed ? static_cast<uint64_t>(*sampling.seed) : seeds_.next();  // two's complement
     const size_t num_prompt = prompt.size();
     scheduler_.add(std::make_shared<Sequence>(Sequence{id, std::move(prompt), num_prompt, std::move(sampling), Rng(seed)}));
 }
@@ -66,7 +66,7 @@ bool Engine::pool_chunk(const SeqPtr& seq, int64_t start, const float* part, Del
         const float scale = static_cast<float>(1.0 / std::max(std::sqrt(sum), 1e-12));
         for (float& v : vector) v *= scale;
     }
-    delta = Delta{seq->id, 0, Finish::Stop, -1, false, {}, std::move(vector)};
+    delta = Delta{seq->id, {}, Finish::Stop, -1, {}, std::move(vector)};
     scheduler_.finish(seq);
     return true;
 }
@@ -121,22 +121,24 @@ std::vector<Delta> Engine::deltas_of(const ScheduledBatch& batch, const std::vec
 }
 
 Delta Engine::sample_next(const SeqPtr& seq, std::vector<float> logits) {
-    Delta delta{seq->id, 0, Finish::None, -1, seq->sampling.logprobs >= 0, {}};
-    delta.token = sample(logits, seq->sampling, seq->tokens, seq->num_prompt, seq->rng,
-                         delta.has_logprobs ? &delta.logprobs : nullptr, seq->allowed);
-    if (delta.token < 0) {  // the grammar and min_tokens left no token: this request fails, alone
-        delta.token = 0;
-        delta.has_logprobs = false;
+    Delta delta{seq->id, {}, Finish::None, -1, {}, {}};
+    TokenLogprobs logprobs{};
+    const bool wants_logprobs = seq->sampling.logprobs >= 0;
+    const int32_t token = sample(logits, seq->sampling, seq->tokens, seq->num_prompt, seq->rng,
+                                 wants_logprobs ? &logprobs : nullptr, seq->allowed);
+    if (token < 0) {  // the grammar and min_tokens left no token: this request fails, alone
         delta.finish = Finish::Error;
         scheduler_.finish(seq);
         return delta;
     }
-    seq->tokens.push_back(delta.token);
+    seq->tokens.push_back(token);
+    delta.tokens.push_back(token);
+    if (wants_logprobs) delta.logprobs.push_back(std::move(logprobs));
     const auto& stops = seq->sampling.stop_ids;
     const auto& own = seq->sampling.request_stop_ids;
-    if (seq->num_output() > seq->sampling.min_tokens && std::find(stops.begin(), stops.end(), delta.token) != stops.end()) {
+    if (seq->num_output() > seq->sampling.min_tokens && std::find(stops.begin(), stops.end(), token) != stops.end()) {
         delta.finish = Finish::Stop;
-        if (std::find(own.begin(), own.end(), delta.token) != own.end()) delta.stop_token_id = delta.token;
+        if (std::find(own.begin(), own.end(), token) != own.end()) delta.stop_token_id = token;
     } else if (seq->num_output() >= seq->sampling.max_tokens) {
         delta.finish = Finish::Length;
     }

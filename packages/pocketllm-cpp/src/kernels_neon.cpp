@@ -6,7 +6,7 @@
 
 #include <cstring>
 
-#include "pocketllm_cpp/matmul.h"
+#include "kernels.h"
 
 namespace pocketllm::kernels {
 namespace {

@@ -2,7 +2,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "pocketllm_cpp/matmul.h"
+#include "kernels.h"
 
 namespace pocketllm::kernels {
 namespace {

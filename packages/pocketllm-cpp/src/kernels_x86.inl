@@ -10,7 +10,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "pocketllm_cpp/matmul.h"
+#include "kernels.h"
 
 namespace pocketllm::kernels {
 namespace {

@@ -1,4 +1,4 @@
-#include "pocketllm_cpp/matmul.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cstring>

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "pocketllm_cpp/matmul.h"
+#include "kernels.h"
 #include "pocketllm_cpp/model.h"
 #include "pocketllm_cpp/thread_pool.h"
 

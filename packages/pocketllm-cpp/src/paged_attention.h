@@ -6,7 +6,7 @@
 #include <memory>
 #include <vector>
 
-#include "pocketllm_cpp/matmul.h"
+#include "kernels.h"
 #include "pocketllm_cpp/model.h"
 #include "pocketllm_cpp/thread_pool.h"
 

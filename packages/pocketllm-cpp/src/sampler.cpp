@@ -1,6 +1,6 @@
 #include "pocketllm_cpp/sampler.h"
 
-#include "pocketllm_cpp/matmul.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -145,7 +145,7 @@ int32_t sample(std::vector<float>& logits, const SamplingConfig& c, const std::v
             return raw[a] > raw[b] || (raw[a] == raw[b] && a < b);
         });
         logprobs->top.clear();
-        for (int i = 0; i < k; ++i) logprobs->top.emplace_back(ids[i], static_cast<float>(raw[ids[i]]));
+        for (int i = 0; i < k; ++i) logprobs->top.push_back({ids[i], static_cast<float>(raw[ids[i]])});
     }
     return token;
 }

@@ -16,7 +16,7 @@
 #include "pocketllm_cpp/engine.h"
 #include "pocketllm_cpp/llama_model.h"
 #include "pocketllm_cpp/isa.h"
-#include "pocketllm_cpp/matmul.h"
+#include "kernels.h"
 #include "../src/moe.h"
 
 using namespace pocketllm;
@@ -76,7 +76,7 @@ static std::map<std::string, std::vector<int32_t>> run_hashed(Engine& engine,
     for (const auto& [id, prompt] : prompts) engine.add_request(id, prompt, greedy);
     std::map<std::string, std::vector<int32_t>> out;
     while (engine.has_unfinished()) {
-        for (const Delta& d : engine.step()) out[d.request_id].push_back(d.token);
+        for (const Delta& d : engine.step()) out[d.request_id].insert(out[d.request_id].end(), d.tokens.begin(), d.tokens.end());
     }
     return out;
 }
@@ -130,7 +130,7 @@ static void state_slot_tests() {
         engine.add_request("y", {4}, greedy);
         engine.set_allowed("y", std::vector<uint32_t>(static_cast<size_t>((HashStateModel::kVocab + 31) / 32), 0));
         std::vector<Delta> failed = engine.step();
-        CHECK(failed.size() == 1 && failed[0].finish == Finish::Error);
+        CHECK(failed.size() == 1 && failed[0].finish == Finish::Error && failed[0].tokens.empty());
         CHECK(run_hashed(engine, {{"b", prompts.at("b")}})["b"] == alone["b"]);
     }
 }

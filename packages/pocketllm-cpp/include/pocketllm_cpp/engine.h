@@ -16,14 +16,15 @@ namespace pocketllm {
 
 enum class Finish { None, Stop, Length, Error };  // Error: nothing could be sampled (see Engine::set_allowed)
 
+// What a step did for one request: the tokens it gained (one per step today; a step that verifies drafted tokens
+// gains several), their logprobs where asked for (one per token), and how it finished.
 struct Delta {
     std::string request_id;
-    int32_t token;
-    Finish finish;
-    int32_t stop_token_id;  // -1 unless a requested stop token ended the request
-    bool has_logprobs;
-    TokenLogprobs logprobs;
-    std::vector<float> embedding{};  // an embedding request's result (it has no token)
+    std::vector<int32_t> tokens;
+    Finish finish = Finish::None;
+    int32_t stop_token_id = -1;  // -1 unless a requested stop token ended the request
+    std::vector<TokenLogprobs> logprobs;
+    std::vector<float> embedding;  // an embedding request's result (it has no token)
 };
 
 struct EngineStats {

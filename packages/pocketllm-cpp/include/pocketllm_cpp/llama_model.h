@@ -5,7 +5,7 @@
 #include <memory>
 #include <vector>
 
-#include "pocketllm_cpp/matmul.h"
+#include "pocketllm_cpp/weights.h"
 #include "pocketllm_cpp/model.h"
 #include "pocketllm_cpp/profile.h"
 #include "pocketllm_cpp/thread_pool.h"
@@ -13,11 +13,12 @@
 namespace pocketllm {
 
 struct LlamaConfig {
-    int64_t vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim;
-    float rms_norm_eps;
-    bool rope_pairs_adjacent;  // llama.cpp's q/k row order (GGUF Llama): rotate (2i, 2i+1), else (i, i + D/2)
-    bool qk_norm;              // Qwen3: RMSNorm over each head of q and k before RoPE
-    bool exact_activations;    // float32 activations against block weights too (see matmul)
+    int64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_layers = 0, num_heads = 0, num_kv_heads = 0,
+            head_dim = 0;
+    float rms_norm_eps = 1e-6f;
+    bool rope_pairs_adjacent = false;  // llama.cpp's q/k row order (GGUF Llama): rotate (2i, 2i+1), else (i, i + D/2)
+    bool qk_norm = false;              // Qwen3: RMSNorm over each head of q and k before RoPE
+    bool exact_activations = false;    // float32 activations against block weights too (see matmul)
     std::vector<float> inv_freq;  // RoPE frequency of each of the head_dim / 2 pairs, scaling applied
     float rope_attention_factor = 1.0f;  // YaRN scales cos and sin by it
     KvType kv_type = KvType::F16;

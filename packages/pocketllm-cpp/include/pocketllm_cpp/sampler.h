@@ -3,7 +3,8 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <utility>
+#include <map>
+#include <optional>
 #include <vector>
 
 namespace pocketllm {
@@ -14,20 +15,24 @@ struct SamplingConfig {
     float temperature = 1.0f, top_p = 1.0f, min_p = 0.0f;
     int64_t top_k = 0;  // 0: off
     float presence_penalty = 0.0f, frequency_penalty = 0.0f, repetition_penalty = 1.0f;
-    bool has_seed = false;
-    uint64_t seed = 0;
+    std::optional<int64_t> seed;  // none: the engine's next seed
     std::vector<int32_t> stop_ids;     // EOS (unless ignore_eos) and the request's stop token ids
     std::vector<int32_t> request_stop_ids;  // the request's own: reported as stop_token_id
-    std::vector<std::pair<int32_t, float>> logit_bias;
+    std::map<int32_t, float> logit_bias;
     int logprobs = -1;  // -1: none; else the number of top alternatives
     bool greedy() const { return temperature < 1e-5f; }
 };
 
-struct TokenLogprobs {
+struct Alternative {  // one of the most likely tokens at a position, with its logprob
+    int32_t token;
+    float logprob;
+};
+
+struct TokenLogprobs {  // the chosen token's logprob and rank (1: the most likely), and the top alternatives
     int32_t token;
     float logprob;
     int64_t rank;
-    std::vector<std::pair<int32_t, float>> top;
+    std::vector<Alternative> top;
 };
 
 // A per-sequence random stream (splitmix64): the same seed draws the same numbers whatever else runs.

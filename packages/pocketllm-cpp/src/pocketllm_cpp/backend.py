@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # KV-cache element types and their bytes; "auto" is float16, half the bytes attention reads per position.
 KV_CACHE_DTYPES = {"float16": 2, "float32": 4}
 KV_MEMORY_FRACTION = 0.25  # of physical RAM, as the torch backend
-_FINISH = {0: None, 1: "stop", 2: "length", 3: "error"}
+_FINISH = {"none": None, "stop": "stop", "length": "length", "error": "error"}  # by _native.Finish name
 _NO_MASK = np.zeros(0, np.uint32)
 _NOTHING_ALLOWED = "no token may be sampled: the grammar (with min_tokens and logit_bias) allows none"
 
@@ -121,15 +121,17 @@ class CppEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     constraint: Constraint | None = None) -> None:
         # The core has checked the prompt and the parameters (see pocketllm.backend.Engine).
-        stops = list(dict.fromkeys([*params.stop_token_ids, *(() if params.ignore_eos else self.eos)]))
-        sampling: dict[str, Any] = {
-            "max_tokens": params.max_tokens, "min_tokens": params.min_tokens, "temperature": params.temperature,
-            "top_p": params.top_p, "top_k": params.effective_top_k, "min_p": params.min_p,
-            "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
-            "repetition_penalty": params.repetition_penalty, "seed": params.seed, "stop_ids": stops,
-            "request_stop_ids": list(params.stop_token_ids), "logit_bias": list(params.logit_bias.items()),
-            "logprobs": -1 if params.logprobs is None else params.logprobs,
-        }
+        from pocketllm_cpp import _native
+
+        sampling = _native.SamplingConfig()
+        sampling.max_tokens, sampling.min_tokens = params.max_tokens, params.min_tokens
+        sampling.temperature, sampling.top_p, sampling.top_k = params.temperature, params.top_p, params.effective_top_k
+        sampling.min_p, sampling.repetition_penalty = params.min_p, params.repetition_penalty
+        sampling.presence_penalty, sampling.frequency_penalty = params.presence_penalty, params.frequency_penalty
+        sampling.seed, sampling.logit_bias = params.seed, dict(params.logit_bias)
+        sampling.stop_ids = list(dict.fromkeys([*params.stop_token_ids, *(() if params.ignore_eos else self.eos)]))
+        sampling.request_stop_ids = list(params.stop_token_ids)
+        sampling.logprobs = -1 if params.logprobs is None else params.logprobs
         self.engine.add_request(request_id, prompt_token_ids, sampling)
         if constraint is not None:
             self.constraints[request_id] = constraint
@@ -141,15 +143,18 @@ class CppEngine:
 
     def add_embedding_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> None:
         assert params.pooling_type is not None  # resolved by the core
-        self.engine.add_embedding_request(request_id, prompt_token_ids, params.pooling_type, params.normalize)
+        from pocketllm_cpp import _native
+
+        self.engine.add_embedding_request(request_id, prompt_token_ids, _native.Pooling[params.pooling_type],
+                                          params.normalize)
 
     def step(self) -> list[RequestDelta]:
         deltas = []
-        for request_id, token, finish, stop_token_id, logprobs, embedding in self.engine.step():
-            reason = _FINISH[finish]
-            if embedding is not None:
+        for delta in self.engine.step():
+            request_id, reason = delta.request_id, _FINISH[delta.finish.name]
+            if delta.embedding is not None:
                 deltas.append(RequestDelta(request_id=request_id, new_token_ids=[], finish_reason="stop",
-                                           embedding=embedding))
+                                           embedding=delta.embedding))
                 continue
             if reason == "error":
                 self.constraints.pop(request_id, None)
@@ -158,7 +163,8 @@ class CppEngine:
                 continue
             constraint = self.constraints.get(request_id)
             if constraint is not None:
-                constraint.accept(token)
+                for token in delta.tokens:
+                    constraint.accept(token)
                 if constraint.error is not None:  # the engine still runs it: stop it there too
                     self.abort([request_id])
                     deltas.append(RequestDelta(request_id=request_id, new_token_ids=[], finish_reason="error",
@@ -166,13 +172,11 @@ class CppEngine:
                     continue
                 if reason is not None:
                     del self.constraints[request_id]
-            sampled = None
-            if logprobs is not None:
-                chosen, value, rank, top = logprobs
-                sampled = [SampledLogprobs(chosen, value, rank, [TokenLogprob(i, v) for i, v in top])]
-            deltas.append(RequestDelta(request_id=request_id, new_token_ids=[token], logprobs=sampled,
-                                       finish_reason=reason,
-                                       stop_token_id=None if stop_token_id < 0 else stop_token_id))
+            sampled = [SampledLogprobs(lp.token, lp.logprob, lp.rank, [TokenLogprob(a.token, a.logprob)
+                                                                        for a in lp.top])
+                       for lp in delta.logprobs] or None
+            deltas.append(RequestDelta(request_id=request_id, new_token_ids=list(delta.tokens), logprobs=sampled,
+                                       finish_reason=reason, stop_token_id=delta.stop_token_id))
         # Each grammar moved on by its token: the masks for the next ones, in one parallel fill.
         self._set_masks([d.request_id for d in deltas if d.finish_reason is None and d.request_id in self.constraints])
         return deltas

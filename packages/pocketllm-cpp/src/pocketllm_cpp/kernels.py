@@ -2,8 +2,8 @@
 
 ``matmul(tensor, x)`` takes a :class:`pocketllm.checkpoint.CheckpointTensor` (its raw bytes: a zero-copy view of
 the memory-mapped file, no dequantized copy) or raw bytes with a type and shape. ``moe_forward`` is a
-mixture-of-experts block (softmax top-k routing, SwiGLU experts, a shared expert) over :class:`MoeTensor` s, which
-``moe_tensor`` makes from checkpoint tensors (a GGUF's stacked ``ffn_*_exps`` read in place).
+mixture-of-experts block (softmax top-k routing, SwiGLU experts, a shared expert) over :class:`Tensor` s, which
+``tensor_of`` makes from checkpoint tensors (a GGUF's stacked ``ffn_*_exps`` read in place).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 isa, best_isa, set_isa, num_threads = _native.isa, _native.best_isa, _native.set_isa, _native.num_threads
 available_isas = _native.available_isas
 quantize_activations = _native.quantize_activations
-MoeTensor, moe_forward = _native.MoeTensor, _native.moe_forward
+Tensor, moe_forward = _native.Tensor, _native.moe_forward
 
 
 def raw(tensor: CheckpointTensor) -> tuple[np.ndarray, str, int, int]:
@@ -41,8 +41,8 @@ def dequantize(tensor: CheckpointTensor) -> np.ndarray:
     return _native.dequantize(*raw(tensor))
 
 
-def moe_tensor(tensor: CheckpointTensor) -> MoeTensor:
+def tensor_of(tensor: CheckpointTensor) -> Tensor:
     """A tensor as ``moe_forward`` takes it: its bytes in place, storage type and shape (stacked experts first)."""
     if tensor.row_permutation is not None:
         raise ValueError(f"tensor {tensor.name!r} has permuted rows; the MoE block takes them as stored")
-    return MoeTensor(np.frombuffer(tensor.data, dtype=np.uint8), tensor.storage_type, list(tensor.shape))
+    return Tensor(np.frombuffer(tensor.data, dtype=np.uint8), tensor.storage_type, list(tensor.shape))

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from pocketllm.checkpoint import CheckpointTensor
 
 STORAGE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # read in place
+ROW_MULTIPLE = 32
 
 
 class BuildOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,22 +46,27 @@ class Tensors:
             raise CheckpointError(f"{self.path}: checkpoint has no tensor {name!r}")
         return self.by_name[name]
 
-    def matrix(self, name: str) -> _native.MoeTensor:
+    def matrix(self, name: str) -> _native.Tensor:
         tensor = self.take(name)
         if len(tensor.shape) != 2:
             raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(tensor.shape)}, expected a matrix")
-        return moe_tensor(tensor)
+        return tensor_of(tensor)
 
 
-def moe_tensor(tensor: CheckpointTensor) -> _native.MoeTensor:
-    """A matrix or stacked matrices as the kernels take them: the file bytes where they can read its storage type,
-    else a float32 copy."""
+def tensor_of(tensor: CheckpointTensor) -> _native.Tensor:
+    """A matrix or stacked matrices as the kernels read them: the file's bytes where they can read its storage type,
+    else a float32 copy. Rows must divide into the 32-value blocks the kernels quantize activations in: every
+    released model's do; the torch backend serves a checkpoint whose rows do not."""
+    width = tensor.shape[-1]
+    if width % ROW_MULTIPLE:
+        raise UnsupportedOptionError("model", NAME, f"tensor {tensor.name!r} has rows of {width} values, not a "
+                                                    f"multiple of {ROW_MULTIPLE}")
     if tensor.storage_type in STORAGE_TYPES:
-        return _native.MoeTensor(np.frombuffer(tensor.data, dtype=np.uint8), tensor.storage_type, list(tensor.shape))
+        return _native.Tensor(np.frombuffer(tensor.data, dtype=np.uint8), tensor.storage_type, list(tensor.shape))
     if tensor.row_permutation is not None:  # dequantize() undid it; the kernels expect the file's order
         raise UnsupportedOptionError("quantization", NAME, f"{tensor.storage_type} q/k matrices of a permuted GGUF")
     dense = np.ascontiguousarray(tensor.dequantize(), dtype=np.float32)
-    return _native.MoeTensor(dense.view(np.uint8).reshape(-1), "F32", list(tensor.shape))
+    return _native.Tensor(dense.view(np.uint8).reshape(-1), "F32", list(tensor.shape))
 
 
 def vector(tensor: CheckpointTensor) -> np.ndarray:

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
-from pocketllm.errors import CheckpointError, UnsupportedOptionError
+from pocketllm.errors import UnsupportedOptionError
 from pocketllm.rope import rope_frequencies
 from pocketllm_cpp import _native, qwen3_5
-from pocketllm_cpp.loading import STORAGE_TYPES, BuildOptions
+from pocketllm_cpp.loading import STORAGE_TYPES, BuildOptions, Tensors, vector
 from pocketllm_cpp.name import NAME
 
 if TYPE_CHECKING:
-    from pocketllm.checkpoint import Checkpoint, CheckpointTensor
+    from pocketllm.checkpoint import Checkpoint
 
 __all__ = ["ARCHITECTURES", "HYBRID", "STORAGE_TYPES", "build_model", "num_attention_layers", "state_slot_bytes"]
 _MATRICES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -59,52 +57,31 @@ def state_slot_bytes(checkpoint: Checkpoint) -> int:
 
 def _build_llama(checkpoint: Checkpoint, options: BuildOptions) -> _native.Model:
     config = checkpoint.config
-    tensors = {t.name: t for t in checkpoint.tensors()}
-
-    def take(name: str) -> CheckpointTensor:
-        if name not in tensors:
-            raise CheckpointError(f"{checkpoint.path}: checkpoint has no tensor {name!r}")
-        return tensors[name]
-
-    permuted = {t.row_permutation is not None for t in tensors.values() if t.name.endswith("q_proj.weight")}
+    tensors = Tensors(checkpoint.path, checkpoint.tensors())
+    permuted = {t.row_permutation is not None for t in tensors.by_name.values() if t.name.endswith("q_proj.weight")}
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        layer = {key: _matrix(take(f"{p}{name}.weight")) for key, name in _MATRICES.items()}
+        layer = _native.LlamaLayer()
+        for key, name in _MATRICES.items():
+            setattr(layer, key, tensors.matrix(f"{p}{name}.weight"))
         for key, name in _NORMS.items():
-            if f"{p}{name}.weight" in tensors:
-                layer[key] = _vector(take(f"{p}{name}.weight"))
+            if tensors.has(f"{p}{name}.weight"):
+                setattr(layer, key, vector(tensors.take(f"{p}{name}.weight")).tolist())
         layers.append(layer)
-    embedding = take("model.embed_tokens.weight")
-    lm_head = embedding if config.tie_word_embeddings else take("lm_head.weight")
+    lm_head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     inv_freq, attention = rope_frequencies(config, NAME)
-    native_config = {
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_layers": config.num_hidden_layers,
-        "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps,
-        # llama.cpp stores Llama q/k rows so that RoPE rotates adjacent pairs: run them that way, unpermuted.
-        "rope_pairs_adjacent": permuted == {True}, "qk_norm": config.architecture == "qwen3",
-        "exact_activations": options.exact_activations, "inv_freq": inv_freq.tolist(),
-        "rope_attention_factor": attention, "kv_cache_dtype": options.kv_cache_dtype,
-    }
-    return _native.Model(native_config, _matrix(embedding), layers, _vector(take("model.norm.weight")),
-                         _matrix(lm_head), options.num_blocks, options.block_size, options.num_threads)
-
-
-def _matrix(tensor: CheckpointTensor) -> tuple[np.ndarray, str, int, int]:
-    """A matrix as the kernels take it: its file bytes where they can read its storage type, else a float32 copy."""
-    rows, cols = tensor.shape
-    if tensor.storage_type in STORAGE_TYPES:
-        return np.frombuffer(tensor.data, dtype=np.uint8), tensor.storage_type, rows, cols
-    dense = np.ascontiguousarray(tensor.dequantize(), dtype=np.float32)
-    if tensor.row_permutation is not None:  # dequantize() undid it; the kernels expect the file's order
-        raise UnsupportedOptionError("quantization", NAME, f"{tensor.storage_type} q/k matrices of a permuted GGUF")
-    return dense.view(np.uint8).reshape(-1), "F32", rows, cols
-
-
-def _vector(tensor: CheckpointTensor) -> np.ndarray:
-    return np.ascontiguousarray(tensor.dequantize(), dtype=np.float32).reshape(-1)
+    c = _native.LlamaConfig()
+    c.vocab_size, c.hidden_size, c.intermediate_size = config.vocab_size, config.hidden_size, config.intermediate_size
+    c.num_layers, c.num_heads = config.num_hidden_layers, config.num_attention_heads
+    c.num_kv_heads, c.head_dim, c.rms_norm_eps = config.num_key_value_heads, config.head_dim, config.rms_norm_eps
+    # llama.cpp stores Llama q/k rows so that RoPE rotates adjacent pairs: run them that way, unpermuted.
+    c.rope_pairs_adjacent, c.qk_norm = permuted == {True}, config.architecture == "qwen3"
+    c.exact_activations, c.kv_cache_dtype = options.exact_activations, options.kv_cache_dtype
+    c.inv_freq, c.rope_attention_factor = inv_freq.tolist(), attention
+    return _native.llama_model(c, tensors.matrix("model.embed_tokens.weight"), layers,
+                               vector(tensors.take("model.norm.weight")).tolist(), tensors.matrix(lm_head),
+                               options.num_blocks, options.block_size, options.num_threads)
 
 
 _BUILDERS: dict[str, _Builder] = {"llama": _build_llama, "qwen3": _build_llama,

@@ -14,7 +14,7 @@ import numpy as np
 from pocketllm.errors import CheckpointError
 from pocketllm.rope import rope_frequencies
 from pocketllm_cpp import _native
-from pocketllm_cpp.loading import Tensors, moe_tensor, vector
+from pocketllm_cpp.loading import Tensors, tensor_of, vector
 from pocketllm_cpp.name import NAME
 
 if TYPE_CHECKING:
@@ -155,11 +155,11 @@ def _moe(layer: _native.Qwen3_5Layer, tensors: Tensors, prefix: str, extra: dict
     experts = f"{prefix}.experts"
     layer.router = tensors.matrix(f"{prefix}.gate.weight")
     if tensors.has(f"{experts}.gate_up_proj"):  # transformers' fused layout
-        layer.experts_gate_up = moe_tensor(tensors.take(f"{experts}.gate_up_proj"))
-        layer.experts_down = [moe_tensor(tensors.take(f"{experts}.down_proj"))]
+        layer.experts_gate_up = tensor_of(tensors.take(f"{experts}.gate_up_proj"))
+        layer.experts_down = [tensor_of(tensors.take(f"{experts}.down_proj"))]
     elif tensors.has(f"{experts}.down_proj.weight"):  # GGUF: stacked [experts, out, in]
         layer.experts_gate, layer.experts_up, layer.experts_down = (
-            [moe_tensor(tensors.take(f"{experts}.{m}.weight"))] for m in ("gate_proj", "up_proj", "down_proj"))
+            [tensor_of(tensors.take(f"{experts}.{m}.weight"))] for m in ("gate_proj", "up_proj", "down_proj"))
     else:  # a matrix per expert
         count = extra.get("num_experts")
         if not isinstance(count, int) or isinstance(count, bool) or count <= 0:

@@ -1,23 +1,15 @@
-// y = x @ W.T with W read in its GGUF storage type, in place: rows of W are output features.
+// The kernels (private to the library): y = x @ W.T with W read in its GGUF storage type, in place (rows of W are
+// output features), activation quantization, and each ISA's gemm, attention and vector helpers.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "pocketllm_cpp/quant.h"
+#include "pocketllm_cpp/weights.h"
 #include "pocketllm_cpp/thread_pool.h"
 
 namespace pocketllm {
-
-struct WeightView {
-    const uint8_t* data;  // rows * row_bytes(type, cols) bytes, e.g. a window of the memory-mapped file
-    StorageType type;
-    int64_t rows;  // output features
-    int64_t cols;  // input features
-};
-
-// Checks sizes and storage types; throws std::invalid_argument naming what is wrong.
-void validate(const WeightView& w, int64_t data_bytes);
 
 // Quantizes each of n rows of x [n, cols] to 8-bit blocks (round half to even), as the integer kernels need, and
 // fills out.grouped when `grouped`; many rows are split over `pool` when one is given.
@@ -60,9 +52,6 @@ float exp_shifted(float* x, int64_t n, float shift);
 
 // gate[i] = silu(gate[i]) * up[i] (SwiGLU) with the current ISA's vector exp.
 void silu_mul(float* gate, const float* up, int64_t n);
-
-// The KV cache's element type: float32, or IEEE half (the default: half the bytes per attention read).
-enum class KvType { F32, F16 };
 
 namespace kernels {
 // Rows [row_begin, row_end) of W against every row of x: y[r * y_stride + row]. `act` is x quantized (read for
