@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from pocketllm.checkpoint import load_checkpoint  # noqa: E402
+from pocketllm_cpp import _native, kernels  # noqa: E402
 from pocketllm_cpp.model import build_model  # noqa: E402
 from tests.cpp.slices import forward  # noqa: E402
 from tests.torch.qwen3_5_kit import IRREGULAR_LAYERS, tiny_qwen3_5, to_gguf  # noqa: E402
@@ -96,6 +97,26 @@ def test_a_chunked_prefill_is_the_same_bits_as_one_shot(tiny) -> None:
     for start in range(0, 80, 16):
         forward(model, ids[start:start + 16], [(start, 16, TABLES[1], 1)], [1])
     np.testing.assert_array_equal(forward(model, ids[80:], [(80, 10, TABLES[1], 1)], [1]), one_shot)
+
+
+@pytest.mark.parametrize("isa", kernels.available_isas().split())
+def test_the_chunked_delta_rule_is_the_recurrence_under_every_isa(tiny, isa: str) -> None:
+    """A 70-token prompt runs the delta rule four chunks at a time and the rest token by token; with prompt_end 0
+    every token runs alone (as decode runs them). Both agree with each other and with transformers, under each ISA's
+    kernels."""
+    hf, path = tiny("dense")
+    ids = prompt(70, offset=8)
+    kernels.set_isa(isa)
+    try:
+        def run(prompt_end: int) -> np.ndarray:
+            part = _native.SequenceSlice(0, len(ids), TABLES[0], len(ids), state_slot=0, prompt_end=prompt_end)
+            return model_of(path).forward(ids, [part])
+        chunked, recurrent = run(-1), run(0)
+    finally:
+        kernels.set_isa("auto")
+    assert not np.array_equal(chunked, recurrent)  # the two forms did run
+    np.testing.assert_allclose(chunked, recurrent, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(chunked, hf_logits(hf, ids), atol=1e-3, rtol=0)
 
 
 def test_a_state_saved_and_loaded_into_another_slot_resumes_the_sequence(tiny) -> None:

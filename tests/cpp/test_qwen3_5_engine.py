@@ -75,6 +75,42 @@ def test_greedy_ids_match_transformers(qwen, engine: dict) -> None:
         llm.shutdown()
 
 
+def test_a_prompt_s_bits_do_not_depend_on_the_budget_it_shares(qwen) -> None:
+    """With a 40-token budget, a 50-token prompt beside a 30-token one cannot end its first chunk on a 16-token
+    boundary of the delta rule's chunks: it waits a step rather than split there, and samples the tokens, with the
+    same log-probabilities to the bit, that it samples alone."""
+    path, _ = qwen
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True, logprobs=1)
+    engine = EXACT | {"max_num_batched_tokens": 40, "prefill_chunk_size": 64, "enable_prefix_caching": False}
+
+    def sampled(outputs) -> list:
+        return [(o.outputs[0].token_ids, [(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs])
+                for o in outputs]
+
+    llm = LLM(str(path), **engine)
+    try:
+        alone = sampled(llm.generate([prompt(50, offset=2)], params))
+    finally:
+        llm.shutdown()
+    registry = BackendRegistry()
+    gated = GatedBackend.install(registry, "cpp")
+    llm = LLM(str(path), **(engine | {"backend": gated.name}), registry=registry)
+    try:
+        gated.gate.hold()
+        result: list = []
+        worker = threading.Thread(target=lambda: result.extend(
+            sampled(llm.generate([prompt(30, offset=1), prompt(50, offset=2)], params))))
+        worker.start()
+        try:
+            assert gated.gate.wait_added(2)
+        finally:
+            gated.gate.open()
+            worker.join()
+    finally:
+        llm.shutdown()
+    assert result[1] == alone[0]
+
+
 def test_a_cached_prefix_resumes_from_its_snapshot(qwen) -> None:
     """The second run of the same prompts resumes each from a snapshot at a block boundary of its prompt (the
     prefix cache's blocks with the states that end there) and gives the cold run's ids."""
@@ -88,6 +124,29 @@ def test_a_cached_prefix_resumes_from_its_snapshot(qwen) -> None:
         warm = llm.stats()
         assert warm.num_state_snapshot_hits == 3  # the three prompts of a full block or more
         assert warm.num_prefix_cache_hits > cold.num_prefix_cache_hits
+    finally:
+        llm.shutdown()
+
+
+def test_a_prefix_resumes_from_a_snapshot_taken_inside_a_prompt_chunk(qwen) -> None:
+    """A 130-token prompt in one chunk leaves states at 64 (taken inside the pass) and at its last boundary 128; a
+    prompt sharing its first 100 tokens resumes from the one at 64 and gives the ids it gives cold."""
+    path, _ = qwen
+    first = prompt(130, offset=130)
+    sharing = first[:100] + prompt(20, offset=3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = EXACT | {"prefill_chunk_size": 256}
+    llm = LLM(str(path), **engine, enable_prefix_caching=False)
+    try:
+        cold = llm.generate([sharing], params)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+    llm = LLM(str(path), **engine, enable_prefix_caching=True)
+    try:
+        llm.generate([first], params)
+        assert llm.stats().num_state_snapshots == 2
+        assert llm.generate([sharing], params)[0].outputs[0].token_ids == cold
+        assert llm.stats().num_state_snapshot_hits == 1
     finally:
         llm.shutdown()
 

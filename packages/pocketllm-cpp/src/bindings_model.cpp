@@ -72,15 +72,17 @@ void pocketllm::bind_model(nb::module_& m) {
         .value("mean", Pooling::Mean)
         .value("cls", Pooling::Cls);
     nb::class_<SequenceSlice>(m, "SequenceSlice", "One sequence's share of a forward pass.")
-        .def(nb::init<int64_t, int64_t, std::vector<int32_t>, int64_t, Pooling, int32_t>(), nb::arg("start"),
+        .def(nb::init<int64_t, int64_t, std::vector<int32_t>, int64_t, Pooling, int32_t, int64_t>(), nb::arg("start"),
              nb::arg("num_tokens"), nb::arg("block_table"), nb::arg("num_logits") = 1, nb::kw_only(),
-             nb::arg("pool") = Pooling::None, nb::arg("state_slot") = -1)
+             nb::arg("pool") = Pooling::None, nb::arg("state_slot") = -1, nb::arg("prompt_end") = -1)
         .def_rw("start", &SequenceSlice::start, "position of its first new token")
         .def_rw("num_tokens", &SequenceSlice::num_tokens)
         .def_rw("block_table", &SequenceSlice::block_table, "its KV blocks")
         .def_rw("num_logits", &SequenceSlice::num_logits, "logits wanted of its last num_logits tokens")
         .def_rw("pool", &SequenceSlice::pool)
-        .def_rw("state_slot", &SequenceSlice::state_slot, "its request's state slot (models with state layers)");
+        .def_rw("state_slot", &SequenceSlice::state_slot, "its request's state slot (models with state layers)")
+        .def_rw("prompt_end", &SequenceSlice::prompt_end,
+                "its prompt's length (-1: the slice's end): state layers run later tokens one at a time");
     nb::class_<PyModel>(m, "Model", "A decoder over weights read in place, with its paged KV cache and state slots.")
         .def(
             "forward",

@@ -89,6 +89,11 @@ void BlockManager::release(std::vector<int32_t>& blocks) {
     blocks.clear();
 }
 
+uint64_t BlockManager::prefix_hash(const std::vector<int32_t>& tokens, Chain chain, int64_t blocks) const {
+    for (; chain.blocks < blocks; ++chain.blocks) chain.hash = hash_of(chain.hash, &tokens[static_cast<size_t>(chain.blocks * block_size_)]);
+    return chain.hash;
+}
+
 void BlockManager::register_full(const std::vector<int32_t>& tokens, int64_t computed,
                                  const std::vector<int32_t>& blocks, Chain& chain) {
     if (!prefix_caching_) return;

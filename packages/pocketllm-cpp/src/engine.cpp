@@ -78,7 +78,7 @@ std::vector<Delta> Engine::step() {
     std::vector<int32_t> tokens;
     const std::vector<SequenceSlice> slices = slices_of(batch, tokens);
     std::vector<float> pooled;
-    const std::vector<float> logits = model_->forward(tokens, slices, &pooled);
+    const std::vector<float> logits = model_->forward(tokens, slices, &pooled, &batch.captures);
     scheduler_.computed(batch);
     ++profile_.steps;
     profile_.tokens += static_cast<int64_t>(tokens.size());
@@ -92,7 +92,8 @@ std::vector<SequenceSlice> Engine::slices_of(const ScheduledBatch& batch, std::v
         const auto first = seq.tokens.begin() + seq.computed;
         tokens.insert(tokens.end(), first, first + batch.counts[i]);
         const bool samples = seq.computed + batch.counts[i] == seq.size() && seq.pool == Pooling::None;
-        slices.push_back({seq.computed, batch.counts[i], seq.blocks, samples ? 1 : 0, seq.pool, seq.state_slot});
+        slices.push_back({seq.computed, batch.counts[i], seq.blocks, samples ? 1 : 0, seq.pool, seq.state_slot,
+                          static_cast<int64_t>(seq.num_prompt)});
     }
     return slices;
 }

@@ -1,24 +1,29 @@
 #include "gated_delta.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
+#include "delta_rule.h"
+#include "kernels.h"
+#include "pocketllm_cpp/isa.h"
+
 namespace pocketllm {
 namespace {
 
-float silu(float x) { return x / (1.0f + std::exp(-x)); }
-float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold
 
-void l2_normalize(float* x, int64_t size, float scale) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < size; ++i) sum += x[i] * x[i];
-    const float factor = scale / std::sqrt(sum + 1e-6f);
-    for (int64_t i = 0; i < size; ++i) x[i] *= factor;
-}
-
 }  // namespace
+
+namespace kernels {
+GatedDeltaKernels gated_delta_kernels() {
+#ifdef POCKETLLM_HAVE_X86
+    if (current_isa() != Isa::Scalar) return gated_delta_avx2();
+#endif
+    return gated_delta_scalar();
+}
+}  // namespace kernels
 
 void validate(const GatedDeltaShape& s, const GatedDeltaWeights& w) {
     if (s.num_k_heads <= 0 || s.num_v_heads <= 0 || s.k_dim <= 0 || s.v_dim <= 0 || s.kernel <= 0 ||
@@ -41,71 +46,69 @@ void validate(const GatedDeltaShape& s, const GatedDeltaWeights& w) {
     expect(w.norm, s.v_dim, "norm");
 }
 
-void gated_delta_conv(const GatedDeltaShape& s, const GatedDeltaWeights& w, const float* proj, int64_t n, float* state,
-                      float* mixed) {
-    const int64_t channels = s.channels(), kernel = s.kernel, hk = s.num_k_heads, dk = s.k_dim;
+std::vector<float> conv_taps(const GatedDeltaShape& s, const std::vector<float>& conv) {
+    const int64_t channels = s.channels(), kernel = s.kernel;
+    std::vector<float> taps(conv.size());
+    for (int64_t c = 0; c < channels; ++c) {
+        for (int64_t k = 0; k < kernel; ++k) taps[static_cast<size_t>(k * channels + c)] = conv[static_cast<size_t>(c * kernel + k)];
+    }
+    return taps;
+}
+
+void gated_delta_conv(const GatedDeltaShape& s, const std::vector<float>& taps, const float* proj, int64_t n,
+                      float* state, float* mixed) {
+    const int64_t channels = s.channels(), hk = s.num_k_heads, dk = s.k_dim;
+    const kernels::GatedDeltaKernels k = kernels::gated_delta_kernels();
+    k.conv(taps.data(), s.kernel, channels, proj, s.proj_size(), n, state, mixed, channels);
+    silu(mixed, n * channels);
     const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
     for (int64_t t = 0; t < n; ++t) {
-        const float* row = proj + t * s.proj_size();
-        float* m = mixed + t * channels;
-        // The convolution over the kept kernel-1 inputs and this one; the window then moves on by one.
-        for (int64_t c = 0; c < channels; ++c) {
-            float* kept = state + c * (kernel - 1);
-            const float* weight = &w.conv[static_cast<size_t>(c * kernel)];
-            float sum = weight[kernel - 1] * row[c];
-            for (int64_t k = 0; k < kernel - 1; ++k) sum += weight[k] * kept[k];
-            for (int64_t k = 0; k + 1 < kernel - 1; ++k) kept[k] = kept[k + 1];
-            if (kernel > 1) kept[kernel - 2] = row[c];
-            m[c] = silu(sum);
-        }
-        for (int64_t h = 0; h < hk; ++h) {
-            l2_normalize(m + h * dk, dk, q_scale);
-            l2_normalize(m + (hk + h) * dk, dk, 1.0f);
+        for (int64_t h = 0; h < 2 * hk; ++h) {  // q heads, then k heads
+            float* x = mixed + t * channels + h * dk;
+            const float factor = (h < hk ? q_scale : 1.0f) / std::sqrt(k.dot(x, x, dk) + 1e-6f);
+            for (int64_t i = 0; i < dk; ++i) x[i] *= factor;
         }
     }
 }
 
 void gated_delta_head(const GatedDeltaShape& s, const GatedDeltaWeights& w, float eps, const float* proj,
-                      const float* mixed, int64_t n, int64_t h, float* state, float* out) {
-    const int64_t channels = s.channels(), hk = s.num_k_heads, hv = s.num_v_heads, dk = s.k_dim, dv = s.v_dim;
+                      const float* mixed, int64_t n, int64_t h, const DeltaRun& run, float* state, float* out) {
+    const int64_t channels = s.channels(), width = s.proj_size(), hk = s.num_k_heads, hv = s.num_v_heads;
+    const int64_t dk = s.k_dim, dv = s.v_dim;
     const int64_t key_head = s.tiled_heads ? h % hk : h / (hv / hk);
-    float* S = state + s.conv_floats() + h * dk * dv;  // [dk, dv]
-    std::vector<float> remembered(static_cast<size_t>(dv));
+    std::vector<float> g(static_cast<size_t>(n)), beta(g.size());
     const float decay_rate = w.decay[static_cast<size_t>(h)], dt_bias = w.dt_bias[static_cast<size_t>(h)];
     for (int64_t t = 0; t < n; ++t) {
-        const float* row = proj + t * s.proj_size();
-        const float* zh = row + channels + h * dv;
-        const float b = row[channels + hv * dv + h], a = row[channels + hv * dv + hv + h];
-        const float* qh = mixed + t * channels + key_head * dk;
-        const float* kh = mixed + t * channels + (hk + key_head) * dk;
-        const float* vh = mixed + t * channels + 2 * hk * dk + h * dv;
-        const float beta = sigmoid(b);
-        const float decay = std::exp(decay_rate * softplus(a + dt_bias));
-        std::fill(remembered.begin(), remembered.end(), 0.0f);
-        for (int64_t i = 0; i < dk; ++i) {
-            float* Si = S + i * dv;
-            for (int64_t j = 0; j < dv; ++j) {
-                Si[j] *= decay;
-                remembered[static_cast<size_t>(j)] += kh[i] * Si[j];
-            }
+        const float* b_a = proj + t * width + channels + hv * dv;  // b then a, one per value head
+        beta[static_cast<size_t>(t)] = 1.0f / (1.0f + std::exp(-b_a[h]));
+        g[static_cast<size_t>(t)] = decay_rate * softplus(b_a[hv + h] + dt_bias);
+    }
+    const kernels::GatedDeltaKernels k = kernels::gated_delta_kernels();
+    float* S = state + s.conv_floats() + h * dk * dv;
+    const int64_t chunked_end = std::min(run.start + n, run.chunked_end);
+    auto capture = run.captures.begin();
+    for (int64_t t = 0; t < n;) {
+        const int64_t at = run.start + t;
+        const bool capture_inside = capture != run.captures.end() && capture->tokens < t + kDeltaChunk;
+        const int64_t c = at % kDeltaChunk == 0 && at + kDeltaChunk <= chunked_end && !capture_inside ? kDeltaChunk : 1;
+        const DeltaInputs in{mixed + t * channels + key_head * dk, mixed + t * channels + (hk + key_head) * dk,
+                             channels, mixed + t * channels + 2 * hk * dk + h * dv, channels, &g[static_cast<size_t>(t)],
+                             &beta[static_cast<size_t>(t)], dk, dv};
+        k.delta_rule(in, c, S, out + t * hv * dv + h * dv, hv * dv);
+        t += c;
+        for (; capture != run.captures.end() && capture->tokens == t; ++capture) {
+            std::copy_n(S, dk * dv, capture->layer_state + s.conv_floats() + h * dk * dv);
         }
-        for (int64_t j = 0; j < dv; ++j) {
-            remembered[static_cast<size_t>(j)] = (vh[j] - remembered[static_cast<size_t>(j)]) * beta;
-        }
-        float* oh = out + t * hv * dv + h * dv;
-        std::fill(oh, oh + dv, 0.0f);
-        for (int64_t i = 0; i < dk; ++i) {
-            float* Si = S + i * dv;
-            for (int64_t j = 0; j < dv; ++j) {
-                Si[j] += kh[i] * remembered[static_cast<size_t>(j)];
-                oh[j] += qh[i] * Si[j];
-            }
-        }
-        // The gated RMSNorm: norm(o) * w * silu(z), per value head.
-        float sum = 0.0f;
-        for (int64_t j = 0; j < dv; ++j) sum += oh[j] * oh[j];
-        const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(dv) + eps);
-        for (int64_t j = 0; j < dv; ++j) oh[j] = oh[j] * inverse * w.norm[static_cast<size_t>(j)] * silu(zh[j]);
+    }
+    // The gated RMSNorm: norm(o) * w * silu(z), per value head.
+    std::vector<float> gate(static_cast<size_t>(dv));
+    for (int64_t t = 0; t < n; ++t) {
+        float* o = out + t * hv * dv + h * dv;
+        const float inverse = 1.0f / std::sqrt(k.dot(o, o, dv) / static_cast<float>(dv) + eps);
+        for (int64_t j = 0; j < dv; ++j) o[j] *= inverse * w.norm[static_cast<size_t>(j)];
+        std::copy_n(proj + t * width + channels + h * dv, dv, gate.begin());
+        silu_mul(gate.data(), o, dv);
+        std::copy(gate.begin(), gate.end(), o);
     }
 }
 

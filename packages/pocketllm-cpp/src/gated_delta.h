@@ -1,6 +1,6 @@
 // Gated DeltaNet (Qwen3.5's linear attention) after its input projection: the depthwise causal convolution with
 // its state, L2-normalised q/k, the gated delta rule on a float32 state, and the gated RMSNorm. Private to the
-// library; qwen3_5_model.cpp calls it per slice.
+// library; qwen3_5_model.cpp calls it per slice, delta_rule.h holds the per-ISA kernels.
 #pragma once
 
 #include <cstdint>
@@ -20,28 +20,47 @@ struct GatedDeltaShape {
     int64_t state_floats() const { return conv_floats() + recurrent_floats(); }
 };
 
+// A layer's weights besides its projections, as the checkpoint has them.
 struct GatedDeltaWeights {
-    std::vector<float> conv;     // [channels, kernel]
-    std::vector<float> decay;    // -exp(A_log) [Hv]
-    std::vector<float> dt_bias;  // [Hv]
-    std::vector<float> norm;     // [v_dim]: the gated RMSNorm's weight
+    const std::vector<float>& conv;     // [channels, kernel]
+    const std::vector<float>& decay;    // -exp(A_log) [Hv]
+    const std::vector<float>& dt_bias;  // [Hv]
+    const std::vector<float>& norm;     // [v_dim]: the gated RMSNorm's weight
 };
 
 // Throws std::invalid_argument when the sizes do not fit the shape (or Hv is not a multiple of Hk).
 void validate(const GatedDeltaShape& s, const GatedDeltaWeights& w);
 
+// The conv1d weight [channels, kernel] as the convolution reads it: tap-major [kernel, channels].
+std::vector<float> conv_taps(const GatedDeltaShape& s, const std::vector<float>& conv);
+
+// Where one sequence's tokens in a call sit: token 0 at position `start`. The delta rule runs a chunk of
+// kDeltaChunk tokens at once where the chunk starts at a multiple of kDeltaChunk and ends inside both the call and
+// `chunked_end` (the prompt's end), and other tokens one at a time. A token's bits then depend on its sequence
+// alone when calls end on multiples of kDeltaChunk inside the prompt (the scheduler's chunk_alignment): tokens
+// past the prompt run one at a time in a prompt chunk (a sequence recomputed after preemption) as in decode.
+// A copy of the state after the call's first `tokens` tokens, into `layer_state` (this layer's state_floats: the
+// head writes its part of the recurrent state).
+struct DeltaCapture {
+    int64_t tokens;
+    float* layer_state;
+};
+struct DeltaRun {
+    int64_t start, chunked_end;
+    const std::vector<DeltaCapture>& captures;  // in token order; no chunk runs across one
+};
+
 // The two passes over one sequence's n tokens, proj [n, proj_size] (rows q k v | z | b | a) -> out
-// [n, Hv * v_dim] before out_proj; `state` is state_floats: the conv's previous kernel-1 inputs per channel
-// [channels, kernel-1], then the recurrent state [Hv, k_dim, v_dim]. The exact recurrent form, token by token, so
-// a token's bits depend on its sequence alone.
+// [n, Hv * v_dim] before out_proj; `state` is state_floats: the conv's previous kernel-1 inputs [kernel-1,
+// channels], oldest first, then the recurrent state [Hv, k_dim, v_dim].
 //
 // First the convolution with SiLU over every token (the conv state moves on to the last kernel-1 inputs), q and k
-// L2-normalised, q scaled by k_dim^-0.5: mixed [n, channels].
-void gated_delta_conv(const GatedDeltaShape& s, const GatedDeltaWeights& w, const float* proj, int64_t n, float* state,
-                      float* mixed);
+// L2-normalised, q scaled by k_dim^-0.5: mixed [n, channels]. `taps` from conv_taps.
+void gated_delta_conv(const GatedDeltaShape& s, const std::vector<float>& taps, const float* proj, int64_t n,
+                      float* state, float* mixed);
 // Then value head h on its own (heads run in parallel): the delta rule on its [k_dim, v_dim] state and the gated
 // RMSNorm norm(o) * w * silu(z), into out's head h columns.
 void gated_delta_head(const GatedDeltaShape& s, const GatedDeltaWeights& w, float eps, const float* proj,
-                      const float* mixed, int64_t n, int64_t h, float* state, float* out);
+                      const float* mixed, int64_t n, int64_t h, const DeltaRun& run, float* state, float* out);
 
 }  // namespace pocketllm

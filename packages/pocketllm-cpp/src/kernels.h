@@ -52,6 +52,8 @@ float exp_shifted(float* x, int64_t n, float shift);
 
 // gate[i] = silu(gate[i]) * up[i] (SwiGLU) with the current ISA's vector exp.
 void silu_mul(float* gate, const float* up, int64_t n);
+// x[i] = silu(x[i]).
+void silu(float* x, int64_t n);
 
 namespace kernels {
 // Rows [row_begin, row_end) of W against every row of x: y[r * y_stride + row]. `act` is x quantized (read for
@@ -67,6 +69,8 @@ void gemm_exact(const WeightView&, int64_t, int64_t, const QuantizedRows&, const
 void quantize_row_scalar(const float* x, int64_t cols, int8_t* qs, float* d, float* s);
 void silu_mul_scalar(float* gate, const float* up, int64_t n);
 void silu_mul_avx2(float* gate, const float* up, int64_t n);
+void silu_scalar(float* x, int64_t n);
+void silu_avx2(float* x, int64_t n);
 void quantize_row_avx2(const float* x, int64_t cols, int8_t* qs, float* d, float* s);
 void quantize_row_neon(const float* x, int64_t cols, int8_t* qs, float* d, float* s);
 

@@ -147,15 +147,26 @@ float exp_shifted(float* x, int64_t count, float shift) {
 
 }  // namespace
 
+namespace {
+inline __m256 silu8(__m256 g) {
+    const __m256 sigmoid = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                                         _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    return _mm256_mul_ps(g, sigmoid);
+}
+}  // namespace
+
 void silu_mul_avx2(float* gate, const float* up, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 sigmoid = _mm256_div_ps(_mm256_set1_ps(1.0f),
-                                             _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-        _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+        _mm256_storeu_ps(gate + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(gate + i)), _mm256_loadu_ps(up + i)));
     }
     silu_mul_scalar(gate + i, up + i, n - i);
+}
+
+void silu_avx2(float* x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, silu8(_mm256_loadu_ps(x + i)));
+    silu_scalar(x + i, n - i);
 }
 
 Attention attention_avx2(KvType kv) {

@@ -51,6 +51,10 @@ void silu_mul_scalar(float* gate, const float* up, int64_t n) {
     for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
+void silu_scalar(float* x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] / (1.0f + std::exp(-x[i]));
+}
+
 void gemm_scalar(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, const float* x,
                  int64_t n, float* y, int64_t y_stride) {
     const size_t stride = row_bytes(w.type, w.cols);

@@ -57,8 +57,8 @@ void LlamaModel::reset_profile() {
 }
 
 std::vector<float> LlamaModel::forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
-                                  std::vector<float>* pooled) {
-    check(tokens, slices);
+                                  std::vector<float>* pooled, const std::vector<StateCapture>* captures) {
+    check(tokens, slices, captures);  // no state: any capture is refused
     Stopwatch total(profile_.forward);
     const LlamaConfig& c = config_;
     const int64_t n = static_cast<int64_t>(tokens.size()), hidden = c.hidden_size, half = c.head_dim / 2;

@@ -189,6 +189,13 @@ void silu_mul(float* gate, const float* up, int64_t n) {
     kernels::silu_mul_scalar(gate, up, n);
 }
 
+void silu(float* x, int64_t n) {
+#ifdef POCKETLLM_HAVE_X86
+    if (current_isa() != Isa::Scalar) return kernels::silu_avx2(x, n);
+#endif
+    kernels::silu_scalar(x, n);
+}
+
 void dequantize(const WeightView& w, float* out) {
     for (int64_t row = 0; row < w.rows; ++row) dequantize_row(w, row, out + row * w.cols);
 }

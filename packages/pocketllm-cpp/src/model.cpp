@@ -9,7 +9,14 @@ void Model::save_state(int32_t, float*) const { throw std::logic_error("this mod
 
 void Model::load_state(int32_t, const float*) { throw std::logic_error("this model keeps no state"); }
 
-void Model::check(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices) const {
+void Model::check(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
+                  const std::vector<StateCapture>* captures) const {
+    for (const StateCapture& c : captures ? *captures : std::vector<StateCapture>{}) {
+        if (num_state_slots() == 0 || c.out == nullptr || c.slice >= slices.size() || c.tokens <= 0 ||
+            c.tokens >= slices[c.slice].num_tokens) {
+            throw std::invalid_argument("a state capture needs a model with state, a slice and 0 < tokens < its tokens");
+        }
+    }
     int64_t total = 0;
     for (const auto& s : slices) {
         if (s.start < 0 || s.num_tokens <= 0) throw std::invalid_argument("a slice needs a start >= 0 and tokens");

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "delta_rule.h"
 #include "gated_delta.h"
 #include "layer_math.h"
 #include "moe.h"
@@ -74,6 +75,7 @@ Qwen3_5Model::Qwen3_5Model(Qwen3_5Config config, WeightView embedding, std::vect
         expect_size(L.input_norm, hidden, at + "input_norm");
         expect_size(L.post_attention_norm, hidden, at + "post_attention_norm");
         if (L.kind == LayerKind::FullAttention) {
+            conv_taps_.emplace_back();
             expect_shape(L.q, 2 * c.num_heads * c.head_dim, hidden, at + "q_proj");
             expect_shape(L.k, c.num_kv_heads * c.head_dim, hidden, at + "k_proj");
             expect_shape(L.v, c.num_kv_heads * c.head_dim, hidden, at + "v_proj");
@@ -83,6 +85,7 @@ Qwen3_5Model::Qwen3_5Model(Qwen3_5Config config, WeightView embedding, std::vect
             ++attention_layers;
         } else {
             validate(shape, {L.conv, L.decay, L.dt_bias, L.norm});
+            conv_taps_.push_back(conv_taps(shape, L.conv));
             const int64_t hv = c.linear_num_v_heads, dv = c.linear_v_dim;
             expect_shape(L.qkv, shape.channels(), hidden, at + "in_proj_qkv");
             expect_shape(L.z, hv * dv, hidden, at + "in_proj_z");
@@ -125,6 +128,8 @@ void Qwen3_5Model::load_state(int32_t slot, const float* in) {
     std::copy_n(in, slot_floats_, &states_[static_cast<size_t>(slot) * static_cast<size_t>(slot_floats_)]);
 }
 
+int64_t Qwen3_5Model::chunk_alignment() const { return kDeltaChunk; }
+
 void Qwen3_5Model::add_profile(Profile& into) const {
     into.forward += profile_.forward;
     into.matmul += profile_.matmul;
@@ -141,8 +146,9 @@ void Qwen3_5Model::reset_profile() {
 }
 
 std::vector<float> Qwen3_5Model::forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
-                                         std::vector<float>* pooled) {
-    check(tokens, slices);
+                                         std::vector<float>* pooled, const std::vector<StateCapture>* captures) {
+    check(tokens, slices, captures);
+    const std::vector<StateCapture> no_captures;
     Stopwatch total(profile_.forward);
     const Qwen3_5Config& c = config_;
     const int64_t n = static_cast<int64_t>(tokens.size()), hidden = c.hidden_size, half = c.rotary_dim / 2;
@@ -187,7 +193,7 @@ std::vector<float> Qwen3_5Model::forward(const std::vector<int32_t>& tokens, con
         if (L.kind == LayerKind::FullAttention) {
             attention_layer(l, attention++, batch, slices);
         } else {
-            linear_layer(l, offset, batch, slices);
+            linear_layer(l, offset, batch, slices, captures ? *captures : no_captures);
             offset += linear_state;
         }
         for_rows(pool_, n, [&](int64_t begin, int64_t end) {
@@ -252,7 +258,8 @@ void Qwen3_5Model::attention_layer(int64_t l, int64_t index, Batch& batch, const
     matmul(L.o, batch.attn.data(), n, batch.out.data(), pool_, c.exact_activations);
 }
 
-void Qwen3_5Model::linear_layer(int64_t l, int64_t offset, Batch& batch, const std::vector<SequenceSlice>& slices) {
+void Qwen3_5Model::linear_layer(int64_t l, int64_t offset, Batch& batch, const std::vector<SequenceSlice>& slices,
+                                const std::vector<StateCapture>& captures) {
     const Qwen3_5Config& c = config_;
     const Qwen3_5Layer& L = layers_[static_cast<size_t>(l)];
     const GatedDeltaShape shape = delta_shape(c);
@@ -288,20 +295,48 @@ void Qwen3_5Model::linear_layer(int64_t l, int64_t offset, Batch& batch, const s
                                 static_cast<size_t>(slot_floats_) + static_cast<size_t>(offset)];
         };
         const int64_t num_slices = static_cast<int64_t>(slices.size());
+        const std::vector<float>& taps = conv_taps_[static_cast<size_t>(l)];
+        const std::vector<std::vector<DeltaCapture>> captured = conv_captures(offset, batch, slices, captures);
         pool_.parallel_each(num_slices, [&](int64_t s) {
             const int64_t first = batch.first[static_cast<size_t>(s)];
-            gated_delta_conv(shape, weights, &batch.proj[first * width], slices[static_cast<size_t>(s)].num_tokens,
+            gated_delta_conv(shape, taps, &batch.proj[first * width], slices[static_cast<size_t>(s)].num_tokens,
                              state(s), &batch.attn[first * channels]);
         });
         pool_.parallel_each(num_slices * hv, [&](int64_t job) {
             const int64_t s = job / hv, first = batch.first[static_cast<size_t>(s)];
+            const SequenceSlice& slice = slices[static_cast<size_t>(s)];
+            const DeltaRun run{slice.start, slice.prompt_end < 0 ? slice.start + slice.num_tokens : slice.prompt_end,
+                               captured[static_cast<size_t>(s)]};
             gated_delta_head(shape, weights, c.rms_norm_eps, &batch.proj[first * width], &batch.attn[first * channels],
-                             slices[static_cast<size_t>(s)].num_tokens, job % hv, state(s),
-                             &batch.mixed[first * hv * dv]);
+                             slice.num_tokens, job % hv, run, state(s), &batch.mixed[first * hv * dv]);
         });
     }
     Stopwatch timed(profile_.matmul);
     matmul(L.out, batch.mixed.data(), n, batch.out.data(), pool_, c.exact_activations);
+}
+
+std::vector<std::vector<DeltaCapture>> Qwen3_5Model::conv_captures(int64_t offset, const Batch& batch,
+                                                                    const std::vector<SequenceSlice>& slices,
+                                                                    const std::vector<StateCapture>& captures) {
+    const GatedDeltaShape shape = delta_shape(config_);
+    const int64_t channels = shape.channels(), width = shape.proj_size(), kernel = shape.kernel;
+    std::vector<std::vector<DeltaCapture>> captured(slices.size());
+    for (const StateCapture& capture : captures) {
+        float* layer = capture.out + offset;
+        captured[capture.slice].push_back({capture.tokens, layer});
+        const float* kept = &states_[static_cast<size_t>(slices[capture.slice].state_slot) *
+                                         static_cast<size_t>(slot_floats_) + static_cast<size_t>(offset)];
+        for (int64_t r = 0; r < kernel - 1; ++r) {
+            const int64_t at = capture.tokens - (kernel - 1) + r;  // an input of the slice, or one the state kept
+            const float* input = at < 0 ? kept + (kernel - 1 + at) * channels
+                                        : &batch.proj[(batch.first[capture.slice] + at) * width];
+            std::copy_n(input, channels, layer + r * channels);
+        }
+    }
+    for (auto& list : captured) {
+        std::sort(list.begin(), list.end(), [](const DeltaCapture& a, const DeltaCapture& b) { return a.tokens < b.tokens; });
+    }
+    return captured;
 }
 
 void Qwen3_5Model::feed_forward(int64_t l, Batch& batch) {

@@ -1,6 +1,7 @@
 #include "pocketllm_cpp/scheduler.h"
 
 #include <algorithm>
+#include <numeric>
 #include <stdexcept>
 
 namespace pocketllm {
@@ -36,6 +37,7 @@ ScheduledBatch Scheduler::schedule() {
         if (std::find(running_.begin(), running_.end(), seq) == running_.end()) continue;  // preempted just now
         const int64_t n = chunk(*seq, seq->computed,
                                 std::min({seq->size() - seq->computed, config_.prefill_chunk_size, budget}));
+        if (n == 0) continue;
         if (reserve(seq, seq->computed + n, batch.seqs)) {
             batch.seqs.push_back(seq);
             batch.counts.push_back(n);
@@ -52,16 +54,45 @@ ScheduledBatch Scheduler::schedule() {
         batch.counts.push_back(n);
         budget -= n;
     }
+    if (snapshot_) plan_captures(batch);
     return batch;
 }
 
+void Scheduler::plan_captures(ScheduledBatch& batch) {
+    const int64_t size = model_.block_size(), every = std::lcm(size, kCaptureEvery);
+    struct Point {
+        size_t slice;
+        int64_t at;
+    };
+    std::vector<Point> points;
+    for (size_t i = 0; i < batch.seqs.size(); ++i) {
+        const Sequence& seq = *batch.seqs[i];
+        const int64_t end = std::min(seq.computed + batch.counts[i], static_cast<int64_t>(seq.num_prompt) + 1);
+        for (int64_t at = (seq.computed / every + 1) * every; at < end; at += every) points.push_back({i, at});
+    }
+    std::sort(points.begin(), points.end(), [](const Point& a, const Point& b) { return a.at > b.at; });
+    for (const Point& point : points) {
+        if (static_cast<int64_t>(batch.captures.size()) + 1 >= snapshots_.capacity()) break;
+        const Sequence& seq = *batch.seqs[point.slice];
+        if (float* out = snapshots_.slot_for(blocks_.prefix_hash(seq.tokens, seq.chain, point.at / size))) {
+            batch.captures.push_back({point.slice, point.at - seq.computed, out});
+        }
+    }
+}
+
 int64_t Scheduler::chunk(const Sequence& seq, int64_t start, int64_t n) const {
-    if (!snapshot_) return n;
-    const int64_t size = model_.block_size();
-    const int64_t last_boundary = (static_cast<int64_t>(seq.num_prompt) - 1) / size * size;
-    if (start < last_boundary && last_boundary < start + n) return last_boundary - start;
-    const int64_t end = (start + n) / size * size;
-    return start + n < seq.size() && end > start ? end - start : n;
+    const int64_t end = start + n, size = model_.block_size();
+    if (snapshot_) {
+        const int64_t last_boundary = (static_cast<int64_t>(seq.num_prompt) - 1) / size * size;
+        if (start < last_boundary && last_boundary < end) return last_boundary - start;
+    }
+    if (end == seq.size()) return n;
+    const int64_t align = snapshot_ ? std::lcm(size, model_.chunk_alignment()) : model_.chunk_alignment();
+    const int64_t aligned = end / align * align;
+    if (aligned > start) return aligned - start;
+    // Nothing aligned fits: a step's most (a prefill chunk size or budget below the alignment) is the user's
+    // choice, but a budget that other sequences used up waits for the next step rather than change the split.
+    return n >= std::min(config_.prefill_chunk_size, config_.max_num_batched_tokens) ? n : 0;
 }
 
 bool Scheduler::reserve(const SeqPtr& seq, int64_t tokens, const std::vector<SeqPtr>& scheduled) {
@@ -95,6 +126,7 @@ bool Scheduler::admit(const SeqPtr& seq, int64_t budget, int64_t& count) {
     while (stateful_ && !cached.empty() && !snapshots_.contains(blocks_.hash(cached.back()))) cached.pop_back();
     const int64_t start = static_cast<int64_t>(cached.size()) * model_.block_size();
     count = chunk(*seq, start, std::min({seq->size() - start, config_.prefill_chunk_size, budget}));
+    if (count == 0) return false;
     const int64_t fresh = (start + count + model_.block_size() - 1) / model_.block_size() -
                           static_cast<int64_t>(cached.size());
     if (fresh + blocks_.idle_among(cached) > blocks_.num_free()) return false;

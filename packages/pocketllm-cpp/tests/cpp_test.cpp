@@ -43,14 +43,18 @@ public:
     void save_state(int32_t slot, float* out) const override { *out = state_[static_cast<size_t>(slot)]; }
     void load_state(int32_t slot, const float* in) override { state_[static_cast<size_t>(slot)] = *in; }
     std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
-                               std::vector<float>*) override {
-        check(tokens, slices);
+                               std::vector<float>*, const std::vector<StateCapture>* captures) override {
+        check(tokens, slices, captures);
         std::vector<float> logits;
         size_t t = 0;
-        for (const SequenceSlice& s : slices) {
+        for (size_t index = 0; index < slices.size(); ++index) {
+            const SequenceSlice& s = slices[index];
             float& h = state_[static_cast<size_t>(s.state_slot)];
             if (s.start == 0) h = 0.0f;
             for (int64_t i = 0; i < s.num_tokens; ++i, ++t) {
+                for (const StateCapture& c : captures ? *captures : std::vector<StateCapture>{}) {
+                    if (c.slice == index && c.tokens == i) *c.out = h;
+                }
                 h = std::fmod(h * 31.0f + static_cast<float>(tokens[t]) + 1.0f, static_cast<float>(kVocab));
                 if (i >= s.num_tokens - s.num_logits) {
                     for (int64_t v = 0; v < kVocab; ++v) logits.push_back(v == static_cast<int64_t>(h) ? 1.0f : 0.0f);
@@ -118,6 +122,22 @@ static void state_slot_tests() {
         CHECK(run_hashed(engine, {{"d", prompts.at("d")}})["d"] == alone["d"]);
         const EngineStats stats = engine.stats();
         CHECK(stats.state_snapshot_hits == 1 && stats.prefix_hits > 0);
+    }
+    // Snapshots inside a prompt chunk: a 150-token prompt in one chunk leaves its states at 64 and 128 (captured
+    // inside the pass) and at 148 (its last boundary, where the chunk is cut); a request sharing its first 100
+    // tokens resumes from the one at 64, with the tokens it gets cold.
+    {
+        std::vector<int32_t> long_prompt, sharing;
+        for (int32_t i = 0; i < 150; ++i) long_prompt.push_back((i * 13 + 5) % 90);
+        sharing.assign(long_prompt.begin(), long_prompt.begin() + 100);
+        sharing.push_back(1);
+        Engine cold(std::make_shared<HashStateModel>(1, 64), SchedulerConfig{1, 256, 256, 1});
+        const std::vector<int32_t> expected = run_hashed(cold, {{"s", sharing}})["s"];
+        Engine engine(std::make_shared<HashStateModel>(1, 64), SchedulerConfig{1, 256, 256, 1, true, 40});
+        run_hashed(engine, {{"l", long_prompt}});
+        CHECK(engine.stats().state_snapshots == 3);
+        CHECK(run_hashed(engine, {{"s", sharing}})["s"] == expected);
+        CHECK(engine.stats().state_snapshot_hits == 1);
     }
     // Aborted and failed requests give their slot back: one slot serves request after request.
     {

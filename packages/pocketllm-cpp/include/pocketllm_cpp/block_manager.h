@@ -43,6 +43,9 @@ public:
     void register_full(const std::vector<int32_t>& tokens, int64_t computed, const std::vector<int32_t>& blocks,
                        Chain& chain);
 
+    // The hash register_full will give the prefix tokens[0, blocks * block_size), continuing `chain` (blocks >=
+    // chain.blocks): where a snapshot of the state there is filed before the step that reaches it.
+    uint64_t prefix_hash(const std::vector<int32_t>& tokens, Chain chain, int64_t blocks) const;
     // The prefix hash of a block that match() returned (its chain's hash where it ends).
     uint64_t hash(int32_t block) const { return blocks_[static_cast<size_t>(block)].hash; }
 

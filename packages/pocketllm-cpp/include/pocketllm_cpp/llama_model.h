@@ -40,7 +40,8 @@ public:
     const LlamaConfig& config() const { return config_; }
 
     std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
-                               std::vector<float>* pooled = nullptr) override;
+                               std::vector<float>* pooled = nullptr,
+                               const std::vector<StateCapture>* captures = nullptr) override;
     void add_profile(Profile& into) const override;
     void reset_profile() override;
 

@@ -23,6 +23,18 @@ struct SequenceSlice {
     // Its request's state slot, for models with layers that keep a fixed-size state (see num_state_slots); the
     // slot holds the state after `start` tokens, and a slice that starts at 0 starts from a zero state.
     int32_t state_slot = -1;
+    // Its prompt's length, for state layers with a chunked form (-1: the slice's end): tokens past the prompt run
+    // one at a time, as decode ran them, so that a sequence recomputed after preemption keeps its bits.
+    int64_t prompt_end = -1;
+};
+
+// A copy of one slice's whole state (state_bytes / 4 floats) into `out`, taken inside a forward pass after the
+// slice's first `tokens` new tokens (0 < tokens < num_tokens): prefix caching's snapshots at the block boundaries
+// that a prompt chunk passes.
+struct StateCapture {
+    size_t slice;
+    int64_t tokens;
+    float* out;
 };
 
 class Model {
@@ -44,21 +56,28 @@ public:
     // Copies slot's whole state (state_bytes() / 4 floats) out, or in; std::logic_error for a model without one.
     virtual void save_state(int32_t slot, float* out) const;
     virtual void load_state(int32_t slot, const float* in);
+    // Prompt slices that end on a multiple of this (or at the sequence's end) give each token the same bits however
+    // the prompt is split: a state layer's chunk of tokens computed at once. 1 when any split does.
+    virtual int64_t chunk_alignment() const { return 1; }
 
     // Runs every slice's new tokens (in slice order in `tokens`) through the model, writing their keys and
     // values to the cache; returns the logits [sum of num_logits, vocab]: each slice's last num_logits tokens, in order.
     // With `pooled`, appends [slices that pool, hidden] to it: the sum of the slice's final hidden states (Mean),
     // its first one (Cls; zeros unless the slice starts at 0) or its last one (Last).
-    // Throws std::invalid_argument for ids, positions, blocks or slots out of range, before touching a cache.
+    // With `captures` (models with state slots), copies states out inside the pass.
+    // Throws std::invalid_argument for ids, positions, blocks, slots or captures out of range, before touching a cache.
     virtual std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
-                                       std::vector<float>* pooled = nullptr) = 0;
+                                       std::vector<float>* pooled = nullptr,
+                                       const std::vector<StateCapture>* captures = nullptr) = 0;
     // Adds forward's share of the time (forward, matmul, lm_head, attention, wait, regions) to `into`.
     virtual void add_profile(Profile& into) const = 0;
     virtual void reset_profile() = 0;
 
 protected:
-    // The checks every model makes before a forward pass: token ids, slice sizes, block tables and state slots.
-    void check(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices) const;
+    // The checks every model makes before a forward pass: token ids, slice sizes, block tables, state slots and
+    // captures.
+    void check(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
+               const std::vector<StateCapture>* captures = nullptr) const;
 
 private:
     int64_t vocab_size_, hidden_size_, num_blocks_, block_size_;

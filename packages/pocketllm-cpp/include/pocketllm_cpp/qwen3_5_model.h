@@ -26,7 +26,8 @@ struct Qwen3_5Config {
     KvType kv_type = KvType::F16;
 };
 
-struct MoeWeights;  // moe.h
+struct MoeWeights;    // moe.h
+struct DeltaCapture;  // gated_delta.h
 
 // What a layer keeps per request: KV in the paged cache, or a fixed-size state in a slot.
 enum class LayerKind { FullAttention, LinearAttention };
@@ -62,9 +63,11 @@ public:
     int64_t state_bytes() const override { return slot_floats_ * 4; }
     void save_state(int32_t slot, float* out) const override;
     void load_state(int32_t slot, const float* in) override;
+    int64_t chunk_alignment() const override;
 
     std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
-                               std::vector<float>* pooled = nullptr) override;
+                               std::vector<float>* pooled = nullptr,
+                               const std::vector<StateCapture>* captures = nullptr) override;
     void add_profile(Profile& into) const override;
     void reset_profile() override;
 
@@ -72,13 +75,20 @@ private:
     struct Batch;
 
     void attention_layer(int64_t layer, int64_t attention_index, Batch& batch, const std::vector<SequenceSlice>& slices);
-    void linear_layer(int64_t layer, int64_t state_offset, Batch& batch, const std::vector<SequenceSlice>& slices);
+    void linear_layer(int64_t layer, int64_t state_offset, Batch& batch, const std::vector<SequenceSlice>& slices,
+                      const std::vector<StateCapture>& captures);
+    // Each slice's captures of the linear layer at `state_offset` in its state, in token order, with the conv
+    // state at each capture point copied out already (before the convolution moves the slot's state on).
+    std::vector<std::vector<DeltaCapture>> conv_captures(int64_t state_offset, const Batch& batch,
+                                                                const std::vector<SequenceSlice>& slices,
+                                                                const std::vector<StateCapture>& captures);
     void feed_forward(int64_t layer, Batch& batch);
 
     Qwen3_5Config config_;
     WeightView embedding_, lm_head_;
     std::vector<Qwen3_5Layer> layers_;
     std::vector<float> final_norm_;
+    std::vector<std::vector<float>> conv_taps_;  // per layer (empty for attention layers): gated_delta.h's conv_taps
     std::unique_ptr<PagedAttention> kv_;  // the attention layers' KV cache
     int64_t num_slots_, slot_floats_ = 0;
     std::vector<float> states_;  // [slots, slot_floats]: per slot each linear layer's conv then recurrent state

@@ -17,6 +17,10 @@
 
 namespace pocketllm {
 
+// Tokens between the snapshots taken inside a prompt chunk (the torch backend's interval): a resumed request
+// recomputes at most this many of a cached prefix, and a long prompt does not fill the snapshot budget alone.
+constexpr int64_t kCaptureEvery = 64;
+
 struct SchedulerConfig {
     int64_t max_num_seqs, max_num_batched_tokens, prefill_chunk_size;
     uint64_t seed;  // of the stream that seeds requests without a seed of their own
@@ -28,6 +32,7 @@ struct SchedulerConfig {
 struct ScheduledBatch {
     std::vector<SeqPtr> seqs;
     std::vector<int64_t> counts;
+    std::vector<StateCapture> captures;  // snapshots the forward pass takes inside prompt chunks
 };
 
 class Scheduler {
@@ -51,9 +56,13 @@ public:
 private:
     bool reserve(const SeqPtr& seq, int64_t tokens, const std::vector<SeqPtr>& scheduled);
     bool admit(const SeqPtr& seq, int64_t budget, int64_t& count);
-    // `n` cut so that a prompt chunk that is not the last ends at a block boundary, never past the prompt's last
-    // full-block boundary: where snapshots are taken (only with them).
+    // `n` cut so that a prompt chunk that is not the last ends on the model's chunk_alignment (so that the split
+    // does not change a token's bits) and, with snapshots, at a block boundary, never past the prompt's last
+    // full-block boundary: where snapshots are taken. 0: nothing aligned fits the budget left.
     int64_t chunk(const Sequence& seq, int64_t start, int64_t n) const;
+    // Snapshots inside the batch's prompt chunks: at every kCaptureEvery-th token on a block boundary, deepest
+    // first, fewer than fit (so that none evicts another of the same step), each filed now and written by the step.
+    void plan_captures(ScheduledBatch& batch);
     void release(Sequence& seq);
     void preempt(const SeqPtr& seq);
 

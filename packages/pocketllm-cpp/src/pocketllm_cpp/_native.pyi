@@ -29,8 +29,9 @@ class SequenceSlice:
     num_logits: int
     pool: Pooling
     state_slot: int
+    prompt_end: int
     def __init__(self, start: int, num_tokens: int, block_table: list[int], num_logits: int = 1, *,
-                 pool: Pooling = ..., state_slot: int = -1) -> None: ...
+                 pool: Pooling = ..., state_slot: int = -1, prompt_end: int = -1) -> None: ...
 
 class Model:
     """A decoder over weights read in place, with its paged KV cache and state slots (llama_model, qwen3_5_model)."""

@@ -1,0 +1,204 @@
+// The one implementation of delta_rule.h's kernels, included by delta_rule_<isa>.cpp after it defines
+// PLLM_GATED_DELTA (the name of its table function). Written with GCC/Clang vector extensions, 8 floats a vector,
+// which each file's flags lower to that ISA's registers: two SSE registers on baseline x86-64, one AVX register
+// with AVX2, two NEON registers on AArch64. Columns of the state are independent, so every loop runs over blocks of
+// columns, with a scalar tail for sizes that are not a multiple of 8.
+#include <cmath>
+#include <cstring>
+
+#include "delta_rule.h"
+
+namespace pocketllm::kernels {
+namespace {
+
+using v8 = float __attribute__((vector_size(32)));
+
+template <class V>
+constexpr int64_t kLanes = static_cast<int64_t>(sizeof(V) / sizeof(float));
+
+template <class V>
+inline V load(const float* p) {
+    V v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+template <class V>
+inline void store(float* p, const V& v) {
+    std::memcpy(p, &v, sizeof v);
+}
+inline float splat_of(float x, float*) { return x; }
+inline v8 splat_of(float x, v8*) { return v8{x, x, x, x, x, x, x, x}; }  // one vbroadcastss
+template <class V>
+inline V splat(float x) {
+    return splat_of(x, static_cast<V*>(nullptr));
+}
+
+// Values below kTiny in magnitude become zero: a decaying state passes through the subnormal range, where every
+// operation on it takes a microcode assist (a tenth of the speed, and more); a term that small next to the O(1)
+// terms the state holds changes nothing.
+constexpr float kTiny = 1e-30f;
+constexpr float kTinyLog = -69.0f;  // exp(kTinyLog) < kTiny
+
+inline float flush(float x) { return std::fabs(x) > kTiny ? x : 0.0f; }
+inline v8 flush(v8 x) {
+    using v8i = int32_t __attribute__((vector_size(32)));
+    const v8i keep = (x > splat<v8>(kTiny)) | (x < splat<v8>(-kTiny));
+    v8i bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    bits &= keep;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+}
+// exp(x) for x <= 0, zero where it would be below kTiny.
+inline float decay_of(float x) { return x > kTinyLog ? std::exp(x) : 0.0f; }
+
+float dot(const float* a, const float* b, int64_t n) {
+    v8 acc{};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc += load<v8>(a + i) * load<v8>(b + i);
+    float sum = 0.0f;
+    for (int l = 0; l < 8; ++l) sum += acc[l];
+    for (; i < n; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
+// What a chunk's tokens share, for every block of columns: the decays from the chunk's start (G, the cumulative log
+// decay), and the pairwise terms of the forward substitution.
+struct Coefficients {
+    float decay[kDeltaChunk];   // exp(G_t): S_0's share in token t
+    float tail[kDeltaChunk];    // exp(G_last - G_t): token t's share in the chunk's final state
+    float last;                 // exp(G_last)
+    float beta[kDeltaChunk];
+    float keys[kDeltaChunk][kDeltaChunk];     // s < t: beta_t exp(G_t - G_s) k_t . k_s
+    float queries[kDeltaChunk][kDeltaChunk];  // s <= t: exp(G_t - G_s) q_t . k_s
+};
+
+void coefficients(const DeltaInputs& in, int64_t c, Coefficients& co) {
+    float G[kDeltaChunk] = {};
+    float running = 0.0f;
+    for (int64_t t = 0; t < c; ++t) G[t] = running += in.g[t];
+    co.last = decay_of(G[c - 1]);
+    for (int64_t t = 0; t < c; ++t) {
+        co.decay[t] = decay_of(G[t]);
+        co.tail[t] = decay_of(G[c - 1] - G[t]);
+        co.beta[t] = in.beta[t];
+        const float* q = in.q + t * in.qk_stride;
+        const float* k = in.k + t * in.qk_stride;
+        for (int64_t s = 0; s <= t; ++s) {
+            const float* ks = in.k + s * in.qk_stride;
+            const float between = decay_of(G[t] - G[s]);
+            co.queries[t][s] = between * dot(q, ks, in.dk);
+            if (s < t) co.keys[t][s] = in.beta[t] * between * dot(k, ks, in.dk);
+        }
+    }
+}
+
+// Columns [j, j + B * lanes) of the chunk. With S_0 the state before it, token t's correction
+//   u_t = beta_t (v_t - exp(G_t) S_0^T k_t) - sum_{s<t} keys[t][s] u_s
+// (the recurrence's new value, as every earlier token of the chunk changed the state), its output
+//   o_t = exp(G_t) S_0^T q_t + sum_{s<=t} queries[t][s] u_s
+// and the final state exp(G_last) S_0 + sum_t tail_t k_t u_t^T.
+template <class V, int B>
+void columns(const DeltaInputs& in, int64_t c, const Coefficients& co, float* S, int64_t j, float* out,
+             int64_t out_stride) {
+    constexpr int64_t L = kLanes<V>;
+    V u[kDeltaChunk][B];
+    for (int64_t t = 0; t < c; ++t) {
+        const float* q = in.q + t * in.qk_stride;
+        const float* k = in.k + t * in.qk_stride;
+        V remembered[B] = {}, read[B] = {};  // S_0^T k_t, S_0^T q_t
+        for (int64_t i = 0; i < in.dk; ++i) {
+            const float* row = S + i * in.dv + j;
+            const V ki = splat<V>(k[i]), qi = splat<V>(q[i]);
+            for (int b = 0; b < B; ++b) {
+                const V s = load<V>(row + b * L);
+                remembered[b] += ki * s;
+                read[b] += qi * s;
+            }
+        }
+        const float* v = in.v + t * in.v_stride + j;
+        float* o_row = out + t * out_stride + j;
+        for (int b = 0; b < B; ++b) {
+            V value = (load<V>(v + b * L) - remembered[b] * co.decay[t]) * co.beta[t];
+            for (int64_t s = 0; s < t; ++s) value -= u[s][b] * co.keys[t][s];
+            u[t][b] = value;
+            V o = read[b] * co.decay[t];
+            for (int64_t s = 0; s <= t; ++s) o += u[s][b] * co.queries[t][s];
+            store(o_row + b * L, o);
+        }
+    }
+    // Two rows of the state at a time: each u_t loaded once for both.
+    int64_t i = 0;
+    for (; i + 2 <= in.dk; i += 2) {
+        float* row = S + i * in.dv + j;
+        V state[2][B];
+        for (int b = 0; b < B; ++b) {
+            state[0][b] = load<V>(row + b * L) * co.last;
+            state[1][b] = load<V>(row + in.dv + b * L) * co.last;
+        }
+        for (int64_t t = 0; t < c; ++t) {
+            const float* k = in.k + t * in.qk_stride + i;
+            const V first = splat<V>(co.tail[t] * k[0]), second = splat<V>(co.tail[t] * k[1]);
+            for (int b = 0; b < B; ++b) {
+                state[0][b] += first * u[t][b];
+                state[1][b] += second * u[t][b];
+            }
+        }
+        for (int b = 0; b < B; ++b) {
+            store(row + b * L, flush(state[0][b]));
+            store(row + in.dv + b * L, flush(state[1][b]));
+        }
+    }
+    for (; i < in.dk; ++i) {
+        float* row = S + i * in.dv + j;
+        V state[B];
+        for (int b = 0; b < B; ++b) state[b] = load<V>(row + b * L) * co.last;
+        for (int64_t t = 0; t < c; ++t) {
+            const V weight = splat<V>(co.tail[t] * in.k[t * in.qk_stride + i]);
+            for (int b = 0; b < B; ++b) state[b] += weight * u[t][b];
+        }
+        for (int b = 0; b < B; ++b) store(row + b * L, flush(state[b]));
+    }
+}
+
+void delta_rule(const DeltaInputs& in, int64_t c, float* S, float* out, int64_t out_stride) {
+    Coefficients co;
+    coefficients(in, c, co);
+    int64_t j = 0;
+    for (; j + 32 <= in.dv; j += 32) columns<v8, 4>(in, c, co, S, j, out, out_stride);
+    for (; j + 8 <= in.dv; j += 8) columns<v8, 1>(in, c, co, S, j, out, out_stride);
+    for (; j < in.dv; ++j) columns<float, 1>(in, c, co, S, j, out, out_stride);
+}
+
+template <class V>
+void conv_columns(const float* taps, int64_t kernel, int64_t channels, const float* x, int64_t x_stride, int64_t t,
+                  const float* kept, int64_t ch, float* out) {
+    V sum{};
+    for (int64_t k = 0; k < kernel; ++k) {
+        const int64_t at = t - kernel + 1 + k;  // the input this tap reads
+        const float* input = at < 0 ? kept + (kernel - 1 + at) * channels : x + at * x_stride;
+        sum += load<V>(taps + k * channels + ch) * load<V>(input + ch);
+    }
+    store(out + ch, sum);
+}
+
+void conv(const float* taps, int64_t kernel, int64_t channels, const float* x, int64_t x_stride, int64_t n,
+          float* kept, float* out, int64_t out_stride) {
+    for (int64_t t = 0; t < n; ++t) {
+        int64_t ch = 0;
+        for (; ch + 8 <= channels; ch += 8) conv_columns<v8>(taps, kernel, channels, x, x_stride, t, kept, ch, out + t * out_stride);
+        for (; ch < channels; ++ch) conv_columns<float>(taps, kernel, channels, x, x_stride, t, kept, ch, out + t * out_stride);
+    }
+    // Kept row r becomes input n - (kernel - 1) + r. Ascending r reads old rows at or after r only: safe in place.
+    for (int64_t r = 0; r < kernel - 1; ++r) {
+        const int64_t at = n - (kernel - 1) + r;
+        const float* input = at < 0 ? kept + (kernel - 1 + at) * channels : x + at * x_stride;
+        std::memmove(kept + r * channels, input, static_cast<size_t>(channels) * sizeof(float));
+    }
+}
+
+}  // namespace
+
+GatedDeltaKernels PLLM_GATED_DELTA() { return {delta_rule, conv, dot}; }
+
+}  // namespace pocketllm::kernels
