@@ -1,5 +1,6 @@
 """Sessions: `tests` (default) installs everything into a fresh venv and runs pytest; `lint`; `serve`; `bench`;
-`sanitize` (pocketllm-cpp's C++ tests under ASan and UBSan).
+`sanitize` (pocketllm-cpp's C++ tests, and its Qwen3.5 Python tests through a sanitized module, under ASan and
+UBSan).
 
 nox logs "uv binary not found." while it looks for uv: harmless, these sessions use venv and pip.
 """
@@ -143,15 +144,34 @@ def install_debian(session: nox.Session, commands: dict[str, str]) -> None:
 
 @nox.session
 def sanitize(session: nox.Session) -> None:
-    """Build pocketllm-cpp's C++ library and test binary with AddressSanitizer and UBSan, and run it."""
-    session.install("cmake", "ninja")
+    """pocketllm-cpp under AddressSanitizer and UBSan: its C++ test binary (scalar and the best ISA), then the Python
+    tests of Qwen3.5's damaged files and model through a sanitized build of its native module."""
+    install_engine(session)
+    session.install("cmake", "ninja", "nanobind", *TEST_DEPS)
     build = f"{session.create_tmp()}/cpp-sanitize"
     flags = "-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
+    python = os.path.join(session.bin, "python")
+    nanobind_dir = session.run("python", "-c", "import nanobind; print(nanobind.cmake_dir())", silent=True).strip()
     session.run("cmake", "-S", CPP, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Debug",
-                f"-DCMAKE_CXX_FLAGS={flags}", f"-DCMAKE_EXE_LINKER_FLAGS={flags}", external=True)
+                *(f"-DCMAKE_{kind}_FLAGS={flags}" for kind in ("CXX", "EXE_LINKER", "SHARED_LINKER")), "-DSKBUILD=2",
+                f"-Dnanobind_DIR={nanobind_dir}", f"-DPython_EXECUTABLE={python}", external=True)
     session.run("cmake", "--build", build, external=True)
     for isa in ("scalar", "auto"):
         session.run(f"{build}/pocketllm_cpp_test", env={"POCKETLLM_CPP_ISA": isa}, external=True)
+    # The installed package with the sanitized module in place of its own, ahead of it on sys.path. The runtimes
+    # load first (an instrumented module needs them before Python's allocations); leaks are not checked: the
+    # interpreter's own allocations at exit would be reported as leaks.
+    overlay = Path(session.create_tmp()) / "sanitized"
+    shutil.rmtree(overlay, ignore_errors=True)
+    installed = session.run("python", "-c", "import os, pocketllm_cpp; print(os.path.dirname(pocketllm_cpp.__file__))",
+                            silent=True).strip()
+    shutil.copytree(installed, overlay / "pocketllm_cpp", ignore=shutil.ignore_patterns("_native*.so"))
+    for module in Path(build).glob("_native*.so"):
+        shutil.copy(module, overlay / "pocketllm_cpp")
+    runtimes = [session.run("g++", f"-print-file-name={name}", silent=True, external=True).strip()
+                for name in ("libasan.so", "libubsan.so")]
+    session.run("pytest", "-p", "no:cacheprovider", "tests/cpp/test_qwen3_5_corpus.py", "tests/cpp/test_qwen3_5.py",
+                env={"LD_PRELOAD": " ".join(runtimes), "ASAN_OPTIONS": "detect_leaks=0", "PYTHONPATH": str(overlay)})
 
 
 @nox.session

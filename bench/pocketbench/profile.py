@@ -4,12 +4,15 @@
 
 Per context length: one prompt of that many tokens, 128 greedy tokens, timed from the first streamed token. The
 engine's own profile (``Engine.profile``: clocks around each phase of every step) splits the step into the
-layers' weight products, the vocabulary projection, attention (norms, RoPE, KV writes and reads), other layer
-work, the caller waiting for worker threads at the end of parallel regions (imbalance and synchronisation),
-sampling and scheduling; what the caller saw beyond the steps is the Python boundary (the core's driver, its
-engine thread and the stream). The bound: bytes a decode step must read (every weight matrix but the embedding
-table, plus the KV of the context) over the machine's read bandwidth, measured here with the same threads.
-Prints a table and writes ``<date>-<machine>-profile.{md,json}``.
+layers' weight products, the vocabulary projection, attention (norms, RoPE, KV writes and reads), the state
+layers' recurrence (Qwen3.5's Gated DeltaNet: conv, delta rule, gated norm), other layer work, the caller waiting
+for worker threads at the end of parallel regions (imbalance and synchronisation), sampling and scheduling; what
+the caller saw beyond the steps is the Python boundary (the core's driver, its engine thread and the stream). The
+bound: bytes a decode step must move (every weight matrix but the embedding table, the KV of the context in the
+attention layers, and a state layer's state read and written) over the machine's read bandwidth, measured here
+with the same threads.
+Prints a table and writes ``<date>-<machine>-profile.{md,json}`` (``-profile-<model file's stem>`` for a model
+other than the default).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pocketllm_cpp.model import num_attention_layers, state_slot_bytes
 
 from pocketbench.machine import describe, machine_name
 from pocketllm import LLM, SamplingParams
@@ -30,7 +34,7 @@ from pocketllm.args import DEFAULT_MODEL
 from pocketllm.checkpoint import load_checkpoint
 
 NEW_TOKENS = 128
-PHASES = ("matmul", "lm_head", "attention", "other", "wait", "sample", "schedule", "python")
+PHASES = ("matmul", "lm_head", "attention", "recurrence", "other", "wait", "sample", "schedule", "python")
 
 
 def read_bandwidth(threads: int, size: int = 256 << 20) -> float:
@@ -71,9 +75,9 @@ def profile(llm: Any, context: int) -> dict[str, float]:
     wall = time.perf_counter() - start
     p = engine.profile()
     steps = p.steps
-    per = {k: getattr(p, k) / steps * 1e3 for k in ("step", "matmul", "lm_head", "attention", "wait", "sample",
-                                                     "schedule")}
-    per["other"] = (p.forward - p.matmul - p.lm_head - p.attention) / steps * 1e3
+    per = {k: getattr(p, k) / steps * 1e3 for k in ("step", "matmul", "lm_head", "attention", "recurrence", "wait",
+                                                     "sample", "schedule")}
+    per["other"] = (p.forward - p.matmul - p.lm_head - p.attention - p.recurrence) / steps * 1e3
     per["python"] = wall / steps * 1e3 - per["step"]
     per["token"] = wall / steps * 1e3
     per["regions"] = p.regions / steps
@@ -90,18 +94,22 @@ def main() -> None:
     llm = LLM(args.model, backend="cpp", backend_options={"num_threads": args.threads})
     config = llm.model_config
     weights = weight_bytes(args.model)
+    checkpoint = load_checkpoint(args.model)
+    # A decode step also reads and writes each state layer's state (Gated DeltaNet), once each.
+    state = 2 * state_slot_bytes(checkpoint)
+    attention_layers = num_attention_layers(checkpoint)
     bandwidth = read_bandwidth(args.threads)
     rows = []
     for context in args.context:
         per = profile(llm, context)
         average = context + NEW_TOKENS // 2
-        kv = average * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2  # float16
-        bound = (weights + kv) / bandwidth * 1e3
-        rows.append({"context": context, "ms": per, "bytes_per_token": weights + kv, "bound_ms": bound})
+        kv = average * attention_layers * 2 * config.num_key_value_heads * config.head_dim * 2  # float16
+        bound = (weights + kv + state) / bandwidth * 1e3
+        rows.append({"context": context, "ms": per, "bytes_per_token": weights + kv + state, "bound_ms": bound})
     llm.shutdown()
     lines = [f"# Decode-step profile: cpp backend, {args.model}, {args.threads} threads", "",
              f"Read bandwidth ({args.threads} threads, numpy): {bandwidth / 1e9:.1f} GB/s; weights read per token: "
-             f"{weights / 1e6:.1f} MB.", "",
+             f"{weights / 1e6:.1f} MB; state layers' state read and written per token: {state / 1e6:.1f} MB.", "",
              "| context | tok/s | ms/token | " + " | ".join(PHASES)
              + " | regions | bound ms | bound tok/s | of bound |",
              "|---" * (len(PHASES) + 7) + "|"]
@@ -113,7 +121,9 @@ def main() -> None:
                      f"{row['bound_ms'] / per['token']:.0%} |")
     report = "\n".join(lines) + "\n"
     print(report)
-    stem = args.out / f"{datetime.date.today().isoformat()}-{machine_name()}-profile"
+    # The default model's profile, and beside it one per other model (the Qwen3.5 GGUF's, for example).
+    suffix = "" if args.model == DEFAULT_MODEL else f"-{Path(args.model).stem}"
+    stem = args.out / f"{datetime.date.today().isoformat()}-{machine_name()}-profile{suffix}"
     stem.with_suffix(".md").write_text(report)
     stem.with_suffix(".json").write_text(json.dumps({"machine": describe(), "model": args.model,
                                                      "threads": args.threads, "bandwidth": bandwidth,

@@ -91,6 +91,7 @@ void bind_outputs(nb::module_& m) {
         .def_ro("matmul", &Profile::matmul)
         .def_ro("lm_head", &Profile::lm_head)
         .def_ro("attention", &Profile::attention)
+        .def_ro("recurrence", &Profile::recurrence)
         .def_ro("wait", &Profile::wait)
         .def_ro("sample", &Profile::sample)
         .def_ro("steps", &Profile::steps)

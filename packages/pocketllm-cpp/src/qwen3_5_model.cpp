@@ -135,6 +135,7 @@ void Qwen3_5Model::add_profile(Profile& into) const {
     into.matmul += profile_.matmul;
     into.lm_head += profile_.lm_head;
     into.attention += profile_.attention;
+    into.recurrence += profile_.recurrence;
     into.wait += pool_.wait_seconds() - wait_at_reset_;
     into.regions += pool_.regions() - regions_at_reset_;
 }
@@ -287,7 +288,7 @@ void Qwen3_5Model::linear_layer(int64_t l, int64_t offset, Batch& batch, const s
     batch.attn.resize(static_cast<size_t>(n * channels));  // the convolution's outputs
     const GatedDeltaWeights weights{L.conv, L.decay, L.dt_bias, L.norm};
     {
-        Stopwatch timed(profile_.attention);
+        Stopwatch timed(profile_.recurrence);
         // Each sequence's tokens in order, sequences side by side (then each value head apart): a sequence's bits
         // do not depend on the batch.
         const auto state = [&](int64_t s) {

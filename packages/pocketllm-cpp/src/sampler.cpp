@@ -18,8 +18,6 @@ uint64_t Rng::next() {
     return z ^ (z >> 31);
 }
 
-namespace {
-
 std::vector<double> log_softmax(const std::vector<float>& logits) {
     const float best = *std::max_element(logits.begin(), logits.end());
     double total = 0.0;
@@ -30,17 +28,9 @@ std::vector<double> log_softmax(const std::vector<float>& logits) {
     return out;
 }
 
-int32_t argmax(const std::vector<float>& v) {  // the first maximum, as torch's argmax
-    return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
-}
-
-}  // namespace
-
-int32_t sample(std::vector<float>& logits, const SamplingConfig& c, const std::vector<int32_t>& tokens,
-               size_t num_prompt, Rng& rng, TokenLogprobs* logprobs, const std::vector<uint32_t>& allowed) {
+bool process_logits(std::vector<float>& logits, const SamplingConfig& c, const std::vector<int32_t>& tokens,
+                    size_t num_prompt, const std::vector<uint32_t>& allowed) {
     const int64_t vocab = static_cast<int64_t>(logits.size());
-    std::vector<double> raw;
-    if (logprobs != nullptr) raw = log_softmax(logits);  // from the model's own logits, before any processing
     const float neg_inf = -std::numeric_limits<float>::infinity();
     if (static_cast<int64_t>(tokens.size() - num_prompt) < c.min_tokens) {
         for (int32_t id : c.stop_ids) logits[id] = neg_inf;
@@ -58,95 +48,107 @@ int32_t sample(std::vector<float>& logits, const SamplingConfig& c, const std::v
             logits[id] -= c.frequency_penalty * static_cast<float>(count) + c.presence_penalty;
         }
     }
-    if (!allowed.empty()) {
-        bool any = false;  // a token both allowed and not already ruled out (min_tokens)
-        for (int64_t word = 0, base = 0; base < vocab; ++word, base += 32) {
-            const uint32_t bits = allowed[static_cast<size_t>(word)];
-            const int64_t end = std::min<int64_t>(base + 32, vocab);
-            if (bits == 0) {  // most words, deep in a grammar: nothing of theirs may come
-                std::fill(logits.begin() + base, logits.begin() + end, neg_inf);
-                continue;
-            }
-            for (int64_t t = base; t < end; ++t) {
-                float& v = logits[static_cast<size_t>(t)];
-                if (!((bits >> (t - base)) & 1u)) v = neg_inf;
-                else any = any || v != neg_inf;
-            }
+    if (allowed.empty()) return true;
+    bool any = false;  // a token both allowed and not already ruled out (min_tokens)
+    for (int64_t word = 0, base = 0; base < vocab; ++word, base += 32) {
+        const uint32_t bits = allowed[static_cast<size_t>(word)];
+        const int64_t end = std::min<int64_t>(base + 32, vocab);
+        if (bits == 0) {  // most words, deep in a grammar: nothing of theirs may come
+            std::fill(logits.begin() + base, logits.begin() + end, neg_inf);
+            continue;
         }
-        if (!any) return -1;
+        for (int64_t t = base; t < end; ++t) {
+            float& v = logits[static_cast<size_t>(t)];
+            if (!((bits >> (t - base)) & 1u)) v = neg_inf;
+            else any = any || v != neg_inf;
+        }
     }
-    int32_t token;
-    if (c.greedy()) {
-        token = argmax(logits);
-    } else {
-        // Candidates by probability, best first (ties by id); top-k, top-p and min-p each keep a prefix of that
-        // order. Only as much of it is sorted as the cuts need: sorting a 150k vocabulary for every token would
-        // cost more than the rest of the step. With no cut at all, the draw walks the vocabulary in id order.
-        auto better = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
-        std::vector<int32_t> order(static_cast<size_t>(vocab));
-        std::iota(order.begin(), order.end(), 0);
-        int64_t keep = vocab;
-        if (c.top_k > 0 && c.top_k < vocab) {
-            std::nth_element(order.begin(), order.begin() + c.top_k, order.end(), better);
-            keep = c.top_k;
-        }
-        // Probabilities relative to the best token's, once, with the ISA's vector exp.
-        std::vector<float> relative(static_cast<size_t>(vocab));
-        const float inverse_temperature = 1.0f / c.temperature;
-        for (int64_t i = 0; i < vocab; ++i) relative[static_cast<size_t>(i)] = logits[static_cast<size_t>(i)] * inverse_temperature;
-        const double everything = exp_shifted(relative.data(), vocab, *std::max_element(relative.begin(), relative.end()));
-        auto prob = [&](int32_t id) { return static_cast<double>(relative[static_cast<size_t>(id)]); };
-        double total = keep == vocab ? everything : 0.0;  // of the top-k set: top-p's denominator
-        for (int64_t i = 0; keep < vocab && i < keep; ++i) total += prob(order[i]);
-        const bool cut = keep < vocab || c.top_p < 1.0f || c.min_p > 0.0f;
-        if (c.min_p > 0.0f) {  // everything under min_p times the best probability goes, whatever its rank
-            const double floor = c.min_p;  // probabilities here are relative to the best, whose is 1
-            keep = std::partition(order.begin(), order.begin() + keep, [&](int32_t id) { return prob(id) >= floor; }) -
-                   order.begin();
-        }
-        int64_t sorted = cut ? std::min<int64_t>(keep, c.top_p < 1.0f && c.min_p <= 0.0f ? 64 : keep) : 0;
-        for (;;) {
-            std::partial_sort(order.begin(), order.begin() + sorted, order.begin() + keep, better);
-            if (c.top_p >= 1.0f) break;
-            // A token stays while those above it fall short of top_p; the first always stays.
-            double above = 0.0;
-            int64_t end = 1;
-            for (; end < sorted; ++end) {
-                above += prob(order[end - 1]) / total;
-                if (above >= c.top_p) break;
-            }
-            if (end < sorted || sorted == keep) {
-                keep = end;
-                break;
-            }
-            sorted = std::min(keep, 4 * sorted);  // the cut lies further down: sort more
-        }
-        std::vector<double> probs(static_cast<size_t>(keep));
-        double kept = 0.0;
-        for (int64_t i = 0; i < keep; ++i) kept += probs[i] = prob(order[i]);
-        double draw = rng.uniform() * kept;
-        int64_t chosen = keep - 1;
-        for (int64_t i = 0; i < keep; ++i) {
-            if ((draw -= probs[i]) < 0.0) {
-                chosen = i;
-                break;
-            }
-        }
-        token = order[chosen];
+    return any;
+}
+
+Candidates truncate(const std::vector<float>& logits, const SamplingConfig& c) {
+    // Candidates by probability, best first (ties by id); top-k, top-p and min-p each keep a prefix of that
+    // order. Only as much of it is sorted as the cuts need: sorting a 150k vocabulary for every token would
+    // cost more than the rest of the step. With no cut at all, the draw walks the vocabulary in id order.
+    const int64_t vocab = static_cast<int64_t>(logits.size());
+    auto better = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+    std::vector<int32_t> order(static_cast<size_t>(vocab));
+    std::iota(order.begin(), order.end(), 0);
+    int64_t keep = vocab;
+    if (c.top_k > 0 && c.top_k < vocab) {
+        std::nth_element(order.begin(), order.begin() + c.top_k, order.end(), better);
+        keep = c.top_k;
     }
-    if (logprobs != nullptr) {
-        logprobs->token = token;
-        logprobs->logprob = static_cast<float>(raw[token]);
-        logprobs->rank = 1 + std::count_if(raw.begin(), raw.end(), [&](double v) { return v > raw[token]; });
-        std::vector<int32_t> ids(raw.size());
-        std::iota(ids.begin(), ids.end(), 0);
-        const int k = std::min<int>(c.logprobs, static_cast<int>(raw.size()));
-        std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
-            return raw[a] > raw[b] || (raw[a] == raw[b] && a < b);
-        });
-        logprobs->top.clear();
-        for (int i = 0; i < k; ++i) logprobs->top.push_back({ids[i], static_cast<float>(raw[ids[i]])});
+    // Probabilities relative to the best token's, once, with the ISA's vector exp.
+    std::vector<float> relative(static_cast<size_t>(vocab));
+    const float inverse_temperature = 1.0f / c.temperature;
+    for (int64_t i = 0; i < vocab; ++i) relative[static_cast<size_t>(i)] = logits[static_cast<size_t>(i)] * inverse_temperature;
+    const double everything = exp_shifted(relative.data(), vocab, *std::max_element(relative.begin(), relative.end()));
+    auto prob = [&](int32_t id) { return static_cast<double>(relative[static_cast<size_t>(id)]); };
+    double total = keep == vocab ? everything : 0.0;  // of the top-k set: top-p's denominator
+    for (int64_t i = 0; keep < vocab && i < keep; ++i) total += prob(order[i]);
+    const bool cut = keep < vocab || c.top_p < 1.0f || c.min_p > 0.0f;
+    if (c.min_p > 0.0f) {  // everything under min_p times the best probability goes, whatever its rank
+        const double floor = c.min_p;  // probabilities here are relative to the best, whose is 1
+        keep = std::partition(order.begin(), order.begin() + keep, [&](int32_t id) { return prob(id) >= floor; }) -
+               order.begin();
     }
+    int64_t sorted = cut ? std::min<int64_t>(keep, c.top_p < 1.0f && c.min_p <= 0.0f ? 64 : keep) : 0;
+    for (;;) {
+        std::partial_sort(order.begin(), order.begin() + sorted, order.begin() + keep, better);
+        if (c.top_p >= 1.0f) break;
+        // A token stays while those above it fall short of top_p; the first always stays.
+        double above = 0.0;
+        int64_t end = 1;
+        for (; end < sorted; ++end) {
+            above += prob(order[end - 1]) / total;
+            if (above >= c.top_p) break;
+        }
+        if (end < sorted || sorted == keep) {
+            keep = end;
+            break;
+        }
+        sorted = std::min(keep, 4 * sorted);  // the cut lies further down: sort more
+    }
+    Candidates out;
+    out.ids.assign(order.begin(), order.begin() + keep);
+    out.weights.resize(static_cast<size_t>(keep));
+    for (int64_t i = 0; i < keep; ++i) out.weights[static_cast<size_t>(i)] = prob(order[i]);
+    return out;
+}
+
+int32_t draw(const Candidates& candidates, Rng& rng) {
+    double kept = 0.0;
+    for (double w : candidates.weights) kept += w;
+    double left = rng.uniform() * kept;
+    for (size_t i = 0; i < candidates.ids.size(); ++i) {
+        if ((left -= candidates.weights[i]) < 0.0) return candidates.ids[i];
+    }
+    return candidates.ids.back();
+}
+
+TokenLogprobs logprobs_of(const std::vector<double>& raw, int32_t token, int k) {
+    TokenLogprobs out{token, static_cast<float>(raw[token]),
+                      1 + std::count_if(raw.begin(), raw.end(), [&](double v) { return v > raw[token]; }), {}};
+    std::vector<int32_t> ids(raw.size());
+    std::iota(ids.begin(), ids.end(), 0);
+    k = std::min<int>(k, static_cast<int>(raw.size()));
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
+        return raw[a] > raw[b] || (raw[a] == raw[b] && a < b);
+    });
+    for (int i = 0; i < k; ++i) out.top.push_back({ids[i], static_cast<float>(raw[ids[i]])});
+    return out;
+}
+
+int32_t sample(std::vector<float>& logits, const SamplingConfig& c, const std::vector<int32_t>& tokens,
+               size_t num_prompt, Rng& rng, TokenLogprobs* logprobs, const std::vector<uint32_t>& allowed) {
+    std::vector<double> raw;
+    if (logprobs != nullptr) raw = log_softmax(logits);  // from the model's own logits, before any processing
+    if (!process_logits(logits, c, tokens, num_prompt, allowed)) return -1;
+    const int32_t token = c.greedy() ? static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
+                                                            logits.begin())  // the first maximum, as torch's
+                                     : draw(truncate(logits, c), rng);
+    if (logprobs != nullptr) *logprobs = logprobs_of(raw, token, c.logprobs);
     return token;
 }
 

@@ -15,6 +15,7 @@
 #include "pocketllm_cpp/block_manager.h"
 #include "pocketllm_cpp/engine.h"
 #include "pocketllm_cpp/llama_model.h"
+#include "pocketllm_cpp/qwen3_5_model.h"
 #include "pocketllm_cpp/isa.h"
 #include "kernels.h"
 #include "../src/moe.h"
@@ -155,8 +156,120 @@ static void state_slot_tests() {
     }
 }
 
+// A tiny float32 Qwen3.5 (two Gated DeltaNet layers around a gated attention layer; value heads of 12, so that the
+// delta rule's vector and scalar column paths both run): the chunked delta rule agrees with the token-by-token one,
+// a prefix resumes from a snapshot taken inside a prompt chunk with the cold run's tokens, and inconsistent sizes
+// or captures throw before any work.
+static void qwen3_5_tests() {
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal;
+    std::vector<std::vector<float>> storage;
+    auto values = [&](int64_t size, float scale) {
+        std::vector<float> v(static_cast<size_t>(size));
+        for (auto& x : v) x = scale * normal(rng);
+        return v;
+    };
+    auto matrix = [&](int64_t r, int64_t c) {
+        storage.push_back(values(r * c, 0.3f));
+        return WeightView{reinterpret_cast<const uint8_t*>(storage.back().data()), StorageType::F32, r, c};
+    };
+    const int64_t vocab = 64, hidden = 32, heads = 2, dim = 16, hk = 2, hv = 8, dk = 16, dv = 12, kernel = 4;
+    const int64_t channels = 2 * hk * dk + hv * dv, inter = 64;
+    std::vector<float> inv_freq;
+    for (int64_t i = 0; i < 4; ++i) inv_freq.push_back(std::pow(10000.0f, -2.0f * static_cast<float>(i) / 8.0f));
+    const Qwen3_5Config config{vocab, hidden, 3, heads, 1, dim, 8, 1e-6f, inv_freq, 1.0f, hk, hv, dk, dv, kernel,
+                               false, true, KvType::F32};
+    auto layers = [&](int64_t conv_values) {
+        std::vector<Qwen3_5Layer> out;
+        for (int64_t l = 0; l < 3; ++l) {
+            Qwen3_5Layer L{};
+            L.kind = l == 1 ? LayerKind::FullAttention : LayerKind::LinearAttention;
+            L.input_norm = L.post_attention_norm = std::vector<float>(static_cast<size_t>(hidden), 1.0f);
+            if (L.kind == LayerKind::FullAttention) {
+                L.q = matrix(2 * heads * dim, hidden);
+                L.k = matrix(dim, hidden);
+                L.v = matrix(dim, hidden);
+                L.o = matrix(hidden, heads * dim);
+                L.q_norm = L.k_norm = std::vector<float>(static_cast<size_t>(dim), 1.0f);
+            } else {
+                L.qkv = matrix(channels, hidden);
+                L.z = matrix(hv * dv, hidden);
+                L.b = matrix(hv, hidden);
+                L.a = matrix(hv, hidden);
+                L.out = matrix(hidden, hv * dv);
+                L.conv = values(conv_values, 0.5f);
+                L.decay = std::vector<float>(static_cast<size_t>(hv), -1.0f);
+                L.dt_bias = values(hv, 1.0f);
+                L.norm = std::vector<float>(static_cast<size_t>(dv), 1.0f);
+            }
+            L.gate = matrix(inter, hidden);
+            L.up = matrix(inter, hidden);
+            L.down = matrix(hidden, inter);
+            out.push_back(std::move(L));
+        }
+        return out;
+    };
+    const WeightView embedding = matrix(vocab, hidden), lm_head = matrix(vocab, hidden);
+    const std::vector<Qwen3_5Layer> weights = layers(channels * kernel);
+    const std::vector<float> final_norm(static_cast<size_t>(hidden), 1.0f);
+    auto build = [&](int64_t slots) {
+        return std::make_shared<Qwen3_5Model>(config, embedding, weights, final_norm, lm_head, 64, 16, slots, 2);
+    };
+
+    std::vector<int32_t> prompt;
+    for (int32_t i = 0; i < 150; ++i) prompt.push_back((i * 17 + 3) % static_cast<int32_t>(vocab));
+    {
+        auto model = build(2);
+        std::vector<int32_t> table(16);
+        for (int32_t b = 0; b < 16; ++b) table[static_cast<size_t>(b)] = b;
+        const std::vector<int32_t> head(prompt.begin(), prompt.begin() + 40);
+        const std::vector<float> chunked = model->forward(head, {{0, 40, table, 40, Pooling::None, 0, -1}});
+        const std::vector<float> recurrent = model->forward(head, {{0, 40, table, 40, Pooling::None, 1, 0}});
+        float worst = 0.0f;
+        for (size_t i = 0; i < chunked.size(); ++i) worst = std::max(worst, std::fabs(chunked[i] - recurrent[i]));
+        CHECK(worst < 1e-4f && chunked != recurrent);
+        bool threw = false;
+        try {
+            std::vector<float> out(static_cast<size_t>(model->state_bytes() / 4));
+            const std::vector<StateCapture> at_end{{0, 40, out.data()}};
+            model->forward(head, {{0, 40, table, 1, Pooling::None, 0, -1}}, nullptr, &at_end);
+        } catch (const std::invalid_argument&) {
+            threw = true;
+        }
+        CHECK(threw);
+    }
+    {
+        std::vector<int32_t> sharing(prompt.begin(), prompt.begin() + 100);
+        sharing.push_back(5);
+        Engine cold(build(1), SchedulerConfig{1, 256, 256, 1});
+        const std::vector<int32_t> expected = run_hashed(cold, {{"s", sharing}})["s"];
+        auto model = build(1);
+        Engine engine(model, SchedulerConfig{1, 256, 256, 1, true, 8 * model->state_bytes()});
+        run_hashed(engine, {{"l", prompt}});
+        CHECK(engine.stats().state_snapshots == 3);  // at 64 and 128 inside the chunk, at its end 144
+        CHECK(run_hashed(engine, {{"s", sharing}})["s"] == expected);
+        CHECK(engine.stats().state_snapshot_hits == 1);
+    }
+    const auto refused = [&](const std::vector<Qwen3_5Layer>& bad, const Qwen3_5Config& c) {
+        try {
+            Qwen3_5Model(c, embedding, bad, final_norm, lm_head, 64, 16, 1, 1);
+        } catch (const std::invalid_argument&) {
+            return true;
+        }
+        return false;
+    };
+    CHECK(refused(layers(channels * kernel - 1), config));  // a conv1d of the wrong size
+    Qwen3_5Config uneven = config;
+    uneven.linear_num_k_heads = 3;  // value heads not a multiple of key heads
+    CHECK(refused(weights, uneven));
+    Qwen3_5Config wider = config;
+    wider.linear_k_dim = 32;  // in_proj_qkv no longer has the rows the heads need
+    CHECK(refused(weights, wider));
+}
+
 int main() {
     state_slot_tests();
+    qwen3_5_tests();
     const int64_t rows = 48, cols = 96, n = 3;
     std::mt19937 rng(7);
     std::uniform_int_distribution<int> byte(0, 255);

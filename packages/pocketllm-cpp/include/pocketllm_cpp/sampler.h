@@ -45,10 +45,34 @@ private:
     uint64_t state_;
 };
 
-// Chooses the next token from `logits` (vocab values, modified in place) for a sequence whose `tokens` are its
-// `num_prompt` prompt tokens and then its output so far; fills `logprobs` when the config asks for them.
-// `allowed`, when not empty, is a grammar's bitmask (bit t % 32 of word t / 32 for token t), applied after every
-// other logits processor. Returns -1 when nothing may be sampled (every token masked).
+// Sampling in four parts, which sample() composes and speculative decoding will reuse (its acceptance test needs
+// the processed, truncated distribution, not only a draw from it).
+//
+// The logits processors, in vLLM's order: min_tokens (the stop ids banned), logit_bias, the repetition, presence and
+// frequency penalties, then `allowed`, a grammar's bitmask (bit t % 32 of word t / 32 for token t; empty: none).
+// `tokens` are the sequence's `num_prompt` prompt tokens and then its output so far. false when the mask leaves no
+// token that may be sampled.
+bool process_logits(std::vector<float>& logits, const SamplingConfig& config, const std::vector<int32_t>& tokens,
+                    size_t num_prompt, const std::vector<uint32_t>& allowed);
+
+// What a sampled draw may choose after temperature, top-k, min-p and top-p: the ids (best first, ties by id, where a
+// cut sorted them; otherwise in id order) and their probabilities relative to the best token's.
+struct Candidates {
+    std::vector<int32_t> ids;
+    std::vector<double> weights;
+};
+Candidates truncate(const std::vector<float>& logits, const SamplingConfig& config);
+
+// One token of `candidates`, in proportion to the weights, from one number of `rng`.
+int32_t draw(const Candidates& candidates, Rng& rng);
+
+// `raw`: the log-softmax of the model's own logits (before any processor). The token's logprob and rank (1: the
+// most likely), and the top `k` alternatives.
+std::vector<double> log_softmax(const std::vector<float>& logits);
+TokenLogprobs logprobs_of(const std::vector<double>& raw, int32_t token, int k);
+
+// The next token from `logits` (modified in place): processed, then the argmax when greedy, else a draw from the
+// truncated candidates; fills `logprobs` when the config asks for them. -1 when nothing may be sampled.
 int32_t sample(std::vector<float>& logits, const SamplingConfig& config, const std::vector<int32_t>& tokens,
                size_t num_prompt, Rng& rng, TokenLogprobs* logprobs, const std::vector<uint32_t>& allowed = {});
 

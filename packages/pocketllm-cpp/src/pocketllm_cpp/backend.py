@@ -26,6 +26,8 @@ from pocketllm_cpp.name import NAME
 from pocketllm_cpp.options import CppOptions
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from pocketllm.args import EngineArgs
     from pocketllm.checkpoint import Checkpoint
     from pocketllm.pooling import PoolingParams
@@ -35,7 +37,6 @@ if TYPE_CHECKING:
 # KV-cache element types and their bytes; "auto" is float16, half the bytes attention reads per position.
 KV_CACHE_DTYPES = {"float16": 2, "float32": 4}
 KV_MEMORY_FRACTION = 0.25  # of physical RAM, as the torch backend
-_FINISH = {"none": None, "stop": "stop", "length": "length", "error": "error"}  # by _native.Finish name
 _NO_MASK = np.zeros(0, np.uint32)
 _NOTHING_ALLOWED = "no token may be sampled: the grammar (with min_tokens and logit_bias) allows none"
 
@@ -116,14 +117,17 @@ class CppEngine:
         self.engine = _native.Engine(self.model, args.max_num_seqs, args.max_num_batched_tokens,
                                      args.prefill_chunk_size, args.seed, args.enable_prefix_caching, snapshot_bytes)
         self.vocab_size = config.vocab_size
+        # The module, loaded here once (importing this file must not need it: `pocketllm backends` lists a
+        # backend whose native library is missing), and its finish reasons in the core's words.
+        self.native: ModuleType = _native
+        self.finish_reasons = {_native.Finish.none: None, _native.Finish.stop: "stop",
+                               _native.Finish.length: "length", _native.Finish.error: "error"}
         self.constraints: dict[str, Constraint] = {}  # structured outputs: running requests' grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     constraint: Constraint | None = None) -> None:
         # The core has checked the prompt and the parameters (see pocketllm.backend.Engine).
-        from pocketllm_cpp import _native
-
-        sampling = _native.SamplingConfig()
+        sampling = self.native.SamplingConfig()
         sampling.max_tokens, sampling.min_tokens = params.max_tokens, params.min_tokens
         sampling.temperature, sampling.top_p, sampling.top_k = params.temperature, params.top_p, params.effective_top_k
         sampling.min_p, sampling.repetition_penalty = params.min_p, params.repetition_penalty
@@ -143,15 +147,13 @@ class CppEngine:
 
     def add_embedding_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> None:
         assert params.pooling_type is not None  # resolved by the core
-        from pocketllm_cpp import _native
-
-        self.engine.add_embedding_request(request_id, prompt_token_ids, _native.Pooling[params.pooling_type],
+        self.engine.add_embedding_request(request_id, prompt_token_ids, self.native.Pooling[params.pooling_type],
                                           params.normalize)
 
     def step(self) -> list[RequestDelta]:
         deltas = []
         for delta in self.engine.step():
-            request_id, reason = delta.request_id, _FINISH[delta.finish.name]
+            request_id, reason = delta.request_id, self.finish_reasons[delta.finish]
             if delta.embedding is not None:
                 deltas.append(RequestDelta(request_id=request_id, new_token_ids=[], finish_reason="stop",
                                            embedding=delta.embedding))
