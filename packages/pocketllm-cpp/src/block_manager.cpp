@@ -1,6 +1,7 @@
 #include "pocketllm_cpp/block_manager.h"
 
 #include <algorithm>
+#include <stdexcept>
 
 namespace pocketllm {
 
@@ -90,6 +91,9 @@ void BlockManager::release(std::vector<int32_t>& blocks) {
 }
 
 uint64_t BlockManager::prefix_hash(const std::vector<int32_t>& tokens, Chain chain, int64_t blocks) const {
+    if (blocks < chain.blocks || blocks * block_size_ > static_cast<int64_t>(tokens.size())) {
+        throw std::logic_error("prefix_hash: blocks outside the chain's continuation");
+    }
     for (; chain.blocks < blocks; ++chain.blocks) chain.hash = hash_of(chain.hash, &tokens[static_cast<size_t>(chain.blocks * block_size_)]);
     return chain.hash;
 }

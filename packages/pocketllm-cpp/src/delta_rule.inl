@@ -39,13 +39,14 @@ inline V splat(float x) {
 constexpr float kTiny = 1e-30f;
 constexpr float kTinyLog = -69.0f;  // exp(kTinyLog) < kTiny
 
-inline float flush(float x) { return std::fabs(x) > kTiny ? x : 0.0f; }
+// A NaN stays (every comparison with it is false): a broken state must not turn into a plausible one.
+inline float flush(float x) { return std::fabs(x) <= kTiny ? 0.0f : x; }
 inline v8 flush(v8 x) {
     using v8i = int32_t __attribute__((vector_size(32)));
-    const v8i keep = (x > splat<v8>(kTiny)) | (x < splat<v8>(-kTiny));
+    const v8i tiny = (x <= splat<v8>(kTiny)) & (x >= splat<v8>(-kTiny));
     v8i bits;
     std::memcpy(&bits, &x, sizeof bits);
-    bits &= keep;
+    bits &= ~tiny;
     std::memcpy(&x, &bits, sizeof x);
     return x;
 }

@@ -78,7 +78,13 @@ std::vector<Delta> Engine::step() {
     std::vector<int32_t> tokens;
     const std::vector<SequenceSlice> slices = slices_of(batch, tokens);
     std::vector<float> pooled;
-    const std::vector<float> logits = model_->forward(tokens, slices, &pooled, &batch.captures);
+    std::vector<float> logits;
+    try {
+        logits = model_->forward(tokens, slices, &pooled, &batch.captures);
+    } catch (...) {
+        scheduler_.failed(batch);
+        throw;
+    }
     scheduler_.computed(batch);
     ++profile_.steps;
     profile_.tokens += static_cast<int64_t>(tokens.size());

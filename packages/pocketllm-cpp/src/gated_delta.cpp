@@ -76,7 +76,10 @@ void gated_delta_head(const GatedDeltaShape& s, const GatedDeltaWeights& w, floa
     const int64_t channels = s.channels(), width = s.proj_size(), hk = s.num_k_heads, hv = s.num_v_heads;
     const int64_t dk = s.k_dim, dv = s.v_dim;
     const int64_t key_head = s.tiled_heads ? h % hk : h / (hv / hk);
-    std::vector<float> g(static_cast<size_t>(n)), beta(g.size());
+    thread_local std::vector<float> g, beta, gate;  // per worker, reused call after call
+    g.resize(static_cast<size_t>(n));
+    beta.resize(g.size());
+    gate.resize(static_cast<size_t>(s.v_dim));
     const float decay_rate = w.decay[static_cast<size_t>(h)], dt_bias = w.dt_bias[static_cast<size_t>(h)];
     for (int64_t t = 0; t < n; ++t) {
         const float* b_a = proj + t * width + channels + hv * dv;  // b then a, one per value head
@@ -101,7 +104,6 @@ void gated_delta_head(const GatedDeltaShape& s, const GatedDeltaWeights& w, floa
         }
     }
     // The gated RMSNorm: norm(o) * w * silu(z), per value head.
-    std::vector<float> gate(static_cast<size_t>(dv));
     for (int64_t t = 0; t < n; ++t) {
         float* o = out + t * hv * dv + h * dv;
         const float inverse = 1.0f / std::sqrt(k.dot(o, o, dv) / static_cast<float>(dv) + eps);

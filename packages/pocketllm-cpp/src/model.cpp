@@ -11,7 +11,8 @@ void Model::load_state(int32_t, const float*) { throw std::logic_error("this mod
 
 void Model::check(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
                   const std::vector<StateCapture>* captures) const {
-    for (const StateCapture& c : captures ? *captures : std::vector<StateCapture>{}) {
+    static const std::vector<StateCapture> none;
+    for (const StateCapture& c : captures ? *captures : none) {
         if (num_state_slots() == 0 || c.out == nullptr || c.slice >= slices.size() || c.tokens <= 0 ||
             c.tokens >= slices[c.slice].num_tokens) {
             throw std::invalid_argument("a state capture needs a model with state, a slice and 0 < tokens < its tokens");

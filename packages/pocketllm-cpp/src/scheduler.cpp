@@ -72,10 +72,13 @@ void Scheduler::plan_captures(ScheduledBatch& batch) {
     }
     std::sort(points.begin(), points.end(), [](const Point& a, const Point& b) { return a.at > b.at; });
     for (const Point& point : points) {
-        if (static_cast<int64_t>(batch.captures.size()) + 1 >= snapshots_.capacity()) break;
+        // Room for the saves where this step's chunks end, too (computed()).
+        if (static_cast<int64_t>(batch.captures.size() + batch.seqs.size()) >= snapshots_.capacity()) break;
         const Sequence& seq = *batch.seqs[point.slice];
-        if (float* out = snapshots_.slot_for(blocks_.prefix_hash(seq.tokens, seq.chain, point.at / size))) {
+        const uint64_t key = blocks_.prefix_hash(seq.tokens, seq.chain, point.at / size);
+        if (float* out = snapshots_.slot_for(key)) {
             batch.captures.push_back({point.slice, point.at - seq.computed, out});
+            batch.capture_keys.push_back(key);
         }
     }
 }
@@ -153,6 +156,10 @@ void Scheduler::computed(const ScheduledBatch& batch) {
             if (float* out = snapshots_.slot_for(seq.chain.hash)) model_.save_state(seq.state_slot, out);
         }
     }
+}
+
+void Scheduler::failed(const ScheduledBatch& batch) {
+    for (uint64_t key : batch.capture_keys) snapshots_.erase(key);
 }
 
 void Scheduler::release(Sequence& seq) {

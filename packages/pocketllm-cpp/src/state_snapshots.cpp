@@ -11,6 +11,13 @@ StateSnapshots::StateSnapshots(int64_t budget_bytes, int64_t state_bytes)
     }
 }
 
+void StateSnapshots::erase(uint64_t key) {
+    auto found = entries_.find(key);
+    if (found == entries_.end()) return;
+    order_.erase(found->second.at);
+    entries_.erase(found);
+}
+
 float* StateSnapshots::slot_for(uint64_t key) {
     auto found = entries_.find(key);
     if (found != entries_.end()) {

@@ -43,9 +43,14 @@ public:
     int64_t state_bytes() const override { return 4; }
     void save_state(int32_t slot, float* out) const override { *out = state_[static_cast<size_t>(slot)]; }
     void load_state(int32_t slot, const float* in) override { state_[static_cast<size_t>(slot)] = *in; }
+    bool fail_next = false;  // the next forward pass throws after its checks, as one that runs out of memory
     std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
                                std::vector<float>*, const std::vector<StateCapture>* captures) override {
         check(tokens, slices, captures);
+        if (fail_next) {
+            fail_next = false;
+            throw std::runtime_error("injected");
+        }
         std::vector<float> logits;
         size_t t = 0;
         for (size_t index = 0; index < slices.size(); ++index) {
@@ -139,6 +144,23 @@ static void state_slot_tests() {
         CHECK(engine.stats().state_snapshots == 3);
         CHECK(run_hashed(engine, {{"s", sharing}})["s"] == expected);
         CHECK(engine.stats().state_snapshot_hits == 1);
+        // A step that throws keeps none of the snapshots it planned (they were never written); the next one takes
+        // them again.
+        auto failing = std::make_shared<HashStateModel>(1, 64);
+        Engine retried(failing, SchedulerConfig{1, 256, 256, 1, true, 40});
+        SamplingConfig greedy;
+        greedy.temperature = 0.0f;
+        retried.add_request("l", long_prompt, greedy);
+        failing->fail_next = true;
+        bool threw = false;
+        try {
+            retried.step();
+        } catch (const std::runtime_error&) {
+            threw = true;
+        }
+        CHECK(threw && retried.stats().state_snapshots == 0);
+        retried.step();
+        CHECK(retried.stats().state_snapshots == 3);  // 64 and 128 inside the chunk, 144 where it ends
     }
     // Aborted and failed requests give their slot back: one slot serves request after request.
     {

@@ -45,7 +45,7 @@ private:
     uint64_t state_;
 };
 
-// Sampling in four parts, which sample() composes and speculative decoding will reuse (its acceptance test needs
+// Sampling in parts, which sample() composes and speculative decoding will reuse (its acceptance test needs
 // the processed, truncated distribution, not only a draw from it).
 //
 // The logits processors, in vLLM's order: min_tokens (the stop ids banned), logit_bias, the repetition, presence and

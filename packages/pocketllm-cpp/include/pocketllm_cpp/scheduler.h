@@ -33,6 +33,7 @@ struct ScheduledBatch {
     std::vector<SeqPtr> seqs;
     std::vector<int64_t> counts;
     std::vector<StateCapture> captures;  // snapshots the forward pass takes inside prompt chunks
+    std::vector<uint64_t> capture_keys;  // the prefix hash each of them is filed under
 };
 
 class Scheduler {
@@ -43,6 +44,8 @@ public:
     ScheduledBatch schedule();
     // After the step ran: the tokens computed, their full blocks registered, the states at block boundaries kept.
     void computed(const ScheduledBatch& batch);
+    // After a step whose forward pass threw: its captures were never written, so they are not kept.
+    void failed(const ScheduledBatch& batch);
     void finish(const SeqPtr& seq);  // frees its blocks and state slot; it leaves the scheduler
     SeqPtr find(const std::string& id) const;
     bool has_unfinished() const { return !waiting_.empty() || !running_.empty(); }

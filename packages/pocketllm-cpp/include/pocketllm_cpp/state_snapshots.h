@@ -1,7 +1,8 @@
 // Prefix caching for state layers: copies of a request's whole state (every Gated DeltaNet layer's conv and
 // recurrent state) at block boundaries, filed under the hash of the prefix that ends there (BlockManager's chain
-// hash). A state is a running summary, so it can be copied only where a forward pass leaves it: where a prompt
-// chunk ends, which the scheduler puts on block boundaries. Least recently used first out, under a byte budget.
+// hash). A state is a running summary, so it can be copied only where a forward pass has it: where a prompt chunk
+// ends (on a block boundary), and inside a chunk where the scheduler asks the pass for a StateCapture (model.h).
+// Least recently used first out, under a byte budget.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +28,8 @@ public:
     float* slot_for(uint64_t key);
     // The snapshot of `key` (which must be filed), now the most recently used; counts a hit.
     const float* take(uint64_t key);
+    // Forgets `key` (a snapshot filed for a step that failed before writing it); nothing if it is not filed.
+    void erase(uint64_t key);
 
 private:
     struct Entry {

@@ -68,7 +68,8 @@ def linear_sizes(config: ModelConfig) -> tuple[int, int, int, int, int]:
 
 
 def state_slot_bytes(config: ModelConfig) -> int:
-    """One request's state: per Gated DeltaNet layer the conv's kernel-1 inputs per channel and [Hv, dk, dv]."""
+    """One request's state: per Gated DeltaNet layer the conv's last kernel-1 inputs [kernel-1, channels], then
+    [Hv, dk, dv]."""
     hk, hv, dk, dv, kernel = linear_sizes(config)
     per_layer = (2 * hk * dk + hv * dv) * (kernel - 1) + hv * dk * dv
     return 4 * per_layer * layer_types(config).count("linear_attention")
