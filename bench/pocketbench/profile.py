@@ -31,7 +31,7 @@ from pocketllm_cpp.model import num_attention_layers, state_slot_bytes
 from pocketbench.machine import describe, machine_name
 from pocketllm import LLM, SamplingParams
 from pocketllm.args import DEFAULT_MODEL
-from pocketllm.checkpoint import load_checkpoint
+from pocketllm.checkpoint import Checkpoint, load_checkpoint
 
 NEW_TOKENS = 128
 PHASES = ("matmul", "lm_head", "attention", "recurrence", "other", "wait", "sample", "schedule", "python")
@@ -52,9 +52,8 @@ def read_bandwidth(threads: int, size: int = 256 << 20) -> float:
     return best
 
 
-def weight_bytes(model: str) -> int:
+def weight_bytes(checkpoint: Checkpoint) -> int:
     """Bytes of the matrices a decode step reads: all but the embedding table (one row of it), lm_head included."""
-    checkpoint = load_checkpoint(model)
     tensors = {t.name: t for t in checkpoint.tensors()}
     total = sum(t.nbytes for name, t in tensors.items() if len(t.shape) == 2 and name != "model.embed_tokens.weight")
     if checkpoint.config.tie_word_embeddings:
@@ -93,8 +92,8 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(args.model, backend="cpp", backend_options={"num_threads": args.threads})
     config = llm.model_config
-    weights = weight_bytes(args.model)
     checkpoint = load_checkpoint(args.model)
+    weights = weight_bytes(checkpoint)
     # A decode step also reads and writes each state layer's state (Gated DeltaNet), once each.
     state = 2 * state_slot_bytes(checkpoint)
     attention_layers = num_attention_layers(checkpoint)

@@ -34,9 +34,10 @@ struct GatedDeltaKernels {
     void (*delta_rule)(const DeltaInputs& in, int64_t c, float* S, float* out, int64_t out_stride);
     // The depthwise causal convolution's sums (before SiLU) for n tokens of x (rows at x_stride, `channels` values):
     // out[t] = sum_k taps[k] * input(t - kernel + 1 + k), the inputs before the first read from `kept`
-    // [kernel - 1, channels] (oldest first), which then moves on to the last kernel - 1 inputs. taps [kernel, channels].
+    // [kernel - 1, channels] (oldest first; not changed here: gated_delta.h's conv_state_after moves it on).
+    // taps [kernel, channels].
     void (*conv)(const float* taps, int64_t kernel, int64_t channels, const float* x, int64_t x_stride, int64_t n,
-                 float* kept, float* out, int64_t out_stride);
+                 const float* kept, float* out, int64_t out_stride);
     // The sum of a[i] * b[i].
     float (*dot)(const float* a, const float* b, int64_t n);
 };

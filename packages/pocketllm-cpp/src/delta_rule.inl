@@ -184,17 +184,11 @@ void conv_columns(const float* taps, int64_t kernel, int64_t channels, const flo
 }
 
 void conv(const float* taps, int64_t kernel, int64_t channels, const float* x, int64_t x_stride, int64_t n,
-          float* kept, float* out, int64_t out_stride) {
+          const float* kept, float* out, int64_t out_stride) {
     for (int64_t t = 0; t < n; ++t) {
         int64_t ch = 0;
         for (; ch + 8 <= channels; ch += 8) conv_columns<v8>(taps, kernel, channels, x, x_stride, t, kept, ch, out + t * out_stride);
         for (; ch < channels; ++ch) conv_columns<float>(taps, kernel, channels, x, x_stride, t, kept, ch, out + t * out_stride);
-    }
-    // Kept row r becomes input n - (kernel - 1) + r. Ascending r reads old rows at or after r only: safe in place.
-    for (int64_t r = 0; r < kernel - 1; ++r) {
-        const int64_t at = n - (kernel - 1) + r;
-        const float* input = at < 0 ? kept + (kernel - 1 + at) * channels : x + at * x_stride;
-        std::memmove(kept + r * channels, input, static_cast<size_t>(channels) * sizeof(float));
     }
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -55,11 +56,22 @@ std::vector<float> conv_taps(const GatedDeltaShape& s, const std::vector<float>&
     return taps;
 }
 
+void conv_state_after(const GatedDeltaShape& s, const float* proj, int64_t tokens, const float* kept, float* out) {
+    const int64_t channels = s.channels(), kernel = s.kernel;
+    // Row r is input tokens - (kernel - 1) + r. Ascending r reads kept rows at or after r only: safe in place.
+    for (int64_t r = 0; r < kernel - 1; ++r) {
+        const int64_t at = tokens - (kernel - 1) + r;
+        const float* input = at < 0 ? kept + (kernel - 1 + at) * channels : proj + at * s.proj_size();
+        std::memmove(out + r * channels, input, static_cast<size_t>(channels) * sizeof(float));
+    }
+}
+
 void gated_delta_conv(const GatedDeltaShape& s, const std::vector<float>& taps, const float* proj, int64_t n,
                       float* state, float* mixed) {
     const int64_t channels = s.channels(), hk = s.num_k_heads, dk = s.k_dim;
     const kernels::GatedDeltaKernels k = kernels::gated_delta_kernels();
     k.conv(taps.data(), s.kernel, channels, proj, s.proj_size(), n, state, mixed, channels);
+    conv_state_after(s, proj, n, state, state);
     silu(mixed, n * channels);
     const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
     for (int64_t t = 0; t < n; ++t) {

@@ -34,6 +34,11 @@ void validate(const GatedDeltaShape& s, const GatedDeltaWeights& w);
 // The conv1d weight [channels, kernel] as the convolution reads it: tap-major [kernel, channels].
 std::vector<float> conv_taps(const GatedDeltaShape& s, const std::vector<float>& conv);
 
+// The conv's state after the first `tokens` of a call's inputs (proj rows, q k v first): the kernel-1 inputs
+// before that point, oldest first, taken from the call's inputs or, before them, from `kept` (the state when the
+// call began) [kernel-1, channels]. `out` may be `kept`: the state moving on in place.
+void conv_state_after(const GatedDeltaShape& s, const float* proj, int64_t tokens, const float* kept, float* out);
+
 // Where one sequence's tokens in a call sit: token 0 at position `start`. The delta rule runs a chunk of
 // kDeltaChunk tokens at once where the chunk starts at a multiple of kDeltaChunk and ends inside both the call and
 // `chunked_end` (the prompt's end), and other tokens one at a time. A token's bits then depend on its sequence

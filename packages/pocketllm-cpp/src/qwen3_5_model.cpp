@@ -320,19 +320,14 @@ std::vector<std::vector<DeltaCapture>> Qwen3_5Model::conv_captures(int64_t offse
                                                                     const std::vector<SequenceSlice>& slices,
                                                                     const std::vector<StateCapture>& captures) {
     const GatedDeltaShape shape = delta_shape(config_);
-    const int64_t channels = shape.channels(), width = shape.proj_size(), kernel = shape.kernel;
     std::vector<std::vector<DeltaCapture>> captured(slices.size());
     for (const StateCapture& capture : captures) {
         float* layer = capture.out + offset;
         captured[capture.slice].push_back({capture.tokens, layer});
         const float* kept = &states_[static_cast<size_t>(slices[capture.slice].state_slot) *
                                          static_cast<size_t>(slot_floats_) + static_cast<size_t>(offset)];
-        for (int64_t r = 0; r < kernel - 1; ++r) {
-            const int64_t at = capture.tokens - (kernel - 1) + r;  // an input of the slice, or one the state kept
-            const float* input = at < 0 ? kept + (kernel - 1 + at) * channels
-                                        : &batch.proj[(batch.first[capture.slice] + at) * width];
-            std::copy_n(input, channels, layer + r * channels);
-        }
+        conv_state_after(shape, &batch.proj[batch.first[capture.slice] * shape.proj_size()], capture.tokens, kept,
+                         layer);
     }
     for (auto& list : captured) {
         std::sort(list.begin(), list.end(), [](const DeltaCapture& a, const DeltaCapture& b) { return a.tokens < b.tokens; });
