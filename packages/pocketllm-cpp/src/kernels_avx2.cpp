@@ -3,6 +3,7 @@
 #define PLLM_VNNI 0
 #define PLLM_GEMM gemm_avx2
 #define PLLM_TILE_ROWS 2  // weight rows per batched tile: 2 x 4 sums fit in 16 vector registers beside the operands
+#define PLLM_TILE_ACT 2  // activation rows per batched tile: 2 x 2 sums and accumulators stay in registers
 #include "kernels_x86.inl"
 
 #include <cmath>

@@ -5,4 +5,5 @@
 #define PLLM_VNNI 1
 #define PLLM_GEMM gemm_avx512
 #define PLLM_TILE_ROWS 4
+#define PLLM_TILE_ACT 4  // activation rows per batched tile: each loaded weight vector serves 4 dot products
 #include "kernels_x86.inl"

@@ -304,9 +304,9 @@ void k_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows
 // 8 accumulating dot products leave each block's sum in its own lane. A last, partial group keeps block order.
 template <StorageType T, int C>
 struct PackedGroup {
-    alignas(32) uint8_t codes[C][8][kBlock];
-    alignas(32) int8_t signs[kSigned<T> ? C : 1][8][kBlock];
-    alignas(32) float dw[C][8], mw[C][8];
+    alignas(64) uint8_t codes[8][C][kBlock];  // [word or block][weight row]: two rows' vectors side by side
+    alignas(64) int8_t signs[8][kSigned<T> ? C : 1][kBlock];
+    alignas(64) float dw[C][8], mw[C][8];
 };
 
 template <StorageType T, int C>
@@ -346,12 +346,78 @@ void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* gro
                 if constexpr (kSigned<T>) transpose8(signs);
             }
             for (int k = 0; k < 8; ++k) {
-                _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes[c][k]), codes[k]);
-                if constexpr (kSigned<T>) _mm256_store_si256(reinterpret_cast<__m256i*>(p.signs[c][k]), signs[k]);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes[k][c]), codes[k]);
+                if constexpr (kSigned<T>) _mm256_store_si256(reinterpret_cast<__m256i*>(p.signs[k][c]), signs[k]);
             }
         }
     }
 }
+
+#if PLLM_VNNI
+// The batched tiles' 512-bit form: weight rows c and c + 1 side by side in one vector (lanes 0-7 and 8-15), the
+// activations' 8 lanes in both halves. Each half does exactly what the 256-bit tile does to that row, so the bits
+// are the same, with half the instructions (Zen 4 splits a 512-bit op into two 256-bit ones, so the win there is
+// in issue, not in arithmetic).
+inline __m512i both_halves(const void* p) { return _mm512_broadcast_i64x4(load(p)); }
+inline __m512 both_halves(__m256 v) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v))); }
+inline __m256 low_half(__m512 v) { return _mm512_castps512_ps256(v); }
+inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+template <StorageType T, int C>
+constexpr bool kPairs = C % 2 == 0 && !kSigned<T>;  // vpsignb has no 512-bit form
+
+// packed_tile's full groups, two weight rows a vector; acc receives the halves.
+template <StorageType T, int R, int C>
+void packed_pairs(const PackedGroup<T, C>* groups, int64_t full, const QuantizedRows& act, int64_t r0,
+                  __m256 (&acc)[R][C]) {
+    constexpr int P = C / 2;
+    const int64_t nb = act.blocks_per_row();
+    __m512 pairs[R][P];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
+        for (int q = 0; q < P; ++q) pairs[i][q] = _mm512_setzero_ps();
+    }
+    for (int64_t b0 = 0; b0 < full; b0 += 8) {
+        const PackedGroup<T, C>& p = groups[b0 / 8];
+        __m512i sums[R][P];
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
+            for (int q = 0; q < P; ++q) sums[i][q] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; ++v) {
+            __m512i wv[P];
+#pragma GCC unroll 16
+            for (int q = 0; q < P; ++q) wv[q] = _mm512_load_si512(p.codes[v][2 * q]);
+#pragma GCC unroll 16
+            for (int i = 0; i < R; ++i) {
+                const __m512i x = both_halves(act.grouped.data() + (r0 + i) * act.cols + b0 * kBlock + v * kBlock);
+#pragma GCC unroll 16
+                for (int q = 0; q < P; ++q) sums[i][q] = _mm512_dpbusd_epi32(sums[i][q], wv[q], x);
+            }
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+            const int64_t at = (r0 + i) * nb + b0;
+            const __m512 dx = both_halves(_mm256_loadu_ps(act.d.data() + at));
+            const __m512 sx = both_halves(_mm256_loadu_ps(act.s.data() + at));
+#pragma GCC unroll 16
+            for (int q = 0; q < P; ++q) {
+                const __m512 scale = _mm512_mul_ps(_mm512_load_ps(p.dw[2 * q]), dx);
+                pairs[i][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i][q]), scale, pairs[i][q]);
+                if constexpr (kOffset<T>) pairs[i][q] = _mm512_fmadd_ps(_mm512_load_ps(p.mw[2 * q]), sx, pairs[i][q]);
+            }
+        }
+    }
+    for (int i = 0; i < R; ++i) {
+        for (int q = 0; q < P; ++q) {
+            acc[i][2 * q] = low_half(pairs[i][q]);
+            acc[i][2 * q + 1] = high_half(pairs[i][q]);
+        }
+    }
+}
+#endif
 
 // R activation rows from `r0` against C packed weight rows, each row with the arithmetic of tile<T, 1, C> (the
 // decode path): groups of 8 blocks as one vector of integer block sums (exact, however they are summed), scaled
@@ -371,23 +437,43 @@ void packed_tile(const PackedGroup<T, C>* groups, int64_t nb, const QuantizedRow
         }
     }
     const int64_t full = nb / 8 * 8;
+#if PLLM_VNNI
+    if constexpr (kPairs<T, C>) packed_pairs<T, R, C>(groups, full, act, r0, acc);
+    for (int64_t b0 = 0; b0 < (kPairs<T, C> ? 0 : full); b0 += 8) {
+#else
     for (int64_t b0 = 0; b0 < full; b0 += 8) {
+#endif
         const PackedGroup<T, C>& p = groups[b0 / 8];
+        // Lane k of sums[i][c]: block k's dot product (both sides transposed). Word by word, each of the C weight
+        // vectors and R activation vectors is loaded once for all R x C products, not once per product.
+        __m256i sums[R][C];
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) sums[i][c] = _mm256_setzero_si256();
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; ++v) {
+            __m256i wv[C];
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) wv[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.codes[v][c]));
+#pragma GCC unroll 16
+            for (int i = 0; i < R; ++i) {
+                const __m256i x = load(act.grouped.data() + (r0 + i) * act.cols + b0 * kBlock + v * kBlock);
+#pragma GCC unroll 16
+                for (int c = 0; c < C; ++c) {
+                    sums[i][c] = udot(wv[c], kSigned<T> ? _mm256_sign_epi8(x, load(p.signs[v][c])) : x, sums[i][c]);
+                }
+            }
+        }
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i) {
             const int64_t at = (r0 + i) * nb + b0;
             const __m256 dx = _mm256_loadu_ps(act.d.data() + at);
 #pragma GCC unroll 16
             for (int c = 0; c < C; ++c) {
-                __m256i sums = _mm256_setzero_si256();  // lane k: block k's dot product (both sides transposed)
-#pragma GCC unroll 8
-                for (int v = 0; v < 8; ++v) {
-                    const __m256i x = load(act.grouped.data() + (r0 + i) * act.cols + b0 * kBlock + v * kBlock);
-                    sums = udot(_mm256_load_si256(reinterpret_cast<const __m256i*>(p.codes[c][v])),
-                                kSigned<T> ? _mm256_sign_epi8(x, load(p.signs[c][v])) : x, sums);
-                }
                 const __m256 scale = _mm256_mul_ps(_mm256_load_ps(p.dw[c]), dx);
-                acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[i][c]);
+                acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][c]), scale, acc[i][c]);
                 if constexpr (kOffset<T>) {
                     acc[i][c] = _mm256_fmadd_ps(_mm256_load_ps(p.mw[c]), _mm256_loadu_ps(act.s.data() + at), acc[i][c]);
                 }
@@ -404,8 +490,8 @@ void packed_tile(const PackedGroup<T, C>* groups, int64_t nb, const QuantizedRow
             const float sx = kOffset<T> ? act.offset(r0 + i, b) : 0.0f;
 #pragma GCC unroll 16
             for (int c = 0; c < C; ++c) {
-                const __m256i w8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.codes[c][k]));
-                const __m256i dot = udot(w8, kSigned<T> ? _mm256_sign_epi8(x, load(p.signs[c][k])) : x);
+                const __m256i w8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.codes[k][c]));
+                const __m256i dot = udot(w8, kSigned<T> ? _mm256_sign_epi8(x, load(p.signs[k][c])) : x);
                 acc[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(p.dw[c][k] * dx), _mm256_cvtepi32_ps(dot), acc[i][c]);
                 if constexpr (kOffset<T>) extra[i][c] = std::fma(p.mw[c][k], sx, extra[i][c]);
             }
@@ -424,7 +510,7 @@ void packed_rows(const WeightView& w, size_t stride, int64_t row, const Quantize
     groups.resize(static_cast<size_t>((nb + 7) / 8));
     pack<T, C>(w.data + row * static_cast<int64_t>(stride), stride, nb, groups.data());
     int64_t r = 0;
-    for (; r + 4 <= n; r += 4) packed_tile<T, 4, C>(groups.data(), nb, act, r, y, y_stride, row);
+    for (; r + PLLM_TILE_ACT <= n; r += PLLM_TILE_ACT) packed_tile<T, PLLM_TILE_ACT, C>(groups.data(), nb, act, r, y, y_stride, row);
     if (r + 2 <= n) {
         packed_tile<T, 2, C>(groups.data(), nb, act, r, y, y_stride, row);
         r += 2;
@@ -432,15 +518,19 @@ void packed_rows(const WeightView& w, size_t stride, int64_t row, const Quantize
     if (r < n) packed_tile<T, 1, C>(groups.data(), nb, act, r, y, y_stride, row);
 }
 
-// Q6_K, a 256-value block at a time: each weight row's blocks are decoded once, for every activation row, into
-// the integer dot's operands (|code|, the codes for their signs, the per-16 scales as 16-bit lanes), then R x C
-// tiles take them from L1. Per block and activation row the 8 sub-blocks' integer sums (exact) are scaled as one
-// vector by d * dx, the same whatever R, C and n are, so a row's result does not depend on what shares its step.
-struct Q6Decoded {
-    alignas(32) uint8_t magnitude[8][kBlock];
-    alignas(32) int8_t codes[8][kBlock];
-    alignas(32) int16_t mul[8][16];
-    float d;
+// Q6_K, a 256-value block at a time. The batched path packs C weight rows' blocks once for every activation row,
+// as PackedGroup does: the unsigned codes (code + 32) transposed by 4-byte words like the activations' `grouped`
+// plane, so that lane k of each product is sub-block k, and the per-16 scales as the 16-bit lanes that multiply
+// them (mul[h]: lanes 2k and 2k + 1 hold sub-block k's scale for its values 16h..16h + 15, which transposed words
+// 4h..4h + 3 carry). The offset -32 comes back through the activations' per-16 sums: sum(code * s * x) =
+// sum((code + 32) * s * x) - 32 * sum(s * sums16). Each sub-block's integer sum is exact, so the result is the
+// decode path's (q6_decode_rows) bit for bit, whatever R, C and n are.
+template <int C>
+struct Q6Packed {
+    alignas(64) uint8_t codes[8][C][kBlock];
+    alignas(64) int16_t mul[2][C][16];
+    alignas(64) int16_t scales[C][16];
+    alignas(64) float d[C][8];  // d in 8 lanes
 };
 
 // f(j, codes, mul) for each sub-block j of a Q6_K block: its 32 signed codes, and its two per-16 scales each in
@@ -478,18 +568,23 @@ inline __m256i q6_dot(__m256i magnitude, __m256i codes, __m256i mul, __m256i x) 
 }
 
 template <int C>
-void q6_decode(const uint8_t* base, size_t stride, int64_t supers, Q6Decoded* out) {
+void q6_pack(const uint8_t* base, size_t stride, int64_t supers, Q6Packed<C>* out) {
     for (int64_t k = 0; k < supers; ++k) {
+        Q6Packed<C>& p = out[k];
         for (int c = 0; c < C; ++c) {
             const BlockQ6_K& blk = reinterpret_cast<const BlockQ6_K*>(base + c * stride)[k];
             q6_prefetch(blk);
-            Q6Decoded& p = out[k * C + c];
-            q6_sub_blocks(blk, [&](int j, __m256i codes, __m256i mul) {
-                _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes[j]), codes);
-                _mm256_store_si256(reinterpret_cast<__m256i*>(p.magnitude[j]), _mm256_sign_epi8(codes, codes));
-                _mm256_store_si256(reinterpret_cast<__m256i*>(p.mul[j]), mul);
+            __m256i codes[8];
+            q6_sub_blocks(blk, [&](int j, __m256i signed_codes, __m256i) {
+                codes[j] = _mm256_add_epi8(signed_codes, _mm256_set1_epi8(32));
             });
-            p.d = half(blk.d);
+            transpose8(codes);
+            for (int v = 0; v < 8; ++v) _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes[v][c]), codes[v]);
+            for (int g = 0; g < 16; ++g) p.scales[c][g] = blk.scales[g];
+            for (int h = 0; h < 2; ++h) {
+                for (int k2 = 0; k2 < 8; ++k2) p.mul[h][c][2 * k2] = p.mul[h][c][2 * k2 + 1] = blk.scales[2 * k2 + h];
+            }
+            for (float& lane : p.d[c]) lane = half(blk.d);
         }
     }
 }
@@ -521,8 +616,74 @@ void q6_decode_rows(const WeightView& w, size_t stride, int64_t row, const Quant
     for (int c = 0; c < C; ++c) y[row + c] = hsum(acc[c]);
 }
 
+// acc + the 16-bit products pairs * mul summed in pairs (int32 lanes).
+inline __m256i madd_add(__m256i pairs, __m256i mul, __m256i acc) {
+#if PLLM_VNNI
+    return _mm256_dpwssd_epi32(acc, pairs, mul);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, mul));
+#endif
+}
+
+#if PLLM_VNNI
+// q6_tile's 512-bit form (packed_pairs' pairing of weight rows), the same bits.
 template <int R, int C>
-void q6_tile(const Q6Decoded* decoded, int64_t supers, const QuantizedRows& act, int64_t r0, float* y,
+void q6_pairs(const Q6Packed<C>* blocks, int64_t supers, const QuantizedRows& act, int64_t r0,
+              __m256 (&acc)[R][C]) {
+    constexpr int P = C / 2;
+    const int64_t nb = act.blocks_per_row(), groups16 = act.cols / 16;
+    __m512 pairs[R][P];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
+        for (int q = 0; q < P; ++q) pairs[i][q] = _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < supers; ++k) {
+        const Q6Packed<C>& p = blocks[k];
+        __m512i sums[R][P];
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
+            for (int q = 0; q < P; ++q) sums[i][q] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; ++v) {
+            __m512i wv[P];
+#pragma GCC unroll 16
+            for (int q = 0; q < P; ++q) wv[q] = _mm512_load_si512(p.codes[v][2 * q]);
+#pragma GCC unroll 16
+            for (int i = 0; i < R; ++i) {
+                const __m512i x = both_halves(act.grouped.data() + (r0 + i) * act.cols + k * kSuper + v * kBlock);
+#pragma GCC unroll 16
+                for (int q = 0; q < P; ++q) {
+                    const __m512i products = _mm512_maddubs_epi16(wv[q], x);
+                    sums[i][q] = _mm512_dpwssd_epi32(sums[i][q], products, _mm512_load_si512(p.mul[v / 4][2 * q]));
+                }
+            }
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+            const __m512i x16 = both_halves(act.sums16.data() + (r0 + i) * groups16 + 16 * k);
+            const __m512 dx = both_halves(_mm256_loadu_ps(act.d.data() + (r0 + i) * nb + 8 * k));
+#pragma GCC unroll 16
+            for (int q = 0; q < P; ++q) {
+                const __m512i offset = _mm512_slli_epi32(_mm512_madd_epi16(x16, _mm512_load_si512(p.scales[2 * q])), 5);
+                const __m512 blocks_sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[i][q], offset));
+                pairs[i][q] = _mm512_fmadd_ps(blocks_sum, _mm512_mul_ps(_mm512_load_ps(p.d[2 * q]), dx), pairs[i][q]);
+            }
+        }
+    }
+    for (int i = 0; i < R; ++i) {
+        for (int q = 0; q < P; ++q) {
+            acc[i][2 * q] = low_half(pairs[i][q]);
+            acc[i][2 * q + 1] = high_half(pairs[i][q]);
+        }
+    }
+}
+#endif
+
+template <int R, int C>
+void q6_tile(const Q6Packed<C>* blocks, int64_t supers, const QuantizedRows& act, int64_t r0, float* y,
              int64_t y_stride, int64_t row) {
     __m256 acc[R][C];
 #pragma GCC unroll 16
@@ -530,22 +691,45 @@ void q6_tile(const Q6Decoded* decoded, int64_t supers, const QuantizedRows& act,
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
     }
-    const int64_t nb = act.blocks_per_row();
+    const int64_t nb = act.blocks_per_row(), groups16 = act.cols / 16;
+#if PLLM_VNNI
+    if constexpr (C % 2 == 0) q6_pairs<R, C>(blocks, supers, act, r0, acc);
+    for (int64_t k = 0; k < (C % 2 == 0 ? 0 : supers); ++k) {
+#else
     for (int64_t k = 0; k < supers; ++k) {
+#endif
+        const Q6Packed<C>& p = blocks[k];
+        __m256i sums[R][C];
 #pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) {
-            const Q6Decoded& p = decoded[k * C + c];
-            const __m256 d = _mm256_set1_ps(p.d);
+        for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) sums[i][c] = _mm256_setzero_si256();
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; ++v) {
+            __m256i wv[C];
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) wv[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.codes[v][c]));
 #pragma GCC unroll 16
             for (int i = 0; i < R; ++i) {
-                const int8_t* x = act.codes(r0 + i, 8 * k);
-                __m256i sums[8];
-#pragma GCC unroll 8
-                for (int j = 0; j < 8; ++j) {
-                    sums[j] = q6_dot(load(p.magnitude[j]), load(p.codes[j]), load(p.mul[j]), load(x + j * kBlock));
+                const __m256i x = load(act.grouped.data() + (r0 + i) * act.cols + k * kSuper + v * kBlock);
+#pragma GCC unroll 16
+                for (int c = 0; c < C; ++c) {
+                    // |pairs| <= 2 * 63 * 127: the codes are 0..63, the activations -127..127
+                    const __m256i pairs = _mm256_maddubs_epi16(wv[c], x);
+                    sums[i][c] = madd_add(pairs, load(p.mul[v / 4][c]), sums[i][c]);
                 }
-                const __m256 dx = _mm256_loadu_ps(act.d.data() + (r0 + i) * nb + 8 * k);
-                acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(sums)), _mm256_mul_ps(d, dx), acc[i][c]);
+            }
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+            const __m256i x16 = load(act.sums16.data() + (r0 + i) * groups16 + 16 * k);
+            const __m256 dx = _mm256_loadu_ps(act.d.data() + (r0 + i) * nb + 8 * k);
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) {
+                const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(x16, load(p.scales[c])), 5);
+                const __m256 blocks_sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums[i][c], offset));
+                acc[i][c] = _mm256_fmadd_ps(blocks_sum, _mm256_mul_ps(_mm256_load_ps(p.d[c]), dx), acc[i][c]);
             }
         }
     }
@@ -558,16 +742,16 @@ template <int C>
 void q6_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t n, float* y,
              int64_t y_stride) {
     const int64_t supers = w.cols / kSuper;
-    thread_local std::vector<Q6Decoded> decoded;
-    decoded.resize(static_cast<size_t>(supers * C));
-    q6_decode<C>(w.data + row * static_cast<int64_t>(stride), stride, supers, decoded.data());
+    thread_local std::vector<Q6Packed<C>> packed;
+    packed.resize(static_cast<size_t>(supers));
+    q6_pack<C>(w.data + row * static_cast<int64_t>(stride), stride, supers, packed.data());
     int64_t r = 0;
-    for (; r + 4 <= n; r += 4) q6_tile<4, C>(decoded.data(), supers, act, r, y, y_stride, row);
+    for (; r + PLLM_TILE_ACT <= n; r += PLLM_TILE_ACT) q6_tile<PLLM_TILE_ACT, C>(packed.data(), supers, act, r, y, y_stride, row);
     if (r + 2 <= n) {
-        q6_tile<2, C>(decoded.data(), supers, act, r, y, y_stride, row);
+        q6_tile<2, C>(packed.data(), supers, act, r, y, y_stride, row);
         r += 2;
     }
-    if (r < n) q6_tile<1, C>(decoded.data(), supers, act, r, y, y_stride, row);
+    if (r < n) q6_tile<1, C>(packed.data(), supers, act, r, y, y_stride, row);
 }
 
 void gemm_q6_k(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, int64_t n,
@@ -579,7 +763,9 @@ void gemm_q6_k(const WeightView& w, int64_t row_begin, int64_t row_end, const Qu
         for (; row < row_end; ++row) q6_decode_rows<1>(w, stride, row, act, y);
         return;
     }
-    for (; row + 4 <= row_end; row += 4) q6_rows<4>(w, stride, row, act, n, y, y_stride);
+    for (; row + PLLM_TILE_ROWS <= row_end; row += PLLM_TILE_ROWS) {
+        q6_rows<PLLM_TILE_ROWS>(w, stride, row, act, n, y, y_stride);
+    }
     for (; row < row_end; ++row) q6_rows<1>(w, stride, row, act, n, y, y_stride);
 }
 

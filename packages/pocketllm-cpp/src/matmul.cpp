@@ -63,6 +63,7 @@ void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows
     out.d.resize(static_cast<size_t>(n * (cols / kBlock)));
     out.s.resize(out.d.size());
     out.grouped.resize(grouped ? out.qs.size() : 0);
+    out.sums16.resize(grouped ? out.qs.size() / 16 : 0);
     auto quantize = kernels::quantize_row_scalar;
 #ifdef POCKETLLM_HAVE_X86
     if (current_isa() != Isa::Scalar) quantize = kernels::quantize_row_avx2;
@@ -77,6 +78,12 @@ void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows
             if (!grouped) continue;
             const int8_t* from = out.qs.data() + r * cols;
             int8_t* to = out.grouped.data() + r * cols;
+            int16_t* sums = out.sums16.data() + r * (cols / 16);
+            for (int64_t g = 0; g < cols / 16; ++g) {
+                int sum = 0;
+                for (int k = 0; k < 16; ++k) sum += from[16 * g + k];
+                sums[g] = static_cast<int16_t>(sum);
+            }
             for (int64_t g = 0; g + 8 * kBlock <= cols; g += 8 * kBlock) {
                 for (int v = 0; v < 8; ++v) {
                     for (int k = 0; k < 8; ++k) std::memcpy(to + g + v * kBlock + 4 * k, from + g + k * kBlock + 4 * v, 4);
