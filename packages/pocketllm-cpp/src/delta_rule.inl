@@ -3,8 +3,10 @@
 // which each file's flags lower to that ISA's registers: two SSE registers on baseline x86-64, one AVX register
 // with AVX2, two NEON registers on AArch64. Columns of the state are independent, so every loop runs over blocks of
 // columns, with a scalar tail for sizes that are not a multiple of 8.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "delta_rule.h"
 
@@ -74,7 +76,49 @@ struct Coefficients {
     float queries[kDeltaChunk][kDeltaChunk];  // s <= t: exp(G_t - G_s) q_t . k_s
 };
 
+inline float lanes_sum(const v8& v) {
+    float sum = 0.0f;
+    for (int l = 0; l < 8; ++l) sum += v[l];
+    return sum;
+}
+
+// kk[t][s] = k_t . k_s and qk[t][s] = q_t . k_s for s <= t, four s at a time: eight independent sums, so that the
+// adds do not wait on each other (one dot at a time waits on its own sum's latency at every step).
+void chunk_dots(const DeltaInputs& in, int64_t c, float (&kk)[kDeltaChunk][kDeltaChunk],
+                float (&qk)[kDeltaChunk][kDeltaChunk]) {
+    constexpr int kAtOnce = 4;
+    for (int64_t t = 0; t < c; ++t) {
+        const float* q = in.q + t * in.qk_stride;
+        const float* k = in.k + t * in.qk_stride;
+        for (int64_t s0 = 0; s0 <= t; s0 += kAtOnce) {
+            const float* ks[kAtOnce];
+            for (int j = 0; j < kAtOnce; ++j) ks[j] = in.k + std::min(s0 + j, t) * in.qk_stride;  // past t: unused
+            v8 with_k[kAtOnce] = {}, with_q[kAtOnce] = {};
+            int64_t i = 0;
+            for (; i + 8 <= in.dk; i += 8) {
+                const v8 kv = load<v8>(k + i), qv = load<v8>(q + i);
+                for (int j = 0; j < kAtOnce; ++j) {
+                    const v8 other = load<v8>(ks[j] + i);
+                    with_k[j] += kv * other;
+                    with_q[j] += qv * other;
+                }
+            }
+            for (int j = 0; j < kAtOnce && s0 + j <= t; ++j) {
+                float sk = lanes_sum(with_k[j]), sq = lanes_sum(with_q[j]);
+                for (int64_t r = i; r < in.dk; ++r) {
+                    sk += k[r] * ks[j][r];
+                    sq += q[r] * ks[j][r];
+                }
+                kk[t][s0 + j] = sk;
+                qk[t][s0 + j] = sq;
+            }
+        }
+    }
+}
+
 void coefficients(const DeltaInputs& in, int64_t c, Coefficients& co) {
+    float kk[kDeltaChunk][kDeltaChunk], qk[kDeltaChunk][kDeltaChunk];
+    chunk_dots(in, c, kk, qk);
     float G[kDeltaChunk] = {};
     float running = 0.0f;
     for (int64_t t = 0; t < c; ++t) G[t] = running += in.g[t];
@@ -83,13 +127,10 @@ void coefficients(const DeltaInputs& in, int64_t c, Coefficients& co) {
         co.decay[t] = decay_of(G[t]);
         co.tail[t] = decay_of(G[c - 1] - G[t]);
         co.beta[t] = in.beta[t];
-        const float* q = in.q + t * in.qk_stride;
-        const float* k = in.k + t * in.qk_stride;
         for (int64_t s = 0; s <= t; ++s) {
-            const float* ks = in.k + s * in.qk_stride;
             const float between = decay_of(G[t] - G[s]);
-            co.queries[t][s] = between * dot(q, ks, in.dk);
-            if (s < t) co.keys[t][s] = in.beta[t] * between * dot(k, ks, in.dk);
+            co.queries[t][s] = between * qk[t][s];
+            if (s < t) co.keys[t][s] = in.beta[t] * between * kk[t][s];
         }
     }
 }
@@ -103,13 +144,26 @@ template <class V, int B>
 void columns(const DeltaInputs& in, int64_t c, const Coefficients& co, float* S, int64_t j, float* out,
              int64_t out_stride) {
     constexpr int64_t L = kLanes<V>;
+    constexpr int64_t W = B * L;  // the block's columns
+    // The block's columns of S_0 side by side: rows of S are dv floats apart, a power of two for every published
+    // shape, so a block read in place maps to a few cache sets and leaves L1 between the tokens that reread it.
+    // One token reads it once: in place.
+    thread_local std::vector<float> copy;
+    const float* block = S + j;
+    int64_t stride = in.dv;
+    if (c > 1) {
+        copy.resize(static_cast<size_t>(in.dk * W));
+        for (int64_t i = 0; i < in.dk; ++i) std::memcpy(&copy[i * W], S + i * in.dv + j, sizeof(float) * W);
+        block = copy.data();
+        stride = W;
+    }
     V u[kDeltaChunk][B];
     for (int64_t t = 0; t < c; ++t) {
         const float* q = in.q + t * in.qk_stride;
         const float* k = in.k + t * in.qk_stride;
         V remembered[B] = {}, read[B] = {};  // S_0^T k_t, S_0^T q_t
         for (int64_t i = 0; i < in.dk; ++i) {
-            const float* row = S + i * in.dv + j;
+            const float* row = block + i * stride;
             const V ki = splat<V>(k[i]), qi = splat<V>(q[i]);
             for (int b = 0; b < B; ++b) {
                 const V s = load<V>(row + b * L);
@@ -134,8 +188,8 @@ void columns(const DeltaInputs& in, int64_t c, const Coefficients& co, float* S,
         float* row = S + i * in.dv + j;
         V state[2][B];
         for (int b = 0; b < B; ++b) {
-            state[0][b] = load<V>(row + b * L) * co.last;
-            state[1][b] = load<V>(row + in.dv + b * L) * co.last;
+            state[0][b] = load<V>(block + i * stride + b * L) * co.last;
+            state[1][b] = load<V>(block + (i + 1) * stride + b * L) * co.last;
         }
         for (int64_t t = 0; t < c; ++t) {
             const float* k = in.k + t * in.qk_stride + i;
@@ -153,7 +207,7 @@ void columns(const DeltaInputs& in, int64_t c, const Coefficients& co, float* S,
     for (; i < in.dk; ++i) {
         float* row = S + i * in.dv + j;
         V state[B];
-        for (int b = 0; b < B; ++b) state[b] = load<V>(row + b * L) * co.last;
+        for (int b = 0; b < B; ++b) state[b] = load<V>(block + i * stride + b * L) * co.last;
         for (int64_t t = 0; t < c; ++t) {
             const V weight = splat<V>(co.tail[t] * in.k[t * in.qk_stride + i]);
             for (int b = 0; b < B; ++b) state[b] += weight * u[t][b];
@@ -162,7 +216,21 @@ void columns(const DeltaInputs& in, int64_t c, const Coefficients& co, float* S,
     }
 }
 
-void delta_rule(const DeltaInputs& in, int64_t c, float* S, float* out, int64_t out_stride) {
+void delta_rule(const DeltaInputs& strided, int64_t c, float* S, float* out, int64_t out_stride) {
+    // The chunk's q and k rows side by side: in place they are a whole projection row apart (a multiple of 4 KiB
+    // in the published shapes), all in the same few cache sets.
+    thread_local std::vector<float> qk;
+    DeltaInputs in = strided;
+    if (c > 1) {
+        qk.resize(static_cast<size_t>(2 * c * strided.dk));
+        for (int64_t t = 0; t < c; ++t) {
+            std::memcpy(&qk[t * strided.dk], strided.q + t * strided.qk_stride, sizeof(float) * strided.dk);
+            std::memcpy(&qk[(c + t) * strided.dk], strided.k + t * strided.qk_stride, sizeof(float) * strided.dk);
+        }
+        in.q = qk.data();
+        in.k = qk.data() + c * strided.dk;
+        in.qk_stride = strided.dk;
+    }
     Coefficients co;
     coefficients(in, c, co);
     int64_t j = 0;

@@ -66,17 +66,21 @@ void conv_state_after(const GatedDeltaShape& s, const float* proj, int64_t token
     }
 }
 
-void gated_delta_conv(const GatedDeltaShape& s, const std::vector<float>& taps, const float* proj, int64_t n,
-                      float* state, float* mixed) {
+void gated_delta_conv(const GatedDeltaShape& s, const std::vector<float>& taps, const float* proj, int64_t first,
+                      int64_t count, const float* kept, float* mixed) {
     const int64_t channels = s.channels(), hk = s.num_k_heads, dk = s.k_dim;
     const kernels::GatedDeltaKernels k = kernels::gated_delta_kernels();
-    k.conv(taps.data(), s.kernel, channels, proj, s.proj_size(), n, state, mixed, channels);
-    conv_state_after(s, proj, n, state, state);
-    silu(mixed, n * channels);
+    thread_local std::vector<float> before;  // the kernel - 1 inputs before `first`, per worker
+    before.resize(static_cast<size_t>((s.kernel - 1) * channels));
+    conv_state_after(s, proj, first, kept, before.data());
+    float* rows = mixed + first * channels;
+    k.conv(taps.data(), s.kernel, channels, proj + first * s.proj_size(), s.proj_size(), count, before.data(), rows,
+           channels);
+    silu(rows, count * channels);
     const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = 0; t < count; ++t) {
         for (int64_t h = 0; h < 2 * hk; ++h) {  // q heads, then k heads
-            float* x = mixed + t * channels + h * dk;
+            float* x = rows + t * channels + h * dk;
             const float factor = (h < hk ? q_scale : 1.0f) / std::sqrt(k.dot(x, x, dk) + 1e-6f);
             for (int64_t i = 0; i < dk; ++i) x[i] *= factor;
         }

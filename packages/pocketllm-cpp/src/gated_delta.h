@@ -59,10 +59,12 @@ struct DeltaRun {
 // [n, Hv * v_dim] before out_proj; `state` is state_floats: the conv's previous kernel-1 inputs [kernel-1,
 // channels], oldest first, then the recurrent state [Hv, k_dim, v_dim].
 //
-// First the convolution with SiLU over every token (the conv state moves on to the last kernel-1 inputs), q and k
-// L2-normalised, q scaled by k_dim^-0.5: mixed [n, channels]. `taps` from conv_taps.
-void gated_delta_conv(const GatedDeltaShape& s, const std::vector<float>& taps, const float* proj, int64_t n,
-                      float* state, float* mixed);
+// First the convolution with SiLU, q and k L2-normalised, q scaled by k_dim^-0.5, for tokens [first, first + count)
+// of a call: rows of mixed [n, channels]. It reads the inputs before `first` from proj, or before the call from
+// `kept` (the conv state, [kernel-1, channels], which it does not change), so that a long call's tokens run in
+// parallel pieces; conv_state_after then moves the state on. `taps` from conv_taps.
+void gated_delta_conv(const GatedDeltaShape& s, const std::vector<float>& taps, const float* proj, int64_t first,
+                      int64_t count, const float* kept, float* mixed);
 // Then value head h on its own (heads run in parallel): the delta rule on its [k_dim, v_dim] state and the gated
 // RMSNorm norm(o) * w * silu(z), into out's head h columns.
 void gated_delta_head(const GatedDeltaShape& s, const GatedDeltaWeights& w, float eps, const float* proj,

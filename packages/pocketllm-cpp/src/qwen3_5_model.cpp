@@ -298,11 +298,24 @@ void Qwen3_5Model::linear_layer(int64_t l, int64_t offset, Batch& batch, const s
         const int64_t num_slices = static_cast<int64_t>(slices.size());
         const std::vector<float>& taps = conv_taps_[static_cast<size_t>(l)];
         const std::vector<std::vector<DeltaCapture>> captured = conv_captures(offset, batch, slices, captures);
-        pool_.parallel_each(num_slices, [&](int64_t s) {
+        // The convolution in pieces of kConvTokens tokens (a prompt's over every worker), then each state moved on.
+        constexpr int64_t kConvTokens = 32;
+        std::vector<int64_t> pieces(static_cast<size_t>(num_slices + 1), 0);  // slice s: pieces [pieces[s], pieces[s + 1])
+        for (int64_t s = 0; s < num_slices; ++s) {
+            const int64_t tokens = slices[static_cast<size_t>(s)].num_tokens;
+            pieces[static_cast<size_t>(s + 1)] = pieces[static_cast<size_t>(s)] + (tokens + kConvTokens - 1) / kConvTokens;
+        }
+        pool_.parallel_each(pieces.back(), [&](int64_t piece) {
+            const int64_t s = std::upper_bound(pieces.begin(), pieces.end(), piece) - pieces.begin() - 1;
             const int64_t first = batch.first[static_cast<size_t>(s)];
-            gated_delta_conv(shape, taps, &batch.proj[first * width], slices[static_cast<size_t>(s)].num_tokens,
-                             state(s), &batch.attn[first * channels]);
+            const int64_t from = (piece - pieces[static_cast<size_t>(s)]) * kConvTokens;
+            const int64_t count = std::min(kConvTokens, slices[static_cast<size_t>(s)].num_tokens - from);
+            gated_delta_conv(shape, taps, &batch.proj[first * width], from, count, state(s), &batch.attn[first * channels]);
         });
+        for (int64_t s = 0; s < num_slices; ++s) {
+            conv_state_after(shape, &batch.proj[batch.first[static_cast<size_t>(s)] * width],
+                             slices[static_cast<size_t>(s)].num_tokens, state(s), state(s));
+        }
         pool_.parallel_each(num_slices * hv, [&](int64_t job) {
             const int64_t s = job / hv, first = batch.first[static_cast<size_t>(s)];
             const SequenceSlice& slice = slices[static_cast<size_t>(s)];
