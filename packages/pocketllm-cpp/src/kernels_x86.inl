@@ -502,6 +502,13 @@ void packed_tile(const PackedGroup<T, C>* groups, int64_t nb, const QuantizedRow
     }
 }
 
+// The next C weight rows' bytes, asked for into L2 before this group's tiles run: with a few activation rows the
+// tiles take about as long as the next rows take to arrive from memory, and decoding the next group would otherwise
+// wait for them after the tiles instead of during them. (A prefetch past the weight's end does not fault.)
+inline void prefetch_next_rows(const uint8_t* next, size_t bytes) {
+    for (size_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(next) + at, _MM_HINT_T1);
+}
+
 template <StorageType T, int C>
 void packed_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t n, float* y,
                  int64_t y_stride) {
@@ -509,6 +516,7 @@ void packed_rows(const WeightView& w, size_t stride, int64_t row, const Quantize
     thread_local std::vector<PackedGroup<T, C>> groups;
     groups.resize(static_cast<size_t>((nb + 7) / 8));
     pack<T, C>(w.data + row * static_cast<int64_t>(stride), stride, nb, groups.data());
+    prefetch_next_rows(w.data + (row + C) * static_cast<int64_t>(stride), C * stride);
     int64_t r = 0;
     for (; r + PLLM_TILE_ACT <= n; r += PLLM_TILE_ACT) packed_tile<T, PLLM_TILE_ACT, C>(groups.data(), nb, act, r, y, y_stride, row);
     if (r + 2 <= n) {
@@ -745,6 +753,7 @@ void q6_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRow
     thread_local std::vector<Q6Packed<C>> packed;
     packed.resize(static_cast<size_t>(supers));
     q6_pack<C>(w.data + row * static_cast<int64_t>(stride), stride, supers, packed.data());
+    prefetch_next_rows(w.data + (row + C) * static_cast<int64_t>(stride), C * stride);
     int64_t r = 0;
     for (; r + PLLM_TILE_ACT <= n; r += PLLM_TILE_ACT) q6_tile<PLLM_TILE_ACT, C>(packed.data(), supers, act, r, y, y_stride, row);
     if (r + 2 <= n) {
