@@ -268,3 +268,19 @@ def test_a_baseline_version_runs_beside_ours(tmp_path: Path) -> None:
     assert "echo-http / echo-http@baseline" in markdown(results)
     with pytest.raises(SystemExit, match="holds no pocketllm"):
         config_from(build_parser().parse_args(["--baseline", str(tmp_path / "model")]), installed=["echo"])
+
+
+def test_gemm_table_takes_each_sides_least_time_and_compares_bits() -> None:
+    from pocketbench.gemm import table
+
+    def record(seconds: float, digest: str) -> dict:
+        return {"type": "Q4_K", "role": "ffn_up.weight", "shape": [3584, 1024], "count": 2, "rows": 16,
+                "seconds": seconds, "digest": digest}
+
+    text, records = table({"this": [[record(0.004, "a")], [record(0.002, "a")]],
+                           "baseline": [[record(0.006, "a")], [record(0.008, "a")]]})
+    assert records == [{"type": "Q4_K", "role": "ffn_up.weight", "shape": [3584, 1024], "layers": 2, "rows": 16,
+                        "seconds": {"this": 0.002, "baseline": 0.006}, "same_bits": True}]
+    assert "| 3.00x | yes |" in text and "| 117 | 39 |" in text  # GOPS: 2 * 3584 * 1024 * 16 * 2 / seconds
+    _, records = table({"this": [[record(0.002, "a")]], "baseline": [[record(0.002, "b")]]})
+    assert records[0]["same_bits"] is False

@@ -588,11 +588,15 @@ void q6_pack(const uint8_t* base, size_t stride, int64_t supers, Q6Packed<C>* ou
             });
             transpose8(codes);
             for (int v = 0; v < 8; ++v) _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes[v][c]), codes[v]);
-            for (int g = 0; g < 16; ++g) p.scales[c][g] = blk.scales[g];
-            for (int h = 0; h < 2; ++h) {
-                for (int k2 = 0; k2 < 8; ++k2) p.mul[h][c][2 * k2] = p.mul[h][c][2 * k2 + 1] = blk.scales[2 * k2 + h];
-            }
-            for (float& lane : p.d[c]) lane = half(blk.d);
+            const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales)));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(p.scales[c]), scales);
+            // mul[h]'s lanes 2k and 2k + 1: scale 2k + h, which sits in the same 128-bit half of `scales`.
+            const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5,
+                                                  8, 9, 8, 9, 12, 13, 12, 13);
+            const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(p.mul[0][c]), _mm256_shuffle_epi8(scales, even));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(p.mul[1][c]), _mm256_shuffle_epi8(scales, odd));
+            _mm256_store_ps(p.d[c], _mm256_set1_ps(half(blk.d)));
         }
     }
 }
@@ -768,7 +772,10 @@ void gemm_q6_k(const WeightView& w, int64_t row_begin, int64_t row_end, const Qu
     const size_t stride = row_bytes(w.type, w.cols);
     int64_t row = row_begin;
     if (n == 1) {
-        for (; row + 4 <= row_end; row += 4) q6_decode_rows<4>(w, stride, row, act, y);
+        for (; row + 4 <= row_end; row += 4) {
+            prefetch_next_rows(w.data + (row + 4) * static_cast<int64_t>(stride), 4 * stride);
+            q6_decode_rows<4>(w, stride, row, act, y);
+        }
         for (; row < row_end; ++row) q6_decode_rows<1>(w, stride, row, act, y);
         return;
     }
@@ -785,10 +792,16 @@ void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const 
     int64_t row = row_begin;
     if (n == 1) {  // decode: 4 weight rows in flight, whose blocks stream from memory
         if constexpr (T == StorageType::Q4_K || T == StorageType::Q5_K) {
-            for (; row + 4 <= row_end; row += 4) k_rows<T, 4>(w, stride, row, act, y);
+            for (; row + 4 <= row_end; row += 4) {
+                prefetch_next_rows(w.data + (row + 4) * static_cast<int64_t>(stride), 4 * stride);
+                k_rows<T, 4>(w, stride, row, act, y);
+            }
             for (; row < row_end; ++row) k_rows<T, 1>(w, stride, row, act, y);
         } else {
-            for (; row + 4 <= row_end; row += 4) tile<T, 1, 4>(w, stride, row, act, 0, y, y_stride);
+            for (; row + 4 <= row_end; row += 4) {
+                prefetch_next_rows(w.data + (row + 4) * static_cast<int64_t>(stride), 4 * stride);
+                tile<T, 1, 4>(w, stride, row, act, 0, y, y_stride);
+            }
             for (; row < row_end; ++row) tile<T, 1, 1>(w, stride, row, act, 0, y, y_stride);
         }
         return;
