@@ -123,8 +123,8 @@ def main() -> None:
     # The default model's profile, and beside it one per other model (the Qwen3.5 GGUF's, for example).
     suffix = "" if args.model == DEFAULT_MODEL else f"-{Path(args.model).stem}"
     stem = args.out / f"{datetime.date.today().isoformat()}-{machine_name()}-profile{suffix}"
-    stem.with_suffix(".md").write_text(report)
-    stem.with_suffix(".json").write_text(json.dumps({"machine": describe(), "model": args.model,
+    Path(f"{stem}.md").write_text(report)
+    Path(f"{stem}.json").write_text(json.dumps({"machine": describe(), "model": args.model,
                                                      "threads": args.threads, "bandwidth": bandwidth,
                                                      "weight_bytes": weights, "rows": rows}, indent=1) + "\n")
 
