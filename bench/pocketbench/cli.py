@@ -66,7 +66,7 @@ at {SERVE_TARGET_CLIENTS} clients.
 prompts (the same ids
             for every engine, rendered with PocketLLM's chat template); flags the first position where
             each PocketLLM backend differs from each peer. Runs once, untimed.
-  peak RSS  always: ru_maxrss of each engine's worker process at the end of the run (load included);
+  peak RSS  always: VmHWM of each engine's worker process at the end of the run (load included);
             VmHWM for the serve workload's server processes.
 
 --quick shrinks every workload ({QUICK.prefill_tokens}-token prefill, {QUICK.prompt_tokens}-token prompts, \

@@ -89,7 +89,7 @@ class ServerTarget:
             raise self._error(f"failed a run: {type(e).__name__}: {e}") from e
 
     def _peak_rss_mb(self) -> float:
-        """VmHWM of the server process: the same peak as a worker's ``ru_maxrss`` (Linux)."""
+        """VmHWM of the server process: the same peak as a worker's (``worker.peak_rss_mb``)."""
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024  # kB

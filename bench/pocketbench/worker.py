@@ -13,6 +13,7 @@ import resource
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import IO, Any
 
 from pocketbench.config import EngineSpec
@@ -21,7 +22,14 @@ from pocketbench.protocol import read_message, write_message
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    """This process's peak resident set: VmHWM, not ru_maxrss, which Linux carries over fork and execve from the
+    process before (a parent that made the model, or measured bandwidth, in-process lends its peak to every worker)."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # elsewhere the nearest figure (KiB on Linux)
 
 
 def handle(engine: Engine | ServingEngine, request: dict[str, Any]) -> dict[str, Any]:

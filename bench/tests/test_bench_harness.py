@@ -284,3 +284,16 @@ def test_gemm_table_takes_each_sides_least_time_and_compares_bits() -> None:
     assert "| 3.00x | yes |" in text and "| 117 | 39 |" in text  # GOPS: 2 * 3584 * 1024 * 16 * 2 / seconds
     _, records = table({"this": [[record(0.002, "a")]], "baseline": [[record(0.002, "b")]]})
     assert records[0]["same_bits"] is False
+
+
+def test_a_worker_s_peak_rss_is_its_own_not_its_parent_s() -> None:
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    held = np.ones(300 << 20, dtype=np.uint8)  # 300 MiB resident in this process before the child starts
+    child = subprocess.run([sys.executable, "-c", "from pocketbench.worker import peak_rss_mb; print(peak_rss_mb())"],
+                           check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    assert held.sum() == 300 << 20
+    assert float(child.stdout) < 200
