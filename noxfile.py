@@ -170,6 +170,8 @@ def sanitize(session: nox.Session) -> None:
         shutil.copy(module, overlay / "pocketllm_cpp")
     runtimes = [session.run("g++", f"-print-file-name={name}", silent=True, external=True).strip()
                 for name in ("libasan.so", "libubsan.so")]
+    # The model tests read files of llama.cpp's own converter too (the sdist's convert_hf_to_gguf.py).
+    session.env["POCKETLLM_LLAMA_CPP_SDIST"] = llama_cpp_sdist(session)
     session.run("pytest", "-p", "no:cacheprovider", "tests/cpp/test_qwen3_5_corpus.py", "tests/cpp/test_qwen3_5.py",
                 env={"LD_PRELOAD": " ".join(runtimes), "ASAN_OPTIONS": "detect_leaks=0", "PYTHONPATH": str(overlay)})
 

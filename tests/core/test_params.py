@@ -60,6 +60,9 @@ NGRAM = {"speculative_method": "ngram", "num_speculative_tokens": 3}
     ({"speculative_method": "mtp", "num_speculative_tokens": 1, "ngram_min": 2}, "ngram_min"),
     ({"draft_model": "tiny"}, "draft_model"),
     ({"speculative_method": "draft_model", "num_speculative_tokens": 2}, "draft_model"),
+    ({"speculative_disable_by_batch_size": 4}, "speculative_disable_by_batch_size"),
+    ({**NGRAM, "speculative_disable_by_batch_size": 0}, "speculative_disable_by_batch_size"),
+    ({**NGRAM, "speculative_disable_by_batch_size": 2.5}, "speculative_disable_by_batch_size"),
 ])
 def test_speculative_settings_are_checked_naming_the_field(given: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError) as err:

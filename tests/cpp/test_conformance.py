@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import pytest
 
-from pocketllm.testing import ModelConformance, ProtocolConformance
+from pocketllm.testing import ModelConformance, ProtocolConformance, SpeculativeConformance
 
 pytest.importorskip("pocketllm_cpp._native")
 
@@ -33,3 +33,25 @@ class TestCppQwen3_5Protocol(ProtocolConformance):
     checkpoint = "qwen3_5"
     engine_kwargs: ClassVar[dict[str, object]] = {"backend_options": {"exact_activations": True},
                                                   "kv_cache_dtype": "float32"}
+
+
+class TestCppSpeculativeLlama(SpeculativeConformance):
+    """ngram drafts verified as one slice per sequence, in the engine's default arithmetic (8-bit activations, a
+    half-precision KV cache): a row's bits do not depend on the rows beside it."""
+
+    backend = "cpp"
+    checkpoint = "llama-cyclic"
+
+
+class TestCppSpeculativeQwen3(SpeculativeConformance):
+    backend = "cpp"
+    checkpoint = "qwen3-cyclic"
+    multi_token_kwargs: ClassVar[dict[str, object]] = {"speculative_method": "ngram", "num_speculative_tokens": 2,
+                                                       "ngram_min": 2, "ngram_max": 3}
+
+
+class TestCppSpeculativeQwen3_5(SpeculativeConformance):
+    """The hybrid: the Gated DeltaNet state after each verified row is captured, and the accepted one loaded."""
+
+    backend = "cpp"
+    checkpoint = "qwen3_5-cyclic"

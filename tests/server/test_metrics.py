@@ -127,3 +127,36 @@ def test_the_grammar_cache_is_counted_in_bytes_and_entries(torch_server) -> None
     grown = value(after, "pocketllm:grammar_cache_bytes") - value(before, "pocketllm:grammar_cache_bytes")
     assert 3 * (32 << 10) < grown < 3 * (1 << 20)
     assert value(after, "pocketllm:grammar_cache_capacity_bytes") == 64 << 20
+
+
+def test_a_server_with_ngram_drafts_counts_them_and_answers_as_without(tmp_path, serve_app) -> None:
+    """`--speculative-method ngram` on the cpp backend, through the OpenAI client: the same completion as a server
+    without drafts, and /metrics counting the drafts and the accepted tokens per position."""
+    pytest.importorskip("pocketllm_cpp._native")
+    import openai
+
+    from pocketllm import EngineArgs
+    from pocketllm.testing.checkpoints import write_checkpoint
+    from pocketllm_server import create_app
+
+    model = str(write_checkpoint("llama-cyclic", tmp_path))
+    answers, samples = [], []
+    for spec in ({}, {"speculative_method": "ngram", "num_speculative_tokens": 4}):
+        args = EngineArgs(model=model, backend="cpp", **spec)
+        llm = AsyncLLM(engine_args=args)
+        try:
+            with serve_app(create_app(args, served_model_name="tiny", llm=llm)) as server, \
+                    httpx.Client(base_url=server.url, timeout=60) as http:
+                client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+                completion = client.completions.create(model="tiny", prompt="the cat sat on", max_tokens=32,
+                                                       temperature=0, extra_body={"ignore_eos": True})
+                answers.append(completion.choices[0].text)
+                samples.append(scrape(http))
+        finally:
+            llm.shutdown()
+    assert answers[0] == answers[1]
+    plain, drafting = samples
+    assert value(plain, "pocketllm:spec_decode_num_drafts_total") == 0
+    accepted = value(drafting, "pocketllm:spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted <= value(drafting, "pocketllm:spec_decode_num_draft_tokens_total")
+    assert value(drafting, "pocketllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import pytest
 
-from pocketllm.testing import BackendConformance, ProtocolConformance, TensorParallelConformance
+from pocketllm.testing import BackendConformance, ProtocolConformance, SpeculativeConformance, TensorParallelConformance
 
 pytest.importorskip("pocketllm_torch")
 
@@ -30,4 +30,28 @@ class TestTorchTensorParallel(TensorParallelConformance):
     """TP=2 over gloo, the ranks started by the library."""
 
     backend = "torch"
+    engine_kwargs: ClassVar[dict[str, object]] = {"dtype": "float32"}
+
+
+class TestTorchSpeculativeLlama(SpeculativeConformance):
+    """ngram drafts verified in one step per sequence, over the paged KV cache."""
+
+    backend = "torch"
+    checkpoint = "llama-cyclic"
+    engine_kwargs: ClassVar[dict[str, object]] = {"dtype": "float32"}
+
+
+class TestTorchSpeculativeQwen3(SpeculativeConformance):
+    backend = "torch"
+    checkpoint = "qwen3-cyclic"
+    engine_kwargs: ClassVar[dict[str, object]] = {"dtype": "float32"}
+    multi_token_kwargs: ClassVar[dict[str, object]] = {"speculative_method": "ngram", "num_speculative_tokens": 2,
+                                                       "ngram_min": 2, "ngram_max": 3}
+
+
+class TestTorchSpeculativeQwen3_5(SpeculativeConformance):
+    """The hybrid: Gated DeltaNet states keep a state per verified row and commit the accepted one."""
+
+    backend = "torch"
+    checkpoint = "qwen3_5-cyclic"
     engine_kwargs: ClassVar[dict[str, object]] = {"dtype": "float32"}

@@ -82,7 +82,8 @@ def _busy(cpus: set[int]) -> Iterator[None]:
 def test_two_threads_beside_busy_processes_do_not_collapse(pocketllm_kit_checkpoint: Callable[[str], Path]) -> None:
     """Two threads on two CPUs that two other processes keep busy. OpenMP threads that spin after each parallel
     region (libgomp's default) hold the CPU the thread they wait for needs: 64 tokens of the kit's GGUF took 10-30
-    times as long as with one thread here; sleeping at once, less than one thread's time."""
+    times as long as with one thread here; sleeping at once, less than one thread's time. The policy is torch's
+    alone: the environment, which the processes this one starts inherit, is left without it."""
     cpus = set(sorted(os.sched_getaffinity(0))[:2])
     script = """
         import os, sys, time
@@ -96,12 +97,12 @@ def test_two_threads_beside_busy_processes_do_not_collapse(pocketllm_kit_checkpo
             llm.generate([5, 6, 7], params)
             print(time.perf_counter() - start)
             llm.shutdown()
-        print(os.environ["OMP_WAIT_POLICY"])
+        print(os.environ.get("OMP_WAIT_POLICY"))
         """
     with _busy(cpus):
         out = _run(script, str(pocketllm_kit_checkpoint("llama-gguf")), ",".join(map(str, cpus)), env=_clean_env())
     one, two, policy = out.split()
-    assert policy == "PASSIVE"
+    assert policy == "None"
     assert float(two) < 3 * float(one) + 0.25, (one, two)
 
 

@@ -14,8 +14,8 @@ VOCAB = 50
 
 def make_seq(params: SamplingParams, prompt: tuple[int, ...] = (1, 2, 3), output: tuple[int, ...] = (),
              stop: frozenset[int] = frozenset({0})) -> Sequence:
-    generator = None if params.is_greedy else torch.Generator().manual_seed(params.seed or 0)
-    return Sequence("r", [*prompt, *output], len(prompt), params, 100, stop, generator)
+    seed = None if params.is_greedy else params.seed or 0
+    return Sequence("r", [*prompt, *output], len(prompt), params, 100, stop, seed)
 
 
 @pytest.fixture

@@ -62,6 +62,12 @@ void bind_outputs(nb::module_& m) {
         .value("stop", Finish::Stop)
         .value("length", Finish::Length)
         .value("error", Finish::Error, "nothing could be sampled (the allowed tokens left none)");
+    nb::class_<SpeculativeConfig>(m, "SpeculativeConfig", "Speculative decoding's settings (ngram drafts).")
+        .def(nb::init<>())
+        .def_rw("num_tokens", &SpeculativeConfig::num_tokens, "most drafted per sequence and step; 0: off")
+        .def_rw("ngram_min", &SpeculativeConfig::ngram_min)
+        .def_rw("ngram_max", &SpeculativeConfig::ngram_max)
+        .def_rw("max_batch", &SpeculativeConfig::max_batch, "nobody drafts while more sequences than this run");
     nb::class_<Delta>(m, "Delta", "What one step did for one request.")
         .def_ro("request_id", &Delta::request_id)
         .def_ro("tokens", &Delta::tokens, "its new tokens")
@@ -83,7 +89,14 @@ void bind_outputs(nb::module_& m) {
         .def_ro("prefix_hits", &EngineStats::prefix_hits, "of them, tokens found")
         .def_ro("state_snapshots", &EngineStats::state_snapshots, "state snapshots held (hybrid models)")
         .def_ro("state_snapshot_hits", &EngineStats::state_snapshot_hits, "requests resumed from one")
-        .def_ro("state_snapshot_evictions", &EngineStats::state_snapshot_evictions);
+        .def_ro("state_snapshot_evictions", &EngineStats::state_snapshot_evictions)
+        .def_ro("speculative", &EngineStats::speculative);
+    nb::class_<SpeculativeStats>(m, "SpeculativeStats", "Speculative decoding's counters, cumulative.")
+        .def_ro("drafts", &SpeculativeStats::drafts, "a sequence drafting in a step")
+        .def_ro("draft_tokens", &SpeculativeStats::draft_tokens)
+        .def_ro("accepted_tokens", &SpeculativeStats::accepted_tokens)
+        .def_ro("accepted_per_position", &SpeculativeStats::accepted_per_position,
+                "index i: drafts whose token i was accepted");
     nb::class_<Profile>(m, "Profile", "Seconds per phase of the steps since reset_profile(), and their counts.")
         .def_ro("step", &Profile::step)
         .def_ro("schedule", &Profile::schedule)
@@ -108,21 +121,24 @@ void pocketllm::bind_engine(nb::module_& m) {
         .def(
             "__init__",
             [](PyEngine* self, nb::object model, int64_t max_num_seqs, int64_t max_num_batched_tokens,
-               int64_t prefill_chunk_size, int64_t seed, bool prefix_caching, int64_t snapshot_bytes) {
+               int64_t prefill_chunk_size, int64_t seed, bool prefix_caching, int64_t snapshot_bytes,
+               const SpeculativeConfig& speculative) {
                 if (!nb::isinstance<PyModel>(model)) throw nb::type_error("model must be a pocketllm_cpp._native.Model");
                 PyModel& owner = nb::cast<PyModel&>(model);
                 new (self) PyEngine{model, std::make_unique<Engine>(
                     owner.model, SchedulerConfig{max_num_seqs, max_num_batched_tokens, prefill_chunk_size,
-                                                 static_cast<uint64_t>(seed), prefix_caching, snapshot_bytes})};
+                                                 static_cast<uint64_t>(seed), prefix_caching, snapshot_bytes},
+                    speculative)};
             },
             nb::arg("model"), nb::arg("max_num_seqs"), nb::arg("max_num_batched_tokens"),
-            nb::arg("prefill_chunk_size"), nb::arg("seed"), nb::arg("prefix_caching") = false, nb::arg("snapshot_bytes") = 0)
+            nb::arg("prefill_chunk_size"), nb::arg("seed"), nb::arg("prefix_caching") = false, nb::arg("snapshot_bytes") = 0,
+            nb::arg("speculative") = SpeculativeConfig{})
         .def(
             "add_request",
-            [](PyEngine& self, const std::string& id, std::vector<int32_t> prompt, const SamplingConfig& sampling) {
-                self.engine->add_request(id, std::move(prompt), sampling);
-            },
-            nb::arg("request_id"), nb::arg("prompt"), nb::arg("sampling"))
+            [](PyEngine& self, const std::string& id, std::vector<int32_t> prompt, const SamplingConfig& sampling,
+               bool drafts) { self.engine->add_request(id, std::move(prompt), sampling, drafts); },
+            nb::arg("request_id"), nb::arg("prompt"), nb::arg("sampling"), nb::arg("drafts") = true,
+            "drafts: whether speculative decoding may draft for it (not for a grammar's)")
         .def(
             "add_embedding_request",
             [](PyEngine& self, const std::string& id, std::vector<int32_t> prompt, Pooling pool, bool normalize) {

@@ -6,8 +6,8 @@
 
 namespace pocketllm {
 
-Engine::Engine(std::shared_ptr<Model> model, SchedulerConfig config)
-    : model_(std::move(model)), seeds_(config.seed), scheduler_(*model_, config) {}
+Engine::Engine(std::shared_ptr<Model> model, SchedulerConfig config, SpeculativeConfig speculative)
+    : model_(std::move(model)), seeds_(config.seed), scheduler_(*model_, config), drafter_(speculative) {}
 
 void Engine::check_prompt(const std::string& id, const std::vector<int32_t>& prompt, int64_t longest) const {
     if (scheduler_.find(id)) throw std::invalid_argument("request id '" + id + "' is already in use");
@@ -20,7 +20,7 @@ void Engine::check_prompt(const std::string& id, const std::vector<int32_t>& pro
     }
 }
 
-void Engine::add_request(const std::string& id, std::vector<int32_t> prompt, SamplingConfig sampling) {
+void Engine::add_request(const std::string& id, std::vector<int32_t> prompt, SamplingConfig sampling, bool drafts) {
     const int64_t vocab = model_->vocab_size();
     auto in_vocab = [&](int32_t t) { return t >= 0 && t < vocab; };
     if (!std::all_of(sampling.stop_ids.begin(), sampling.stop_ids.end(), in_vocab) ||
@@ -31,20 +31,22 @@ void Engine::add_request(const std::string& id, std::vector<int32_t> prompt, Sam
     check_prompt(id, prompt, static_cast<int64_t>(prompt.size()) + sampling.max_tokens);
     const uint64_t seed = sampling.seed ? static_cast<uint64_t>(*sampling.seed) : seeds_.next();  // two's complement
     const size_t num_prompt = prompt.size();
-    scheduler_.add(std::make_shared<Sequence>(Sequence{id, std::move(prompt), num_prompt, std::move(sampling), Rng(seed)}));
+    auto seq = std::make_shared<Sequence>(Sequence{id, std::move(prompt), num_prompt, std::move(sampling), seed});
+    if (drafts) seq->spec = drafter_.start();
+    scheduler_.add(seq);
 }
 
 void Engine::add_embedding_request(const std::string& id, std::vector<int32_t> prompt, Pooling pool, bool normalize) {
     if (pool == Pooling::None) throw std::invalid_argument("request '" + id + "': an embedding needs a pooling");
     check_prompt(id, prompt, static_cast<int64_t>(prompt.size()));
     const size_t num_prompt = prompt.size();
-    auto seq = std::make_shared<Sequence>(Sequence{id, std::move(prompt), num_prompt, SamplingConfig{}, Rng(0)});
+    auto seq = std::make_shared<Sequence>(Sequence{id, std::move(prompt), num_prompt, SamplingConfig{}, 0});
     seq->pool = pool;
     seq->normalize = normalize;
     scheduler_.add(seq);
 }
 
-bool Engine::pool_chunk(const SeqPtr& seq, int64_t start, const float* part, Delta& delta) {
+bool Engine::pool_chunk(const SeqPtr& seq, int64_t start, int64_t end, const float* part, Delta& delta) {
     const size_t hidden = static_cast<size_t>(model_->hidden_size());
     // A fresh pooling where the prompt starts (a preempted request pools its recomputed prompt again), and where its
     // first chunk starts after a cached prefix (Last alone reuses one).
@@ -54,7 +56,7 @@ bool Engine::pool_chunk(const SeqPtr& seq, int64_t start, const float* part, Del
     } else if (seq->pool == Pooling::Mean || start == 0) {  // Cls: the first chunk holds the first token
         for (size_t i = 0; i < hidden; ++i) seq->pooled[i] += part[i];
     }
-    if (seq->computed < seq->size()) return false;
+    if (end < seq->size()) return false;
     std::vector<float> vector = seq->pooled;
     if (seq->pool == Pooling::Mean) {
         for (float& v : vector) v /= static_cast<float>(seq->size());
@@ -67,45 +69,79 @@ bool Engine::pool_chunk(const SeqPtr& seq, int64_t start, const float* part, Del
         for (float& v : vector) v *= scale;
     }
     delta = Delta{seq->id, {}, Finish::Stop, -1, {}, std::move(vector)};
-    scheduler_.finish(seq);
     return true;
 }
 
 std::vector<Delta> Engine::step() {
     Stopwatch timed(profile_.step);
-    const ScheduledBatch batch = scheduler_.schedule();
+    propose_drafts();
+    ScheduledBatch batch = scheduler_.schedule();
     if (batch.seqs.empty()) return {};
     std::vector<int32_t> tokens;
     const std::vector<SequenceSlice> slices = slices_of(batch, tokens);
+    const std::vector<StateCapture> captures = captures_of(batch, slices);
     std::vector<float> pooled;
     std::vector<float> logits;
     try {
-        logits = model_->forward(tokens, slices, &pooled, &batch.captures);
+        logits = model_->forward(tokens, slices, &pooled, &captures);
     } catch (...) {
         scheduler_.failed(batch);
+        for (const SeqPtr& seq : batch.seqs) seq->draft.clear();
         throw;
     }
-    scheduler_.computed(batch);
     ++profile_.steps;
     profile_.tokens += static_cast<int64_t>(tokens.size());
-    return deltas_of(batch, slices, logits, pooled);
+    std::vector<SeqPtr> done;
+    std::vector<Delta> deltas = deltas_of(batch, slices, logits, pooled, done);
+    scheduler_.computed(batch);
+    commit_states(batch, slices);
+    for (const SeqPtr& seq : done) scheduler_.finish(seq);
+    return deltas;
+}
+
+void Engine::propose_drafts() {
+    if (!drafter_.enabled()) return;
+    const std::vector<SeqPtr>& running = scheduler_.running();
+    for (const SeqPtr& seq : running) {
+        if (seq->computed + 1 != seq->size() || !seq->draft.empty()) continue;  // not decoding next, or drafted
+        // Tokens past max_tokens are never emitted: the last draft leaves room for the token its row gives.
+        const int64_t room = seq->sampling.max_tokens - seq->num_output() - 1;
+        seq->draft = drafter_.propose(seq->tokens, seq->spec, room, static_cast<int64_t>(running.size()));
+    }
 }
 
 std::vector<SequenceSlice> Engine::slices_of(const ScheduledBatch& batch, std::vector<int32_t>& tokens) const {
     std::vector<SequenceSlice> slices;
     for (size_t i = 0; i < batch.seqs.size(); ++i) {
         const Sequence& seq = *batch.seqs[i];
+        const int64_t own = std::min(batch.counts[i], seq.size() - seq.computed), drafted = batch.counts[i] - own;
         const auto first = seq.tokens.begin() + seq.computed;
-        tokens.insert(tokens.end(), first, first + batch.counts[i]);
-        const bool samples = seq.computed + batch.counts[i] == seq.size() && seq.pool == Pooling::None;
-        slices.push_back({seq.computed, batch.counts[i], seq.blocks, samples ? 1 : 0, seq.pool, seq.state_slot,
-                          static_cast<int64_t>(seq.num_prompt)});
+        tokens.insert(tokens.end(), first, first + own);
+        tokens.insert(tokens.end(), seq.draft.begin(), seq.draft.begin() + drafted);
+        const bool samples = seq.computed + own == seq.size() && seq.pool == Pooling::None;
+        slices.push_back({seq.computed, batch.counts[i], seq.blocks, samples ? 1 + drafted : 0, seq.pool,
+                          seq.state_slot, static_cast<int64_t>(seq.num_prompt)});
     }
     return slices;
 }
 
-std::vector<Delta> Engine::deltas_of(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,
-                                     const std::vector<float>& logits, const std::vector<float>& pooled) {
+std::vector<StateCapture> Engine::captures_of(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices) {
+    std::vector<StateCapture> captures = batch.captures;
+    if (model_->num_state_slots() == 0) return captures;
+    const size_t floats = static_cast<size_t>(model_->state_bytes() / 4);
+    size_t rows = 0;
+    for (const SequenceSlice& slice : slices) rows += static_cast<size_t>(std::max<int64_t>(slice.num_logits - 1, 0));
+    verify_states_.resize(rows * floats);
+    size_t at = 0;
+    for (size_t i = 0; i < slices.size(); ++i) {
+        for (int64_t t = 1; t < slices[i].num_logits; ++t, ++at) captures.push_back({i, t, &verify_states_[at * floats]});
+    }
+    return captures;
+}
+
+std::vector<Delta> Engine::deltas_of(ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,
+                                     const std::vector<float>& logits, const std::vector<float>& pooled,
+                                     std::vector<SeqPtr>& done) {
     const int64_t vocab = model_->vocab_size(), hidden = model_->hidden_size();
     std::vector<Delta> deltas;
     int64_t row = 0, pooled_row = 0;
@@ -113,44 +149,73 @@ std::vector<Delta> Engine::deltas_of(const ScheduledBatch& batch, const std::vec
         const SeqPtr& seq = batch.seqs[i];
         if (seq->pool != Pooling::None) {
             Delta delta;
-            if (pool_chunk(seq, slices[i].start, &pooled[static_cast<size_t>(pooled_row++ * hidden)], delta)) {
+            if (pool_chunk(seq, slices[i].start, slices[i].start + slices[i].num_tokens,
+                           &pooled[static_cast<size_t>(pooled_row++ * hidden)], delta)) {
                 deltas.push_back(std::move(delta));
+                done.push_back(seq);
             }
             continue;
         }
         if (slices[i].num_logits == 0) continue;  // a prompt chunk that does not reach the end yet
         Stopwatch sampling(profile_.sample);
-        const auto first = logits.begin() + row * vocab;
-        deltas.push_back(sample_next(seq, std::vector<float>(first, first + vocab)));
+        int64_t kept = 0;
+        deltas.push_back(sample_rows(seq, &logits[static_cast<size_t>(row * vocab)], slices[i].num_logits, kept));
+        if (slices[i].num_logits > 1) batch.counts[i] = kept;
+        if (deltas.back().finish != Finish::None) done.push_back(seq);
         row += slices[i].num_logits;
     }
     return deltas;
 }
 
-Delta Engine::sample_next(const SeqPtr& seq, std::vector<float> logits) {
+Delta Engine::sample_rows(const SeqPtr& seq, const float* logits, int64_t rows, int64_t& kept) {
+    const int64_t vocab = model_->vocab_size();
+    const std::vector<int32_t> drafts(seq->draft.begin(), seq->draft.begin() + (rows - 1));
+    seq->draft.clear();
     Delta delta{seq->id, {}, Finish::None, -1, {}, {}};
-    TokenLogprobs logprobs{};
     const bool wants_logprobs = seq->sampling.logprobs >= 0;
-    const int32_t token = sample(logits, seq->sampling, seq->tokens, seq->num_prompt, seq->rng,
-                                 wants_logprobs ? &logprobs : nullptr, seq->allowed);
-    if (token < 0) {  // the grammar and min_tokens left no token: this request fails, alone
-        delta.finish = Finish::Error;
-        scheduler_.finish(seq);
-        return delta;
-    }
-    seq->tokens.push_back(token);
-    delta.tokens.push_back(token);
-    if (wants_logprobs) delta.logprobs.push_back(std::move(logprobs));
     const auto& stops = seq->sampling.stop_ids;
     const auto& own = seq->sampling.request_stop_ids;
-    if (seq->num_output() > seq->sampling.min_tokens && std::find(stops.begin(), stops.end(), token) != stops.end()) {
-        delta.finish = Finish::Stop;
-        if (std::find(own.begin(), own.end(), token) != own.end()) delta.stop_token_id = token;
-    } else if (seq->num_output() >= seq->sampling.max_tokens) {
-        delta.finish = Finish::Length;
+    int64_t accepted = 0;
+    for (int64_t j = 0; j < rows; ++j) {
+        // Row j's context is the sequence with drafts 0..j-1 already in it: the rows before kept them.
+        std::vector<float> row(logits + j * vocab, logits + (j + 1) * vocab);
+        TokenLogprobs logprobs{};
+        Rng rng(draw_seed(seq->seed, seq->num_output()));
+        const int32_t token = sample(row, seq->sampling, seq->tokens, seq->num_prompt, rng,
+                                     wants_logprobs ? &logprobs : nullptr, seq->allowed);
+        if (token < 0) {  // the grammar and min_tokens left no token: this request fails, alone
+            delta.finish = Finish::Error;
+            break;
+        }
+        const bool keeps = j < static_cast<int64_t>(drafts.size()) && token == drafts[static_cast<size_t>(j)];
+        accepted += keeps ? 1 : 0;
+        seq->tokens.push_back(token);
+        delta.tokens.push_back(token);
+        if (wants_logprobs) delta.logprobs.push_back(std::move(logprobs));
+        if (seq->num_output() > seq->sampling.min_tokens && std::find(stops.begin(), stops.end(), token) != stops.end()) {
+            delta.finish = Finish::Stop;
+            if (std::find(own.begin(), own.end(), token) != own.end()) delta.stop_token_id = token;
+        } else if (seq->num_output() >= seq->sampling.max_tokens) {
+            delta.finish = Finish::Length;
+        }
+        if (delta.finish != Finish::None || !keeps) break;
     }
-    if (delta.finish != Finish::None) scheduler_.finish(seq);
+    drafter_.verified(seq->spec, static_cast<int64_t>(drafts.size()), accepted);
+    kept = 1 + accepted;
     return delta;
+}
+
+void Engine::commit_states(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices) {
+    if (model_->num_state_slots() == 0) return;
+    const size_t floats = static_cast<size_t>(model_->state_bytes() / 4);
+    size_t at = 0;  // the captures of slice i follow those of the slices before it (captures_of)
+    for (size_t i = 0; i < slices.size(); ++i) {
+        const int64_t rows = slices[i].num_logits;
+        if (rows > 1 && batch.counts[i] < rows && batch.seqs[i]->state_slot >= 0) {
+            model_->load_state(batch.seqs[i]->state_slot, &verify_states_[(at + static_cast<size_t>(batch.counts[i] - 1)) * floats]);
+        }
+        at += static_cast<size_t>(std::max<int64_t>(rows - 1, 0));
+    }
 }
 
 void Engine::set_allowed(const std::string& id, std::vector<uint32_t> words) {
@@ -187,7 +252,7 @@ EngineStats Engine::stats() const {
     const StateSnapshots& snapshots = scheduler_.snapshots();
     return {scheduler_.num_running(), scheduler_.num_waiting(), blocks.num_blocks(),
             blocks.num_blocks() - blocks.num_free(), scheduler_.preemptions(), blocks.queries(), blocks.hits(),
-            snapshots.size(), snapshots.hits(), snapshots.evictions()};
+            snapshots.size(), snapshots.hits(), snapshots.evictions(), drafter_.stats()};
 }
 
 }  // namespace pocketllm

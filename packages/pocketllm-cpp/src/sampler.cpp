@@ -18,6 +18,10 @@ uint64_t Rng::next() {
     return z ^ (z >> 31);
 }
 
+uint64_t draw_seed(uint64_t seed, int64_t index) {
+    return Rng(seed + static_cast<uint64_t>(index) * 0x9E3779B97F4A7C15ull).next();
+}
+
 std::vector<double> log_softmax(const std::vector<float>& logits) {
     const float best = *std::max_element(logits.begin(), logits.end());
     double total = 0.0;

@@ -35,10 +35,11 @@ ScheduledBatch Scheduler::schedule() {
     for (const SeqPtr& seq : std::vector<SeqPtr>(running_)) {
         if (budget == 0) break;
         if (std::find(running_.begin(), running_.end(), seq) == running_.end()) continue;  // preempted just now
-        const int64_t n = chunk(*seq, seq->computed,
+        int64_t n = chunk(*seq, seq->computed,
                                 std::min({seq->size() - seq->computed, config_.prefill_chunk_size, budget}));
         if (n == 0) continue;
         if (reserve(seq, seq->computed + n, batch.seqs)) {
+            if (seq->computed + n == seq->size()) n += draft_room(*seq, budget - n);
             batch.seqs.push_back(seq);
             batch.counts.push_back(n);
             budget -= n;
@@ -81,6 +82,21 @@ void Scheduler::plan_captures(ScheduledBatch& batch) {
             batch.capture_keys.push_back(key);
         }
     }
+}
+
+int64_t Scheduler::draft_room(Sequence& seq, int64_t budget) {
+    int64_t room = std::min(static_cast<int64_t>(seq.draft.size()), budget);
+    const int64_t size = model_.block_size();
+    while (room > 0 && static_cast<int64_t>(seq.blocks.size()) * size < seq.size() + room) {
+        const int32_t block = blocks_.allocate();
+        if (block < 0) {
+            room = static_cast<int64_t>(seq.blocks.size()) * size - seq.size();
+            break;
+        }
+        seq.blocks.push_back(block);
+    }
+    seq.draft.resize(static_cast<size_t>(std::max<int64_t>(room, 0)));
+    return static_cast<int64_t>(seq.draft.size());
 }
 
 int64_t Scheduler::chunk(const Sequence& seq, int64_t start, int64_t n) const {
@@ -150,6 +166,12 @@ void Scheduler::computed(const ScheduledBatch& batch) {
         Sequence& seq = *batch.seqs[i];
         seq.computed += batch.counts[i];
         blocks_.register_full(seq.tokens, seq.computed, seq.blocks, seq.chain);
+        const size_t needed = static_cast<size_t>((seq.size() + model_.block_size() - 1) / model_.block_size());
+        if (seq.blocks.size() > needed) {
+            std::vector<int32_t> past(seq.blocks.begin() + static_cast<std::ptrdiff_t>(needed), seq.blocks.end());
+            blocks_.release(past);
+            seq.blocks.resize(needed);
+        }
         const bool at_boundary = seq.computed % model_.block_size() == 0 &&
                                  seq.chain.blocks * model_.block_size() == seq.computed;
         if (snapshot_ && at_boundary && seq.computed <= static_cast<int64_t>(seq.num_prompt)) {
@@ -173,6 +195,7 @@ void Scheduler::preempt(const SeqPtr& seq) {
     running_.erase(std::find(running_.begin(), running_.end(), seq));
     release(*seq);
     seq->computed = 0;
+    seq->draft.clear();
     waiting_.push_front(seq);
     ++preemptions_;
 }

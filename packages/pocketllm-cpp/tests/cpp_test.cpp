@@ -91,6 +91,35 @@ static std::map<std::string, std::vector<int32_t>> run_hashed(Engine& engine,
     return out;
 }
 
+// Prompt lookup: the latest of the longest earlier occurrences of the sequence's suffix, within ngram_min..max,
+// its continuation cut to k and to the sequence's end (the same cases as tests/core/test_ngram_proposer.py).
+static void speculative_tests() {
+    using V = std::vector<int32_t>;
+    CHECK((ngram_draft({1, 2, 3, 4, 5, 9, 1, 2, 3}, 1, 4, 3) == V{4, 5, 9}));
+    CHECK((ngram_draft({1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 2, 3}, 1, 4, 3) == V{7, 8, 2}));
+    CHECK(ngram_draft({1, 2, 3, 1, 2}, 3, 4, 2).empty());
+    CHECK((ngram_draft({1, 2, 3, 1, 2}, 2, 4, 2) == V{3, 1}));
+    CHECK((ngram_draft({5, 5, 5, 5}, 1, 4, 3) == V{5}));
+    CHECK((ngram_draft({7, 1, 2, 8, 2, 9, 1, 2}, 1, 4, 2) == V{8, 2}));  // "1 2" beats the later "2"
+    CHECK(ngram_draft({1, 2, 3}, 1, 4, 0).empty() && ngram_draft({4}, 1, 1, 2).empty());
+    // Drafting pauses after misses and shrinks k to what was accepted; whole acceptances grow it back.
+    Drafter drafter(SpeculativeConfig{4, 1, 4, 2});
+    DraftState state = drafter.start();
+    CHECK(state.on && state.k == 4);
+    CHECK(drafter.propose({1, 2, 1}, state, 8, 3).empty());  // more running than max_batch
+    drafter.verified(state, 4, 1);
+    CHECK(state.k == 2 && state.pause == 0);
+    drafter.verified(state, 2, 2);
+    CHECK(state.k == 3);
+    drafter.verified(state, 3, 0);
+    drafter.verified(state, 1, 0);
+    CHECK(state.k == 1 && state.pause == 2);
+    CHECK(drafter.propose({1, 2, 1}, state, 8, 1).empty() && state.pause == 1);
+    const SpeculativeStats& stats = drafter.stats();
+    CHECK(stats.drafts == 4 && stats.draft_tokens == 10 && stats.accepted_tokens == 3);
+    CHECK((stats.accepted_per_position == std::vector<int64_t>{2, 1, 0, 0}));
+}
+
 static void state_slot_tests() {
     std::vector<int32_t> shared;
     for (int32_t i = 0; i < 21; ++i) shared.push_back((i * 7) % 90);
@@ -290,6 +319,7 @@ static void qwen3_5_tests() {
 }
 
 int main() {
+    speculative_tests();
     state_slot_tests();
     qwen3_5_tests();
     const int64_t rows = 48, cols = 96, n = 3;

@@ -57,6 +57,9 @@ class EngineArgs:
                                           "4 where not given")
     draft_model: str | None = _option(None, "draft_model: the smaller model that drafts (a path or an alias, with "
                                             "the target's tokenizer)")
+    speculative_disable_by_batch_size: int | None = _option(
+        None, "speculative decoding drafts only while at most this many requests run (a batch that large is bound by "
+              "compute, which verifying drafts adds to); none: the backend's measured default")
     seed: int = _option(0, "engine seed: the random stream of requests that set no seed of their own "
                            "(a request's `seed` wins)")
     grammar_cache_mb: int = _option(64, "memory for compiled structured-output grammars kept for reuse, in MiB "
@@ -112,6 +115,12 @@ class EngineArgs:
         else:
             for name in ("ngram_min", "ngram_max"):
                 _check(getattr(self, name) is None, name, "needs speculative_method ngram")
+        limit = self.speculative_disable_by_batch_size
+        if method is None:
+            _check(limit is None, "speculative_disable_by_batch_size", "needs speculative_method")
+        else:
+            _check(limit is None or (_is_int(limit) and limit >= 1), "speculative_disable_by_batch_size",
+                   f"must be a positive integer or None, got {limit!r}")
         if method == "draft_model":
             _check(isinstance(self.draft_model, str) and bool(self.draft_model), "draft_model",
                    "speculative_method draft_model needs a draft_model (a path or an alias)")

@@ -11,6 +11,7 @@
 #include "pocketllm_cpp/sampler.h"
 #include "pocketllm_cpp/scheduler.h"
 #include "pocketllm_cpp/sequence.h"
+#include "pocketllm_cpp/speculative.h"
 
 namespace pocketllm {
 
@@ -30,14 +31,16 @@ struct Delta {
 struct EngineStats {
     int64_t running, waiting, blocks_total, blocks_used, preemptions, prefix_queries, prefix_hits;
     int64_t state_snapshots, state_snapshot_hits, state_snapshot_evictions;
+    SpeculativeStats speculative;
 };
 
 class Engine {
 public:
-    Engine(std::shared_ptr<Model> model, SchedulerConfig config);
+    Engine(std::shared_ptr<Model> model, SchedulerConfig config, SpeculativeConfig speculative = {});
 
     // Queues a request; throws std::invalid_argument for an id in use or a prompt the pool can never hold.
-    void add_request(const std::string& id, std::vector<int32_t> prompt, SamplingConfig sampling);
+    // `drafts`: whether speculative decoding may draft for it (not for a grammar's: its mask follows each token).
+    void add_request(const std::string& id, std::vector<int32_t> prompt, SamplingConfig sampling, bool drafts = true);
     // Queues a request for the pooled final hidden states of `prompt` (L2-normalized if `normalize`), reported in
     // one Delta with `embedding` set and Finish::Stop; throws as add_request.
     void add_embedding_request(const std::string& id, std::vector<int32_t> prompt, Pooling pool, bool normalize);
@@ -54,19 +57,31 @@ public:
 
 private:
     void check_prompt(const std::string& id, const std::vector<int32_t>& prompt, int64_t longest) const;
-    // The model's slices for a step's batch, their new tokens appended to `tokens`.
+    // Before a step: the drafts of the running sequences that decode next (see speculative.h).
+    void propose_drafts();
+    // The model's slices for a step's batch, their new tokens (and drafts) appended to `tokens`.
     std::vector<SequenceSlice> slices_of(const ScheduledBatch& batch, std::vector<int32_t>& tokens) const;
-    // What the step's logits and pooled rows yield: each sampled token, each finished embedding.
-    std::vector<Delta> deltas_of(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,
-                                 const std::vector<float>& logits, const std::vector<float>& pooled);
-    Delta sample_next(const SeqPtr& seq, std::vector<float> logits);
-    // Folds in the pooling of a prompt chunk that started at `start`; true, with `delta` set (and the request
-    // finished), once its prompt is done.
-    bool pool_chunk(const SeqPtr& seq, int64_t start, const float* part, Delta& delta);
+    // The captures the forward pass takes: the batch's snapshots, and for a model with state layers the state
+    // after each row but the last of every verification (into verify_states_), so the accepted one can be kept.
+    std::vector<StateCapture> captures_of(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices);
+    // What the step's logits and pooled rows yield: each sequence's tokens, each finished embedding; the finished
+    // sequences go into `done`, and a verification's count is cut to the rows it kept.
+    std::vector<Delta> deltas_of(ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,
+                                 const std::vector<float>& logits, const std::vector<float>& pooled,
+                                 std::vector<SeqPtr>& done);
+    // A sequence's rows (its last token's, then one per draft) into tokens: row 0's, then, while row j's token is
+    // draft j, row j + 1's, up to what ends it; `kept` is the rows whose keys, values and states stay valid.
+    Delta sample_rows(const SeqPtr& seq, const float* logits, int64_t rows, int64_t& kept);
+    // After a verification that kept fewer rows than it ran: its state layers take the state after the last kept.
+    void commit_states(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices);
+    // Folds in the pooling of a prompt chunk [start, end); true, with `delta` set, once its prompt is done.
+    bool pool_chunk(const SeqPtr& seq, int64_t start, int64_t end, const float* part, Delta& delta);
 
     std::shared_ptr<Model> model_;
     Rng seeds_;
     Scheduler scheduler_;
+    Drafter drafter_;
+    std::vector<float> verify_states_;  // this step's verification captures, state_bytes / 4 floats each
     Profile profile_;  // step, sample, steps and tokens; the model keeps its own share
 };
 

@@ -35,7 +35,7 @@ struct TokenLogprobs {  // the chosen token's logprob and rank (1: the most like
     std::vector<Alternative> top;
 };
 
-// A per-sequence random stream (splitmix64): the same seed draws the same numbers whatever else runs.
+// A random stream (splitmix64): the same seed draws the same numbers whatever else runs.
 class Rng {
 public:
     explicit Rng(uint64_t seed) : state_(seed) {}
@@ -44,6 +44,10 @@ public:
 private:
     uint64_t state_;
 };
+
+// The seed of the stream that draws output token `index` of a request seeded `seed`: a draw depends on these two
+// alone, so neither the batch nor how many drafts a step accepted moves a request's draws.
+uint64_t draw_seed(uint64_t seed, int64_t index);
 
 // Sampling in parts, which sample() composes and speculative decoding will reuse (its acceptance test needs
 // the processed, truncated distribution, not only a draw from it).

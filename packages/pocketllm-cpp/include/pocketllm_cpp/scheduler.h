@@ -28,7 +28,8 @@ struct SchedulerConfig {
     int64_t snapshot_bytes = 0;  // the state snapshots' budget (models with state layers, with prefix caching)
 };
 
-// One step's work: seqs[i] computes its next counts[i] tokens.
+// One step's work: seqs[i] computes its next counts[i] tokens (a decoding sequence's last token and then its
+// drafts, where it has any).
 struct ScheduledBatch {
     std::vector<SeqPtr> seqs;
     std::vector<int64_t> counts;
@@ -42,7 +43,9 @@ public:
 
     void add(const SeqPtr& seq);  // waiting, in arrival order
     ScheduledBatch schedule();
-    // After the step ran: the tokens computed, their full blocks registered, the states at block boundaries kept.
+    // After the step ran (counts cut, for a verification, to the rows it kept): the tokens computed, their full
+    // blocks registered, the states at block boundaries kept, and blocks past a sequence's tokens (a rejected
+    // draft's) freed.
     void computed(const ScheduledBatch& batch);
     // After a step whose forward pass threw: its captures were never written, so they are not kept.
     void failed(const ScheduledBatch& batch);
@@ -50,6 +53,7 @@ public:
     SeqPtr find(const std::string& id) const;
     bool has_unfinished() const { return !waiting_.empty() || !running_.empty(); }
 
+    const std::vector<SeqPtr>& running() const { return running_; }
     int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
     int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
     int64_t preemptions() const { return preemptions_; }
@@ -59,6 +63,10 @@ public:
 private:
     bool reserve(const SeqPtr& seq, int64_t tokens, const std::vector<SeqPtr>& scheduled);
     bool admit(const SeqPtr& seq, int64_t budget, int64_t& count);
+    // How many of a decoding sequence's drafts run with it: as many as the budget and the free blocks allow,
+    // without preempting anyone (a draft is worth less than another sequence's progress); its drafts are cut to
+    // those.
+    int64_t draft_room(Sequence& seq, int64_t budget);
     // `n` cut so that a prompt chunk that is not the last ends on the model's chunk_alignment (so that the split
     // does not change a token's bits) and, with snapshots, at a block boundary, never past the prompt's last
     // full-block boundary: where snapshots are taken. 0: nothing aligned fits the budget left.

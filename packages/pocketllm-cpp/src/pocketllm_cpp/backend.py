@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 # KV-cache element types and their bytes; "auto" is float16, half the bytes attention reads per position.
 KV_CACHE_DTYPES = {"float16": 2, "float32": 4}
 KV_MEMORY_FRACTION = 0.25  # of physical RAM, as the torch backend
+# Speculative decoding drafts while at most this many sequences run (EngineArgs.speculative_disable_by_batch_size
+# by default): past it, the rows a batch verifies cost more than the steps they save (bench/pocketbench/spec.py).
+SPECULATIVE_MAX_BATCH = 4
 _NO_MASK = np.zeros(0, np.uint32)
 _NOTHING_ALLOWED = "no token may be sampled: the grammar (with min_tokens and logit_bias) allows none"
 
@@ -63,6 +66,7 @@ class CppBackend:
             prefix_caching=True,
             structured_outputs=True,
             pooling_types=POOLING_TYPES,
+            speculative_methods=("ngram",),
             devices=("cpu",),
             dtypes=("float32",),
             kv_cache_dtypes=("auto", *KV_CACHE_DTYPES),
@@ -114,8 +118,16 @@ class CppEngine:
         self.model = build_model(checkpoint, num_blocks=num_blocks, block_size=block_size, num_threads=threads,
                                  exact_activations=options.exact_activations, kv_cache_dtype=kv_dtype,
                                  num_state_slots=args.max_num_seqs)
+        speculative = _native.SpeculativeConfig()
+        if args.speculative_method is not None:  # ngram, the one this backend lists
+            assert args.ngram_min is not None and args.ngram_max is not None
+            speculative.num_tokens, speculative.ngram_min, speculative.ngram_max = (
+                args.num_speculative_tokens, args.ngram_min, args.ngram_max)
+            speculative.max_batch = (SPECULATIVE_MAX_BATCH if args.speculative_disable_by_batch_size is None
+                                     else args.speculative_disable_by_batch_size)
         self.engine = _native.Engine(self.model, args.max_num_seqs, args.max_num_batched_tokens,
-                                     args.prefill_chunk_size, args.seed, args.enable_prefix_caching, snapshot_bytes)
+                                     args.prefill_chunk_size, args.seed, args.enable_prefix_caching, snapshot_bytes,
+                                     speculative)
         self.vocab_size = config.vocab_size
         # The module, loaded here once (importing this file must not need it: `pocketllm backends` lists a
         # backend whose native library is missing), and its finish reasons in the core's words.
@@ -136,7 +148,8 @@ class CppEngine:
         sampling.stop_ids = list(dict.fromkeys([*params.stop_token_ids, *(() if params.ignore_eos else self.eos)]))
         sampling.request_stop_ids = list(params.stop_token_ids)
         sampling.logprobs = -1 if params.logprobs is None else params.logprobs
-        self.engine.add_request(request_id, prompt_token_ids, sampling)
+        # A grammar's mask follows each token, set between steps: its requests do not draft.
+        self.engine.add_request(request_id, prompt_token_ids, sampling, constraint is None)
         if constraint is not None:
             self.constraints[request_id] = constraint
             try:
@@ -212,7 +225,10 @@ class CppEngine:
                             num_kv_blocks_used=s.blocks_used, num_preemptions=s.preemptions,
                             num_prefix_cache_queries=s.prefix_queries, num_prefix_cache_hits=s.prefix_hits,
                             num_state_snapshots=s.state_snapshots, num_state_snapshot_hits=s.state_snapshot_hits,
-                            num_state_snapshot_evictions=s.state_snapshot_evictions)
+                            num_state_snapshot_evictions=s.state_snapshot_evictions,
+                            num_spec_drafts=s.speculative.drafts, num_spec_draft_tokens=s.speculative.draft_tokens,
+                            num_spec_accepted_tokens=s.speculative.accepted_tokens,
+                            spec_accepted_per_position=list(s.speculative.accepted_per_position))
 
     def shutdown(self) -> None:
         del self.engine, self.model  # the KV pool and the worker threads go with them

@@ -15,6 +15,7 @@ from pocketllm.backend import API_VERSION, FLOAT_STORAGE_TYPES, SAMPLING_OPTIONS
 from pocketllm.pooling import POOLING_TYPES
 from pocketllm_torch.models import MODELS
 from pocketllm_torch.name import NAME
+from pocketllm_torch.openmp import import_torch
 from pocketllm_torch.options import TorchOptions
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ class TorchBackend:
             structured_outputs=True,
             pooling_types=POOLING_TYPES,
             tensor_parallel=True,
+            speculative_methods=("ngram",),
             devices=("cpu", "cuda"),
             dtypes=("float32", "bfloat16", "float16"),
             kv_cache_dtypes=("auto", "float32", "bfloat16", "float16"),
@@ -58,12 +60,14 @@ class TorchBackend:
         )
 
     def create_engine(self, args: EngineArgs, checkpoint: Checkpoint, options: TorchOptions) -> TorchEngine:
+        import_torch()
         from pocketllm_torch.engine import TorchEngine
 
         return TorchEngine(args, checkpoint, options)
 
     def run_tp_worker(self, args: EngineArgs, checkpoint: Checkpoint, options: TorchOptions,
                       ready: Callable[[], None]) -> None:
+        import_torch()
         from pocketllm_torch.engine import serve_as_worker
 
         serve_as_worker(args, checkpoint, options, ready)

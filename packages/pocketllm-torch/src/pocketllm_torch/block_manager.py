@@ -51,6 +51,16 @@ class BlockManager:
             self.ref_counts[block_id] = 1
             seq.block_table.append(block_id)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free ``seq``'s blocks past its first ``num_tokens`` tokens (what a rejected draft had reserved)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_block_ids[block_id] = None
+                self.free_block_ids.move_to_end(block_id, last=False)
+
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so that they are reused before the prefixes other requests may share.
         for block_id in reversed(seq.block_table):

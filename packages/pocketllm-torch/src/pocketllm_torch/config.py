@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_MEMORY_FRACTION = 0.25  # of physical RAM: the weights and the rest of the process need the remainder
 GPU_KV_MEMORY_FRACTION = 0.9  # of the memory still free once the weights are loaded
+# Speculative decoding drafts while at most this many sequences run (EngineArgs.speculative_disable_by_batch_size
+# by default): past it, the rows a batch verifies cost more than the steps they save (bench/pocketbench/spec.py).
+SPECULATIVE_MAX_BATCH = 4
 # torch's intra-op threads before any engine set them: its own default (the physical cores of the affinity mask
 # it loaded with), or what the process chose. An engine without num_threads takes at most these.
 _THREADS_BEFORE = torch.get_num_threads()
@@ -43,6 +46,7 @@ class TorchConfig:
     enable_prefix_caching: bool
     decode_graphs: bool  # replay decode steps from TorchScript traces (see decode_graphs.py)
     state_snapshot_bytes: int  # budget of the state layers' prefix-cache snapshots (see state_snapshots.py)
+    speculative_max_batch: int  # speculative decoding drafts while at most this many sequences run
 
     @classmethod
     def from_args(cls, args: EngineArgs, model: ModelConfig, options: TorchOptions) -> TorchConfig:
@@ -71,6 +75,8 @@ class TorchConfig:
             # On by default where it was measured: CPUs, where a small model's decode is bound by Python overhead.
             decode_graphs=device.type == "cpu" if options.decode_graphs is None else options.decode_graphs,
             state_snapshot_bytes=options.state_snapshot_mb << 20,
+            speculative_max_batch=(SPECULATIVE_MAX_BATCH if args.speculative_disable_by_batch_size is None
+                                   else args.speculative_disable_by_batch_size),
         )
 
     def kv_bytes_per_block(self, num_attention_layers: int) -> int:

@@ -26,6 +26,10 @@ class StepContext:
     # layers keep their states (None: nowhere), and what they kept there, (conv, recurrent) in layer order.
     capture_points: list[list[int]] | None = None
     captured: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = field(default_factory=dict)
+    # Speculative verifications: the sequences whose rows are a token and its drafts, and the (conv, recurrent)
+    # states, in layer order, after p of their rows (p < their rows; the slot holds the state after all of them).
+    verifying: frozenset[int] = frozenset()
+    kept: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = field(default_factory=dict)
 
     @property
     def is_decode(self) -> bool:

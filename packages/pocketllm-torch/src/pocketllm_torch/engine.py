@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -15,6 +15,7 @@ from pocketllm_torch.model_runner import ModelRunner
 from pocketllm_torch.sampler import SamplingFailure
 from pocketllm_torch.scheduler import Scheduler
 from pocketllm_torch.sequence import Sequence
+from pocketllm_torch.speculative import Drafter, accepts
 from pocketllm_torch.state_cache import StateSlots
 from pocketllm_torch.tensor_parallel import Group
 
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from pocketllm.sampling_params import SamplingParams
     from pocketllm.structured import Constraint
     from pocketllm_torch.options import TorchOptions
+    from pocketllm_torch.sampler import Outcome
+    from pocketllm_torch.scheduler import ScheduledBatch
 
 
 # What an embedding request's Sequence carries where a generation's parameters go: nothing samples it.
@@ -71,16 +74,17 @@ class TorchEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.prefill_chunk_size, self.state_slots, self.runner.snapshots)
         self.seqs: dict[str, Sequence] = {}
+        self.drafter = (Drafter(args, self.config.speculative_max_batch) if args.speculative_method is not None
+                        else None)
         # Seeds for requests without one: reproducible for a given engine seed and order of requests.
         self._seeds = random.Random(args.seed)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     constraint: Constraint | None = None) -> None:
         # The core has checked the prompt, the ids in it and the parameters (see pocketllm.backend.Engine).
-        generator = None
+        seed = None
         if not params.is_greedy:
             seed = self._seeds.getrandbits(63) if params.seed is None else params.seed
-            generator = torch.Generator(self.config.device).manual_seed(seed)
         eos = () if params.ignore_eos else self.config.model.eos_token_ids
         assert params.max_tokens is not None  # resolved by the core
         seq = Sequence(
@@ -90,29 +94,39 @@ class TorchEngine:
             params=params,
             max_output_tokens=params.max_tokens,
             stop_token_ids=frozenset((*params.stop_token_ids, *eos)),
-            generator=generator,
+            seed=seed,
             constraint=constraint,
         )
+        if self.drafter is not None:
+            self.drafter.start(seq)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
     def add_embedding_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> None:
         seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids),
                        num_prompt_tokens=len(prompt_token_ids), params=_EMBEDDING_PARAMS, max_output_tokens=0,
-                       stop_token_ids=frozenset(), generator=None, pooling=params)
+                       stop_token_ids=frozenset(), seed=None, pooling=params)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
     def step(self) -> list[RequestDelta]:
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         sampled = self.runner.run(batch)
+        done: list[Sequence] = []
+        deltas = [self._take(seq, i, new, batch, done) for i, (seq, new) in enumerate(zip(batch.seqs, sampled,
+                                                                                         strict=True))
+                  if new is not None]
         self.scheduler.mark_computed(batch)
+        self.runner.commit_states(batch)
         self.runner.save_snapshots(batch)
-        return [self._fail(seq, new.message) if isinstance(new, SamplingFailure)
-                else self._embedded(seq, new) if isinstance(new, list) else self._append(seq, *new)
-                for seq, new in zip(batch.seqs, sampled, strict=True) if new is not None]
+        for seq in done:
+            del self.seqs[seq.request_id]
+            self.scheduler.finish(seq)
+        return deltas
 
     def abort(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -124,7 +138,7 @@ class TorchEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> BackendStats:
-        return BackendStats(
+        stats = BackendStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_kv_blocks_total=self.block_manager.num_blocks,
@@ -136,6 +150,9 @@ class TorchEngine:
             num_state_snapshot_hits=snapshots.num_hits if snapshots else 0,
             num_state_snapshot_evictions=snapshots.num_evictions if snapshots else 0,
         )
+        if self.drafter is not None:
+            self.drafter.count_into(stats)
+        return stats
 
     def shutdown(self) -> None:
         self.abort(list(self.seqs))
@@ -148,31 +165,58 @@ class TorchEngine:
         if self.config.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _fail(self, seq: Sequence, message: str) -> RequestDelta:
-        del self.seqs[seq.request_id]
-        self.scheduler.finish(seq)
-        return RequestDelta(request_id=seq.request_id, new_token_ids=[], finish_reason="error", error=message)
-
-    def _embedded(self, seq: Sequence, embedding: list[float]) -> RequestDelta:
-        del self.seqs[seq.request_id]
-        self.scheduler.finish(seq)
-        return RequestDelta(request_id=seq.request_id, new_token_ids=[], finish_reason="stop", embedding=embedding)
-
-    def _append(self, seq: Sequence, token_id: int, logprobs: SampledLogprobs | None) -> RequestDelta:
-        if seq.constraint is not None:
-            seq.constraint.accept(token_id)
-            if seq.constraint.error is not None:
-                return self._fail(seq, f"structured output: {seq.constraint.error}")
-        seq.token_ids.append(token_id)
-        reason = seq.finish_reason()
+    def _take(self, seq: Sequence, index: int, new: list[Outcome] | list[float], batch: ScheduledBatch,
+              done: list[Sequence]) -> RequestDelta:
+        """A sequence's part of the step: its embedding, or the tokens of its sampled rows (see ``_emit``); a
+        finished sequence goes into ``done``."""
+        if seq.pooling is not None:
+            done.append(seq)
+            return RequestDelta(request_id=seq.request_id, new_token_ids=[], finish_reason="stop",
+                                embedding=cast("list[float]", new))
+        rows = cast("list[Outcome]", new)
+        drafts, seq.draft = seq.draft[:len(rows) - 1], []
+        tokens, logprobs, reason, error = self._emit(seq, rows, drafts)
+        if drafts and self.drafter is not None:
+            accepted = next((j for j, (t, d) in enumerate(zip(tokens, drafts, strict=False)) if t != d),
+                            min(len(tokens), len(drafts)))
+            batch.num_new_tokens[index] = 1 + accepted  # the rows whose keys and values stay valid
+            self.drafter.verified(seq, len(drafts), accepted)
         if reason is not None:
-            del self.seqs[seq.request_id]
-            self.scheduler.finish(seq)
+            done.append(seq)
+        if reason == "error":
+            return RequestDelta(request_id=seq.request_id, new_token_ids=[], finish_reason="error", error=error)
+        last = tokens[-1] if tokens else None
         return RequestDelta(
             request_id=seq.request_id,
-            new_token_ids=[token_id],
-            logprobs=None if logprobs is None else [logprobs],
+            new_token_ids=tokens,
+            logprobs=logprobs if seq.params.logprobs is not None else None,
             finish_reason=reason,
             # Only an explicit stop token is reported; EOS speaks for itself.
-            stop_token_id=token_id if reason == "stop" and token_id in seq.params.stop_token_ids else None,
+            stop_token_id=last if reason == "stop" and last in seq.params.stop_token_ids else None,
         )
+
+    @staticmethod
+    def _emit(seq: Sequence, rows: list[Outcome], drafts: list[int]
+              ) -> tuple[list[int], list[SampledLogprobs], str | None, str | None]:
+        """Append a sequence's new tokens: row 0's, then, while row j kept draft j, row j + 1's, up to what ends
+        the request. Returns them, their logprobs, the finish reason and an error message."""
+        tokens: list[int] = []
+        logprobs: list[SampledLogprobs] = []
+        for j, row in enumerate(rows):
+            if isinstance(row, SamplingFailure):
+                return tokens, logprobs, "error", row.message
+            token_id, lp = row
+            if j < len(drafts) and accepts(token_id, drafts[j]):
+                token_id = drafts[j]
+            if seq.constraint is not None:
+                seq.constraint.accept(token_id)
+                if seq.constraint.error is not None:
+                    return tokens, logprobs, "error", f"structured output: {seq.constraint.error}"
+            seq.token_ids.append(token_id)
+            tokens.append(token_id)
+            if lp is not None:
+                logprobs.append(lp)
+            reason = seq.finish_reason()
+            if reason is not None or j == len(drafts) or token_id != drafts[j]:
+                return tokens, logprobs, reason, None
+        raise AssertionError("a sampled sequence has rows")

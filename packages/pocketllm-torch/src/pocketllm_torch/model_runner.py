@@ -15,6 +15,7 @@ from pocketllm_torch.decode_graphs import DecodeGraphs
 from pocketllm_torch.linear import uses_int4, uses_int8
 from pocketllm_torch.models import model_class
 from pocketllm_torch.sampler import Outcome, sample_each
+from pocketllm_torch.speculative import DraftRow
 from pocketllm_torch.state_cache import StateCache
 from pocketllm_torch.state_snapshots import StateSnapshots
 from pocketllm_torch.tensor_parallel import Step, parallelize
@@ -70,6 +71,10 @@ class ModelRunner:
         self._captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # states inside the last step's chunks
         self._capture_ends: list[tuple[Sequence, int]] = []  # rank 0: whose they are, and where
         self._pending_saves: tuple[list[tuple[int, int]], list[tuple[int, int]]] = [], []
+        # Verifications: the states after each row of the last step's (index in its batch, rows) and the
+        # (slot, index, rows) of those to commit at the start of the next.
+        self._kept: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._pending_commits: list[tuple[int, int, int]] = []
         if states and config.enable_prefix_caching:
             # Every rank files and evicts the same snapshots: as many as the rank with the largest states holds (all
             # of them agree, so that all refuse together when none fits).
@@ -117,25 +122,29 @@ class ModelRunner:
             self.snapshots.save(key, self.state_cache.conv[:, slot], self.state_cache.recurrent[:, slot])
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[Outcome | list[float] | None]:
-        """Run the batch's new tokens; sample for each sequence whose last pending token ran, or give an embedding
-        request whose prompt ran its embedding (None for the others).
+    def run(self, batch: ScheduledBatch) -> list[list[Outcome] | list[float] | None]:
+        """Run the batch's new tokens; sample for each sequence whose last own token ran (a row for it, and one
+        per draft that ran after it: see speculative.py), or give an embedding request whose prompt ran its
+        embedding (None for the others).
 
-        A sequence that could not be sampled gets a SamplingFailure instead of its token."""
+        A row that could not be sampled gets a SamplingFailure instead of its token."""
         token_ids: list[int] = []
         starts: list[int] = []
-        last_rows: list[int] = []  # row of the last token of each sequence that samples
-        samplers: list[int] = []  # those sequences' indices in the batch
+        last_rows: list[int] = []  # rows whose logits are sampled
+        rows: list[DraftRow] = []  # what each of them is sampled as
+        samplers: list[tuple[int, int]] = []  # index in the batch and number of rows of each sampling sequence
         poolers: list[tuple[int, int]] = []  # embedding requests: index in the batch, first row of its chunk
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
-            token_ids += seq.token_ids[start:start + n]
+            token_ids += seq.step_token_ids(start, n)
             starts.append(start)
             if seq.pooling is not None:
                 poolers.append((i, len(token_ids) - n))
-            elif start + n == seq.num_tokens:
-                last_rows.append(len(token_ids) - 1)
-                samplers.append(i)
+            elif start + n >= seq.num_tokens:
+                drafted = start + n - seq.num_tokens
+                last_rows += range(len(token_ids) - 1 - drafted, len(token_ids))
+                rows += [DraftRow(seq, j) for j in range(drafted + 1)]
+                samplers.append((i, drafted + 1))
         step = Step(token_ids, starts, list(batch.num_new_tokens), [seq.block_table for seq in batch.seqs],
                     last_rows)
         if self.state_cache is not None:
@@ -150,20 +159,33 @@ class ModelRunner:
                 self._pending_saves = [], []
             for seq in batch.seqs:
                 seq.resume_from = None
+            step.verifying = [i for i, count in samplers if count > 1]
+            step.state_commits, self._pending_commits = self._pending_commits, []
         if self.tp is not None:
             self.tp.send(step)
         logits, hidden, ctx = self.forward(step)
         # Filed by save_snapshots once the blocks they end have their hashes.
         self._capture_ends = [(batch.seqs[i], batch.seqs[i].num_computed_tokens + p) for i, p in ctx.captured]
-        results: list[Outcome | list[float] | None] = [None] * len(batch.seqs)
+        results: list[list[Outcome] | list[float] | None] = [None] * len(batch.seqs)
         for i, row in poolers:
             results[i] = self._pool(batch.seqs[i], hidden[row:row + batch.num_new_tokens[i]])
         if logits is None:
             return results
-        outcomes = sample_each(logits, [batch.seqs[i] for i in samplers])
-        for i, outcome in zip(samplers, outcomes, strict=True):
-            results[i] = outcome
+        outcomes = iter(sample_each(logits, rows))
+        for i, count in samplers:
+            results[i] = [next(outcomes) for _ in range(count)]
         return results
+
+    def commit_states(self, batch: ScheduledBatch) -> None:
+        """After a step's verifications were accepted (``batch.num_new_tokens`` shrunk to the rows kept): each
+        verifying sequence's state layers take their state after its last kept row, at the start of the next
+        step, on every rank (each kept its own states in this step's forward)."""
+        if self.state_cache is None:
+            return
+        for i, seq in enumerate(batch.seqs):
+            kept = batch.num_new_tokens[i]
+            if (i, kept) in self._kept and seq.state_slot is not None:
+                self._pending_commits.append((seq.state_slot, i, kept))
 
     def _pool(self, seq: Sequence, rows: torch.Tensor) -> list[float] | None:
         """Fold an embedding request's chunk of final hidden states into its pooling; its embedding once its
@@ -195,6 +217,10 @@ class ModelRunner:
             if self.tp is not None and self.tp.rank > 0 and self.snapshots is not None:
                 self._file_snapshots(step.slot_saves, step.capture_saves)
             slots = torch.tensor(step.state_slots, device=self.device)
+            for slot, i, kept in step.state_commits:
+                conv, recurrent = (torch.stack(parts) for parts in zip(*self._kept[(i, kept)], strict=True))
+                self.state_cache.conv[:, slot] = conv
+                self.state_cache.recurrent[:, slot] = recurrent
             if step.fresh_slots:
                 self.state_cache.reset(torch.tensor(step.fresh_slots, device=self.device))
             for key, slot in step.restores:
@@ -204,12 +230,14 @@ class ModelRunner:
         positions, meta = build_metadata(step.starts, step.num_new_tokens, step.block_tables, self.block_size,
                                          self.device, self.model.dtype)
         input_ids = torch.tensor(step.token_ids, device=self.device)
-        ctx = StepContext(positions, meta, self.caches, step.num_new_tokens, slots, step.capture_points)
+        ctx = StepContext(positions, meta, self.caches, step.num_new_tokens, slots, step.capture_points,
+                          verifying=frozenset(step.verifying))
         if self.decode_graphs is not None and ctx.is_decode:
             hidden = self.decode_graphs(input_ids, ctx)
         else:
             hidden = self.model(input_ids, ctx)
         self._captured = list(ctx.captured.values())
+        self._kept = ctx.kept
         if not step.last_rows:
             return None, hidden, ctx
         # Only the last token of a sequence needs logits: the lm_head is the largest matrix in small models.

@@ -2,16 +2,20 @@
 
 Order: min_tokens masking, logit_bias, repetition/frequency/presence penalties, the structured-output grammar's
 mask (its packed bits unpacked on the device), then greedy argmax, or
-temperature, top-k, top-p, min-p and a draw. Each row draws from its own generator (an exponential race:
-argmax(p / Exp(1)) picks token i with probability p_i), so a seed gives the same tokens whatever else is in the
-batch. Logprobs come from the raw logits, before any of this.
+temperature, top-k, top-p, min-p and a draw. Each row draws with noise seeded from its request's seed and the
+index of the token it draws (an exponential race: argmax(p / Exp(1)) picks token i with probability p_i), so a seed
+gives the same tokens whatever else is in the batch, and whatever drafts speculative decoding verified before.
+Logprobs come from the raw logits, before any of this.
+
+A row is a sequence, or a sequence with draft tokens assumed after it (a verification row: see speculative.py);
+both answer what the processing reads, as ``SampleRow``.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -23,7 +27,8 @@ from pocketllm.structured import bitmask_words, fill_bitmasks
 if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
 
-    from pocketllm_torch.sequence import Sequence
+    from pocketllm.sampling_params import SamplingParams
+    from pocketllm.structured import Constraint
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +41,41 @@ class SamplingFailure:
 
 
 Outcome = tuple[int, SampledLogprobs | None] | SamplingFailure
-"""A sequence's new token and its logprobs, or why it could not be sampled."""
+"""A row's new token and its logprobs, or why it could not be sampled."""
+
+_MASK64 = (1 << 64) - 1
 
 
-def sample_each(logits: Tensor, seqs: Seq[Sequence]) -> list[Outcome]:
-    """``sample`` for the batch, or, if that fails, row by row, so that one sequence's failure is its own.
+class SampleRow(Protocol):
+    """What choosing a row's token reads: its request, and the tokens before this one."""
 
-    (A retried row draws again: a seeded request shares a failed batch's fate only in this rare path.)"""
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def seed(self) -> int | None: ...  # the request's (or one drawn for it); None for greedy requests
+    @property
+    def stop_token_ids(self) -> frozenset[int]: ...
+    @property
+    def constraint(self) -> Constraint | None: ...
+    @property
+    def num_output_tokens(self) -> int: ...  # output tokens before this row's: the index of the one it draws
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The noise seed of output token ``index`` of a request seeded ``seed`` (splitmix64 of the pair): a draw
+    depends on nothing but the two, so speculative steps and batches never shift a request's stream."""
+    z = ((seed & _MASK64) + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def sample_each(logits: Tensor, seqs: Seq[SampleRow]) -> list[Outcome]:
+    """``sample`` for the batch, or, if that fails, row by row, so that one sequence's failure is its own."""
     try:
         tokens, logprobs = sample(logits, seqs)
         return list(zip(tokens, logprobs, strict=True))
@@ -58,7 +91,7 @@ def sample_each(logits: Tensor, seqs: Seq[Sequence]) -> list[Outcome]:
     return results
 
 
-def sample(logits: Tensor, seqs: Seq[Sequence]) -> tuple[list[int], list[SampledLogprobs | None]]:
+def sample(logits: Tensor, seqs: Seq[SampleRow]) -> tuple[list[int], list[SampledLogprobs | None]]:
     """Choose one token per row of ``logits`` [B, V] (float32) for ``seqs``; return them and their logprobs."""
     processed = process_logits(logits, seqs)
     token_ids = choose_tokens(processed, seqs)
@@ -72,7 +105,7 @@ def sample(logits: Tensor, seqs: Seq[Sequence]) -> tuple[list[int], list[Sampled
     return token_ids.tolist(), logprobs
 
 
-def process_logits(logits: Tensor, seqs: Seq[Sequence]) -> Tensor:
+def process_logits(logits: Tensor, seqs: Seq[SampleRow]) -> Tensor:
     """Logits after min_tokens, logit_bias and penalties; ``logits`` itself is left untouched."""
     vocab_size, device = logits.shape[1], logits.device
     rows, cols = [], []
@@ -94,7 +127,7 @@ def process_logits(logits: Tensor, seqs: Seq[Sequence]) -> Tensor:
                                   torch.tensor(values, device=device), accumulate=True)
     params = [seq.params for seq in seqs]
     if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
-        logits = apply_penalties(logits, [seq.token_ids[:seq.num_prompt_tokens] for seq in seqs],
+        logits = apply_penalties(logits, [seq.prompt_token_ids for seq in seqs],
                                  [seq.output_token_ids for seq in seqs], [p.repetition_penalty for p in params],
                                  [p.frequency_penalty for p in params], [p.presence_penalty for p in params])
     if any(seq.constraint is not None for seq in seqs):
@@ -102,7 +135,7 @@ def process_logits(logits: Tensor, seqs: Seq[Sequence]) -> Tensor:
     return logits
 
 
-def grammar_mask(seqs: Seq[Sequence], vocab_size: int, device: torch.device) -> Tensor:
+def grammar_mask(seqs: Seq[SampleRow], vocab_size: int, device: torch.device) -> Tensor:
     """[B, V] bool: the tokens each row's grammar allows next (every token for rows without one)."""
     packed = np.full((len(seqs), bitmask_words(vocab_size)), -1, dtype=np.int32)
     fill_bitmasks([(i, seq.constraint) for i, seq in enumerate(seqs) if seq.constraint is not None], packed)
@@ -114,7 +147,7 @@ def grammar_mask(seqs: Seq[Sequence], vocab_size: int, device: torch.device) -> 
     return bits.view(len(seqs), -1)[:, :vocab_size].bool()
 
 
-def _leaves_a_token(words: np.ndarray, seq: Sequence) -> bool:
+def _leaves_a_token(words: np.ndarray, seq: SampleRow) -> bool:
     """Whether a grammar's mask row leaves a token once min_tokens bans the stop tokens."""
     if seq.num_output_tokens < seq.params.min_tokens:
         words = words.view(np.uint32).copy()
@@ -147,7 +180,7 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.dev
     return counts[:, :vocab_size]
 
 
-def choose_tokens(logits: Tensor, seqs: Seq[Sequence]) -> Tensor:
+def choose_tokens(logits: Tensor, seqs: Seq[SampleRow]) -> Tensor:
     greedy_ids = logits.argmax(dim=-1)
     params = [seq.params for seq in seqs]
     if all(p.is_greedy for p in params):
@@ -164,9 +197,10 @@ def choose_tokens(logits: Tensor, seqs: Seq[Sequence]) -> Tensor:
         min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
         probs = torch.where(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0, probs)
     noise = torch.ones_like(probs)
+    generator = torch.Generator(device)
     for row, seq in zip(noise, seqs, strict=True):
-        if seq.generator is not None:
-            row.exponential_(generator=seq.generator)
+        if seq.seed is not None:
+            row.exponential_(generator=generator.manual_seed(draw_seed(seq.seed, seq.num_output_tokens)))
     return torch.where(is_greedy, greedy_ids, probs.div_(noise).argmax(dim=-1))
 
 

@@ -1,9 +1,10 @@
 """Continuous batching: which sequences run in the next step, and how many of their tokens.
 
 Every step is either a prefill step (prompt chunks of several sequences, up to the token budget) or a decode
-step (one token for every running sequence whose prompt is done). Sequences join and leave the running set at
-every step. When the KV cache is full, the newest sequence is preempted: its blocks (and state slot) are freed
-and it goes back to the front of the queue, to recompute its prompt and generated tokens later. A model with
+step (one token for every running sequence whose prompt is done, and its drafts where it has any). Sequences
+join and leave the running set at every step. When the KV cache is full, the newest sequence is preempted: its
+blocks (and state slot) are freed and it goes back to the front of the queue, to recompute its prompt and
+generated tokens later. A model with
 state layers (Gated DeltaNet) takes a state slot for each running sequence: at most max_num_seqs, one each.
 """
 
@@ -54,9 +55,12 @@ class Scheduler:
         return batch if batch.seqs else None
 
     def mark_computed(self, batch: ScheduledBatch) -> None:
+        """After a step (``num_new_tokens`` counting, for a verification, only the rows it kept): the tokens
+        whose KV is now valid, their full blocks filed, and blocks past the sequence (a rejected draft's) freed."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             self.block_manager.cache_computed_blocks(seq)
+            self.block_manager.trim(seq, seq.num_tokens)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks."""
@@ -102,10 +106,23 @@ class Scheduler:
                 break
             n = self._chunk(seq, seq.num_computed_tokens, min(seq.num_pending_tokens, self.prefill_chunk_size, budget))
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, n, batch.seqs):
+                if not prefill:
+                    n += self._draft_room(seq, budget - n)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n
         return batch
+
+    def _draft_room(self, seq: Sequence, budget: int) -> int:
+        """How many of a decoding sequence's drafts run with it: as many as the token budget and the free blocks
+        allow, without preempting anyone (a draft is worth less than another sequence's progress). Its drafts
+        are cut to those."""
+        room = min(len(seq.draft), budget)
+        while room and not self.block_manager.can_allocate(seq, seq.num_tokens + room):
+            room -= 1
+        self.block_manager.allocate(seq, seq.num_tokens + room)
+        del seq.draft[room:]
+        return room
 
     def _chunk(self, seq: Sequence, start: int, n: int) -> int:
         """With state snapshots, a prompt chunk that is not the last ends at a block boundary, and never past the

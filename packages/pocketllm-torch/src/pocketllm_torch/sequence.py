@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from pocketllm.pooling import PoolingParams
     from pocketllm.sampling_params import SamplingParams
     from pocketllm.structured import Constraint
+    from pocketllm_torch.speculative import DraftState
 
 
 class SequenceStatus(enum.Enum):
@@ -28,7 +29,7 @@ class Sequence:
     params: SamplingParams
     max_output_tokens: int  # max_tokens, further bounded by max_model_len
     stop_token_ids: frozenset[int]  # EOS unless ignore_eos, and params.stop_token_ids
-    generator: torch.Generator | None  # own random stream, so a seed reproduces whatever the batch; None if greedy
+    seed: int | None  # its draws' seed (see sampler.draw_seed): its own or one drawn for it; None if greedy
     status: SequenceStatus = SequenceStatus.WAITING
     # Tokens whose keys and values are in the cache. Reset to 0 by preemption: they are recomputed.
     num_computed_tokens: int = 0
@@ -39,6 +40,10 @@ class Sequence:
     constraint: Constraint | None = None  # structured outputs: the grammar each next token must follow
     pooling: PoolingParams | None = None  # an embedding request: its prompt's states are pooled, nothing sampled
     pooled: torch.Tensor | None = None  # the pooling so far, over the prompt chunks that ran (float32)
+    # Speculative decoding: the tokens drafted after its last one, which its next step verifies, and its drafter
+    # (None: it does not draft).
+    draft: list[int] = field(default_factory=list)
+    spec: DraftState | None = None
 
     @property
     def reuses_prefix(self) -> bool:
@@ -54,6 +59,10 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
@@ -61,6 +70,11 @@ class Sequence:
     def num_pending_tokens(self) -> int:
         """Tokens still to run through the model; the last of them yields the next token."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    def step_token_ids(self, start: int, n: int) -> list[int]:
+        """The ``n`` tokens a step runs from ``start``: its own, then its drafts."""
+        ids = self.token_ids[start:start + n]
+        return ids if len(ids) == n else ids + self.draft[:n - len(ids)]
 
     def finish_reason(self) -> str | None:
         """Why the sequence is done after its latest token, if it is."""

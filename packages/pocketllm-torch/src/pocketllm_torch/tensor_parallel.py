@@ -60,6 +60,10 @@ class Step(msgspec.Struct, array_like=True):
     capture_points: list[list[int]] | None = None
     slot_saves: list[tuple[int, int]] = []
     capture_saves: list[tuple[int, int]] = []
+    # Speculative decoding: the sequences (batch indices) whose rows verify drafts, whose state layers keep their
+    # state after each row; and the verifications of the step before to commit first: (slot, index, rows kept).
+    verifying: list[int] = []
+    state_commits: list[tuple[int, int, int]] = []
 
 
 class Group:

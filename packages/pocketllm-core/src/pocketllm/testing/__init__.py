@@ -17,6 +17,11 @@ module of the backend's package::
 
     class TestMyBackendSteps(MultiTokenConformance):      # one whose steps may give several tokens
         backend = "mybackend"
+        multi_token_kwargs = {"my_mode": True}
+
+    class TestMyBackendSpeculative(SpeculativeConformance):  # one that lists a speculative method
+        backend = "mybackend"
+        checkpoint = "qwen3-cyclic"
         multi_token_kwargs = {"speculative_method": "ngram", "num_speculative_tokens": 3}
 
 The kit writes its own tiny checkpoints (``checkpoints.py``) and ships transformers' outputs on them
@@ -41,6 +46,7 @@ from pocketllm.testing.hooks import engine_driver
 from pocketllm.testing.model import ModelConformance
 from pocketllm.testing.multi_token import MultiTokenConformance
 from pocketllm.testing.protocol import ProtocolConformance
+from pocketllm.testing.speculative import SpeculativeConformance
 from pocketllm.testing.tensor_parallel import TensorParallelConformance
 
 
@@ -49,5 +55,5 @@ class BackendConformance(ProtocolConformance, ModelConformance):
 
 
 __all__ = ["KIT_CHECKPOINTS", "BackendConformance", "GatedBackend", "ModelConformance", "MultiTokenConformance",
-           "ProtocolConformance", "StepGate", "TensorParallelConformance", "engine_driver", "make_tiny_gguf",
-           "make_tiny_llama", "make_tiny_qwen3"]
+           "ProtocolConformance", "SpeculativeConformance", "StepGate", "TensorParallelConformance", "engine_driver",
+           "make_tiny_gguf", "make_tiny_llama", "make_tiny_qwen3"]

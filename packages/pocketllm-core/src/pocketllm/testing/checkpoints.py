@@ -39,6 +39,12 @@ PROTOCOL_CHECKPOINTS = ("qwen3_5",)
 QWEN3_5_LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                   "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
 QWEN3_5_LAYER_TYPES = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+# Checkpoints for speculative decoding (SpeculativeConformance): the kit's models made to repeat themselves (see
+# cyclic_weights), so that drafts copied from a sequence are often, not always, what the model says next.
+SPECULATIVE_CHECKPOINTS = ("llama-cyclic", "qwen3-cyclic", "qwen3_5-cyclic")
+CYCLE_LENGTH = 6
+CYCLIC_LAYER_SCALE = 0.05
+_SEEDS = {"llama": 0, "qwen3": 1, "qwen3_5": 2}
 
 
 def write_checkpoint(kind: str, path: Path) -> Path:
@@ -52,7 +58,11 @@ def write_checkpoint(kind: str, path: Path) -> Path:
         return make_tiny_gguf(path / "tiny-llama.gguf")
     if kind == "qwen3_5":
         return _write_safetensors(path, "qwen3_5", seed=2)
-    raise ValueError(f"unknown kit checkpoint {kind!r}; choose from {KIT_CHECKPOINTS + PROTOCOL_CHECKPOINTS}")
+    if kind in SPECULATIVE_CHECKPOINTS:
+        return _write_safetensors(path, kind.removesuffix("-cyclic"), seed=_SEEDS[kind.removesuffix("-cyclic")],
+                                  cyclic=True)
+    raise ValueError(f"unknown kit checkpoint {kind!r}; choose from "
+                     f"{KIT_CHECKPOINTS + PROTOCOL_CHECKPOINTS + SPECULATIVE_CHECKPOINTS}")
 
 
 def make_tiny_llama(path: Path, *, seed: int = 0, max_positions: int = MAX_POSITIONS) -> Path:
@@ -101,6 +111,34 @@ def tiny_weights(arch: str, seed: int) -> dict[str, np.ndarray]:
     tensors["model.norm.weight"] = norm(HIDDEN)
     tensors["lm_head.weight"] = w(vocab, HIDDEN, std=0.5)  # untied: a tied head would echo the last token
     return tensors
+
+
+def cycle_order(vocab: int) -> np.ndarray:
+    """The cyclic models' cycles, one after another: every CYCLE_LENGTH ids (the last cycle may be shorter) are
+    a cycle, each id followed by the next and the last by the first."""
+    return np.random.default_rng(7).permutation(vocab)
+
+
+def cyclic_weights(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A kit model that mostly repeats itself: its head maps each token's embedding to the next token of a fixed
+    cycle of CYCLE_LENGTH tokens (the vocabulary split into such cycles), and every layer's output is scaled down
+    so that the residual stream is mostly the last token's embedding. What the layers still add (the context)
+    moves the output from one cycle to another now and then, so copied drafts are accepted in runs and sometimes
+    rejected."""
+    embedding = weights["model.embed_tokens.weight"]
+    vocab = len(embedding)
+    order = cycle_order(vocab)
+    following = np.empty(vocab, dtype=np.int64)
+    for start in range(0, vocab, CYCLE_LENGTH):
+        cycle = order[start:start + CYCLE_LENGTH]
+        following[cycle] = np.roll(cycle, -1)
+    preceding = np.empty(vocab, dtype=np.int64)
+    preceding[following] = np.arange(vocab)
+    scaled = {name: w * np.float32(CYCLIC_LAYER_SCALE) if name.endswith(("o_proj.weight", "down_proj.weight",
+                                                                         "out_proj.weight")) else w
+              for name, w in weights.items()}
+    # Logit j is the hidden state's product with the embedding of the token before j in its cycle.
+    return scaled | {"lm_head.weight": np.ascontiguousarray(embedding[preceding] * np.float32(2.0))}
 
 
 def _qwen3_5_layers(w: Callable[..., np.ndarray]) -> dict[str, np.ndarray]:
@@ -178,13 +216,15 @@ def hf_config(arch: str, max_positions: int = MAX_POSITIONS) -> dict:
     }
 
 
-def _write_safetensors(path: Path, arch: str, *, seed: int, max_positions: int = MAX_POSITIONS) -> Path:
+def _write_safetensors(path: Path, arch: str, *, seed: int, max_positions: int = MAX_POSITIONS,
+                       cyclic: bool = False) -> Path:
     from safetensors.numpy import save_file
 
     path.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(path)
     (path / "config.json").write_text(json.dumps(hf_config(arch, max_positions), indent=2, sort_keys=True) + "\n")
-    save_file(tiny_weights(arch, seed), str(path / "model.safetensors"))
+    weights = tiny_weights(arch, seed)
+    save_file(cyclic_weights(weights) if cyclic else weights, str(path / "model.safetensors"))
     return path
 
 

@@ -134,6 +134,20 @@ def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
     return torch.einsum("bhk,bhkv->bhv", q, state), state
 
 
+def verify_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                            state: Tensor) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """A few tokens of one sequence, one at a time (q, k [T, H, dk], v [T, H, dv], g and beta [T, H], state
+    [H, dk, dv]): the outputs [T, H, dv], the final state, and the states after rows 1..T-1."""
+    outs, kept = [], []
+    state = state.unsqueeze(0)
+    for t in range(q.shape[0]):
+        if t:
+            kept.append(state[0])
+        out, state = recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+        outs.append(out)
+    return torch.cat(outs), state[0], kept
+
+
 @dataclass(slots=True)
 class GatedRMSNorm:
     weight: Tensor
@@ -184,12 +198,19 @@ class GatedDeltaNet:
             for i, (n, slot) in enumerate(zip(ctx.query_lens, ctx.state_slots.tolist(), strict=True)):
                 window = self._conv_window(mixed[start:start + n], state.conv, slot)
                 q, k, v = self._heads(self._conv(window))
-                points = ctx.capture_points[i] if ctx.capture_points else []
-                out, state.recurrent[slot], kept = chunk_gated_delta_rule(
-                    q, k, v, g[start:start + n], beta[start:start + n], state.recurrent[slot],
-                    keep=[p // CHUNK - 1 for p in points])
-                for p, recurrent in zip(points, kept, strict=True):  # the conv state after p of the n inputs
-                    ctx.captured.setdefault((i, p), []).append((window[:, p:p + state.conv.shape[-1]], recurrent))
+                width = state.conv.shape[-1]
+                if i in ctx.verifying:  # a token and its drafts: the state after each row, for the accepted one
+                    out, state.recurrent[slot], kept = verify_gated_delta_rule(
+                        q, k, v, g[start:start + n], beta[start:start + n], state.recurrent[slot])
+                    for p, recurrent in enumerate(kept, 1):
+                        ctx.kept.setdefault((i, p), []).append((window[:, p:p + width], recurrent))
+                else:
+                    points = ctx.capture_points[i] if ctx.capture_points else []
+                    out, state.recurrent[slot], kept = chunk_gated_delta_rule(
+                        q, k, v, g[start:start + n], beta[start:start + n], state.recurrent[slot],
+                        keep=[p // CHUNK - 1 for p in points])
+                    for p, recurrent in zip(points, kept, strict=True):  # the conv state after p of the n inputs
+                        ctx.captured.setdefault((i, p), []).append((window[:, p:p + width], recurrent))
                 outs.append(out)
                 start += n
             out = torch.cat(outs)

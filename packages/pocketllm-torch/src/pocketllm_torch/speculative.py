@@ -1,0 +1,143 @@
+"""Speculative decoding in the torch engine: who drafts before a step, and what a verification step keeps.
+
+A decode step runs a drafting sequence's last token and its k drafts as one query of k + 1 rows. Row j is sampled
+as if drafts 0..j-1 were already the sequence's (its penalties, min_tokens and draw index see them: ``DraftRow``),
+so row j's token is the one the sequence would sample there without speculation, from the same seeded noise.
+Draft j is accepted while it equals row j's token. For drafts that are single tokens (ngram) this is exactly
+rejection sampling (Leviathan et al.): a draft d is kept with probability p(d), and a rejected position's token is a
+draw from p without d, its residual. The step emits rows 0..a (a: drafts accepted), so greedy and seeded outputs are
+the tokens of decoding without speculation. The rejected rows' keys and values are overwritten before anything
+reads them (whole blocks past the sequence are freed), and state layers keep their state after every row so that
+the accepted one is committed (model_runner.py).
+
+Grammar-constrained requests do not draft: their mask depends on the grammar's state after each drafted token,
+which would have to be advanced and rolled back per draft; they decode one token per step alongside the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pocketllm.ngram_proposer import NgramProposer
+
+if TYPE_CHECKING:
+    from pocketllm.args import EngineArgs
+    from pocketllm.backend import BackendStats
+    from pocketllm.sampling_params import SamplingParams
+    from pocketllm.structured import Constraint
+    from pocketllm_torch.sequence import Sequence
+
+# After this many drafts in a row with nothing accepted, a sequence pauses drafting for 2, 4, ... steps (at most
+# MAX_PAUSE): on text that never repeats itself, a verification row that is always rejected costs its share of a
+# step, and the pauses bound that share.
+MAX_PAUSE = 64
+
+
+def accepts(sampled: int, drafted: int) -> bool:
+    """Whether a verification row keeps its draft: the row's own draw (from the target's distribution after
+    every logits processor) is the drafted token. For a single-token proposal that is Leviathan et al.'s rule."""
+    return sampled == drafted
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRow:
+    """Row ``drafted`` of a verification: the sequence with its first ``drafted`` drafts taken as its own (a
+    ``sampler.SampleRow``)."""
+
+    seq: Sequence
+    drafted: int
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seq.params
+
+    @property
+    def seed(self) -> int | None:
+        return self.seq.seed
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self.seq.stop_token_ids
+
+    @property
+    def constraint(self) -> Constraint | None:
+        return self.seq.constraint
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + self.drafted
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seq.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + self.seq.draft[:self.drafted]
+
+
+@dataclass(slots=True)
+class DraftState:
+    """A drafting sequence's proposer and how much it drafts: k shrinks to what was last accepted (plus one) and
+    grows back while whole drafts are accepted; drafts that keep missing pause it."""
+
+    proposer: NgramProposer
+    k: int
+    pause: int = 0  # steps left without drafting
+    misses: int = 0  # drafts in a row with nothing accepted
+
+
+class Drafter:
+    """The engine's drafting policy and its counters (``BackendStats``'s ``num_spec_*``)."""
+
+    def __init__(self, args: EngineArgs, max_batch: int) -> None:
+        assert args.speculative_method == "ngram" and args.ngram_min is not None and args.ngram_max is not None
+        self.ngram = args.ngram_min, args.ngram_max
+        self.max_k = args.num_speculative_tokens
+        self.max_batch = max_batch  # more running sequences than this, and nobody drafts
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * self.max_k
+
+    def count_into(self, stats: BackendStats) -> None:
+        stats.num_spec_drafts = self.num_drafts
+        stats.num_spec_draft_tokens = self.num_draft_tokens
+        stats.num_spec_accepted_tokens = self.num_accepted_tokens
+        stats.spec_accepted_per_position = list(self.accepted_per_position)
+
+    def start(self, seq: Sequence) -> None:
+        """Give a new sequence its drafter, unless it is grammar-constrained (see the module docstring)."""
+        if seq.constraint is None and seq.pooling is None:
+            seq.spec = DraftState(NgramProposer(*self.ngram), self.max_k)
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Before a step: the drafts of the running sequences that decode next."""
+        drafting = len(running) <= self.max_batch
+        for seq in running:
+            if seq.spec is not None and seq.num_pending_tokens == 1 and not seq.draft:
+                seq.draft = self._draft(seq, seq.spec) if drafting else []
+
+    def _draft(self, seq: Sequence, state: DraftState) -> list[int]:
+        if state.pause:
+            state.pause -= 1
+            return []
+        room = seq.max_output_tokens - seq.num_output_tokens - 1  # the token after the drafts must fit too
+        return state.proposer.propose(seq.token_ids, min(state.k, room))
+
+    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verification of ``drafted`` tokens accepted its first ``accepted``."""
+        state = seq.spec
+        if state is None or not drafted:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+        if accepted == drafted:
+            state.k = min(self.max_k, state.k + 1)
+        else:
+            state.k = accepted + 1
+        state.misses = 0 if accepted else state.misses + 1
+        if state.misses >= 2:
+            state.pause = min(MAX_PAUSE, 1 << (state.misses - 1))
