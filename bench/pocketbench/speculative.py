@@ -7,8 +7,10 @@ llama-server plain and with its own n-gram speculation, on the default model, gr
 
 Workloads (the prompts are below, in the default model's chat template):
 
-* ``edit``: answers that copy most of their prompt (a paragraph rewritten with one change, code with a rename):
-  where prompt lookup pays. Single stream: decode tok/s after the first token, and the drafts' acceptance.
+* ``edit``: answers that copy most of their prompt (a paragraph with one word changed, or its spelling corrected;
+  code copied, which the default model does only in part):
+  where prompt lookup pays. Single stream: decode tok/s after the first token, and the drafts' acceptance. Every
+  answer ends where the model ends it (EOS) or at --new-tokens: past its natural end a reply is new text.
 * ``fresh``: answers that do not repeat their prompt (a story, a list of ideas): speculation must cost little
   there (its drafts are few and mostly rejected, and pause).
 * ``batch``: N edit requests at once, PocketLLM with drafts on and off (``speculative_disable_by_batch_size``
@@ -66,8 +68,8 @@ def cheapest_item(items):
     return best
 '''
 EDIT = [f"Rewrite this paragraph exactly, word for word, but change 'northern' to 'southern':\n\n{PARAGRAPH}",
-        f"Here is some Python code:\n\n{CODE}\nRepeat the code exactly, renaming the parameter `items` to "
-        "`products` everywhere."]
+        f"Correct the spelling in this paragraph and repeat it:\n\n{PARAGRAPH.replace('keeper', 'keepr')}",
+        f"Copy this Python code, unchanged:\n```python\n{CODE}```"]
 FRESH = ["Write a short story about a fox who learns to paint.",
          "List ten ideas for a science fair project, with one sentence about each."]
 
@@ -78,7 +80,7 @@ def prompt_ids(llm: LLM, text: str) -> list[int]:
 
 def pocket_decode(llm: LLM, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
     """Decode tok/s after the first token, and the tokens."""
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
     tokens: list[int] = []
     first = last = 0.0
     for event in llm.generate_stream(ids, params):
@@ -91,7 +93,7 @@ def pocket_decode(llm: LLM, ids: list[int], new_tokens: int) -> tuple[float, lis
 
 def pocket_batch(llm: LLM, ids: list[list[int]], new_tokens: int) -> float:
     """Aggregate tok/s of the requests' tokens after their first, from the first token of any to the end."""
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
     streams = [llm.generate_stream(p, params) for p in ids]
     start = None
     count = 0
@@ -128,7 +130,7 @@ class LlamaServer:
 
     def decode(self, ids: list[int], new_tokens: int) -> tuple[float, dict[str, Any]]:
         body = json.dumps({"prompt": ids, "n_predict": new_tokens, "temperature": 0.0, "top_k": 1,
-                           "ignore_eos": True, "cache_prompt": False}).encode()
+                           "cache_prompt": False}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body,
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as r:

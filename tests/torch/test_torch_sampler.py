@@ -93,8 +93,16 @@ def test_process_logits_leaves_the_raw_logits_alone(logits: torch.Tensor) -> Non
 
 def test_same_seed_same_tokens_whatever_the_batch(logits: torch.Tensor) -> None:
     def draw(batch_seeds: list[int], steps: int = 8) -> list[list[int]]:
+        """Each step's tokens, appended to their sequences as the engine does: a draw's noise is seeded by the
+        request's seed and the index of the token it draws."""
         seqs = [make_seq(SamplingParams(temperature=1.0, seed=s)) for s in batch_seeds]
-        return [sample(logits[0].expand(len(seqs), VOCAB), seqs)[0] for _ in range(steps)]
+        out = []
+        for _ in range(steps):
+            tokens = sample(logits[0].expand(len(seqs), VOCAB), seqs)[0]
+            for seq, token in zip(seqs, tokens, strict=True):
+                seq.token_ids.append(token)
+            out.append(tokens)
+        return out
 
     alone = [step[0] for step in draw([42])]
     batched = [step[1] for step in draw([7, 42, 9])]

@@ -45,7 +45,7 @@ void Drafter::verified(DraftState& state, int64_t drafted, int64_t accepted) {
     stats_.draft_tokens += drafted;
     stats_.accepted_tokens += accepted;
     for (int64_t i = 0; i < accepted; ++i) ++stats_.accepted_per_position[static_cast<size_t>(i)];
-    state.k = accepted == drafted ? std::min(config_.num_tokens, state.k + 1) : accepted + 1;
+    state.k = accepted == drafted ? std::min(config_.num_tokens, 2 * state.k) : accepted + 1;
     state.misses = accepted > 0 ? 0 : state.misses + 1;
     if (state.misses >= 2) state.pause = std::min<int64_t>(kMaxPause, int64_t{1} << std::min<int64_t>(state.misses - 1, 6));
 }

@@ -110,7 +110,7 @@ static void speculative_tests() {
     drafter.verified(state, 4, 1);
     CHECK(state.k == 2 && state.pause == 0);
     drafter.verified(state, 2, 2);
-    CHECK(state.k == 3);
+    CHECK(state.k == 4);
     drafter.verified(state, 3, 0);
     drafter.verified(state, 1, 0);
     CHECK(state.k == 1 && state.pause == 2);

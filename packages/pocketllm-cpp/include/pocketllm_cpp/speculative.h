@@ -22,7 +22,7 @@ struct SpeculativeConfig {
 // pocketllm.ngram_proposer, which the torch backend uses.
 std::vector<int32_t> ngram_draft(const std::vector<int32_t>& tokens, int64_t ngram_min, int64_t ngram_max, int64_t k);
 
-// A drafting sequence's budget: k shrinks to what was last accepted (plus one) and grows back while whole drafts
+// A drafting sequence's budget: k shrinks to what was last accepted (plus one) and doubles while whole drafts
 // are accepted; drafts that keep missing pause it for 2, 4, ... steps (at most kMaxPause).
 struct DraftState {
     bool on = false;  // grammar-constrained and embedding requests do not draft

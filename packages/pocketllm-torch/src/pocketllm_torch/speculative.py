@@ -80,7 +80,7 @@ class DraftRow:
 @dataclass(slots=True)
 class DraftState:
     """A drafting sequence's proposer and how much it drafts: k shrinks to what was last accepted (plus one) and
-    grows back while whole drafts are accepted; drafts that keep missing pause it."""
+    doubles while whole drafts are accepted; drafts that keep missing pause it."""
 
     proposer: NgramProposer
     k: int
@@ -135,7 +135,7 @@ class Drafter:
         for position in range(accepted):
             self.accepted_per_position[position] += 1
         if accepted == drafted:
-            state.k = min(self.max_k, state.k + 1)
+            state.k = min(self.max_k, 2 * state.k)
         else:
             state.k = accepted + 1
         state.misses = 0 if accepted else state.misses + 1
