@@ -176,3 +176,27 @@ def test_no_drafts_above_the_batch_size(llama_cyclic: Path) -> None:
         assert spec.stats().num_spec_drafts > 0
     finally:
         spec.shutdown()
+
+
+def test_a_hybrid_s_verifications_keep_states_within_their_budget(pocketllm_kit_checkpoint,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each verified row of a hybrid model keeps a copy of its state: a step keeps at most VERIFY_STATE_BYTES of
+    them (here room for two rows), and drafts past that wait, without changing the output."""
+    from pocketllm_torch import model_runner
+
+    path = pocketllm_kit_checkpoint("qwen3_5-cyclic")
+    plain = make(path)
+    expected = tokens(plain, LONG_PROMPT)
+    plain.shutdown()
+    spec = make(path, **NGRAM)
+    states = spec.backend_engine.runner.state_cache
+    row_bytes = states.conv[:, 0].numel() * states.conv.element_size() + states.recurrent[:, 0].numel() * 4
+    spec.shutdown()
+    monkeypatch.setattr(model_runner, "VERIFY_STATE_BYTES", 2 * row_bytes)
+    spec = make(path, **NGRAM)
+    try:
+        events = list(spec.generate_stream(LONG_PROMPT, GREEDY))
+        assert [t for e in events for t in e.token_ids] == expected
+        assert 1 < max(len(e.token_ids) for e in events) <= 3  # the last token's row and at most two drafts' rows
+    finally:
+        spec.shutdown()

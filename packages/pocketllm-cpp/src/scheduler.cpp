@@ -32,6 +32,8 @@ SeqPtr Scheduler::find(const std::string& id) const {
 ScheduledBatch Scheduler::schedule() {
     ScheduledBatch batch;
     int64_t budget = config_.max_num_batched_tokens;
+    // Verified rows whose states this step may copy (unbounded for a model without state layers).
+    int64_t state_rows = stateful_ ? kVerifyStateBytes / std::max<int64_t>(model_.state_bytes(), 1) : budget;
     for (const SeqPtr& seq : std::vector<SeqPtr>(running_)) {
         if (budget == 0) break;
         if (std::find(running_.begin(), running_.end(), seq) == running_.end()) continue;  // preempted just now
@@ -39,7 +41,11 @@ ScheduledBatch Scheduler::schedule() {
                                 std::min({seq->size() - seq->computed, config_.prefill_chunk_size, budget}));
         if (n == 0) continue;
         if (reserve(seq, seq->computed + n, batch.seqs)) {
-            if (seq->computed + n == seq->size()) n += draft_room(*seq, budget - n);
+            if (seq->computed + n == seq->size()) {
+                const int64_t drafted = draft_room(*seq, std::min(budget - n, state_rows));
+                state_rows -= drafted;
+                n += drafted;
+            }
             batch.seqs.push_back(seq);
             batch.counts.push_back(n);
             budget -= n;

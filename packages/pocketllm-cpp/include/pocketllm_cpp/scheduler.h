@@ -20,6 +20,10 @@ namespace pocketllm {
 // Tokens between the snapshots taken inside a prompt chunk (the torch backend's interval): a resumed request
 // recomputes at most this many of a cached prefix, and a long prompt does not fill the snapshot budget alone.
 constexpr int64_t kCaptureEvery = 64;
+// The most memory one step's verifications may hold in state copies (a model with state layers keeps its whole
+// state after each verified row but the last: engine.h's captures_of). Drafts past it wait for a later step:
+// 64 sequences drafting 16 tokens each of a state of 19 MB (Qwen3.5-0.8B) would otherwise ask for 19 GB.
+constexpr int64_t kVerifyStateBytes = int64_t{256} << 20;
 
 struct SchedulerConfig {
     int64_t max_num_seqs, max_num_batched_tokens, prefill_chunk_size;

@@ -31,13 +31,15 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  prefill_chunk_size: int, state_slots: StateSlots | None = None,
-                 snapshots: StateSnapshots | None = None) -> None:
+                 snapshots: StateSnapshots | None = None, verify_state_rows: int | None = None) -> None:
         self.block_manager = block_manager
         self.state_slots = state_slots  # a model with state layers: a slot per running sequence
         self.snapshots = snapshots  # and with prefix caching, its states at cached block boundaries
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_size = prefill_chunk_size
+        # A model with state layers keeps its state after each verified draft row: at most this many per step.
+        self.verify_state_rows = verify_state_rows
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the first to be preempted
         self.num_preemptions = 0
@@ -101,13 +103,16 @@ class Scheduler:
         """Running sequences still in their prompt (prefill) or past it (decode), as far as blocks allow."""
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
+        state_rows = budget if self.verify_state_rows is None else self.verify_state_rows
         for seq in [s for s in self.running if (s.num_pending_tokens > 1) == prefill]:
             if budget == 0:
                 break
             n = self._chunk(seq, seq.num_computed_tokens, min(seq.num_pending_tokens, self.prefill_chunk_size, budget))
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, n, batch.seqs):
                 if not prefill:
-                    n += self._draft_room(seq, budget - n)
+                    drafted = self._draft_room(seq, min(budget - n, state_rows))
+                    state_rows -= drafted
+                    n += drafted
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n
