@@ -55,22 +55,22 @@ class BlockManager:
         """Free ``seq``'s blocks past its first ``num_tokens`` tokens (what a rejected draft had reserved)."""
         keep = -(-num_tokens // self.block_size)
         while len(seq.block_table) > keep:
-            block_id = seq.block_table.pop()
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                self.free_block_ids[block_id] = None
-                self.free_block_ids.move_to_end(block_id, last=False)
+            self._release(seq.block_table.pop())
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so that they are reused before the prefixes other requests may share.
         for block_id in reversed(seq.block_table):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                self.free_block_ids[block_id] = None
-                if block_id not in self.block_hashes:
-                    self.free_block_ids.move_to_end(block_id, last=False)
+            self._release(block_id)
         seq.block_table.clear()
         seq.block_hashes.clear()
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; a block nobody holds is free again, first in line unless it holds a cached prefix."""
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            self.free_block_ids[block_id] = None
+            if block_id not in self.block_hashes:
+                self.free_block_ids.move_to_end(block_id, last=False)
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Hashes of the cached full blocks that start ``seq``; its last token is always left to compute."""

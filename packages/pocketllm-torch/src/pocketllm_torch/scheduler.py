@@ -4,8 +4,8 @@ Every step is either a prefill step (prompt chunks of several sequences, up to t
 step (one token for every running sequence whose prompt is done, and its drafts where it has any). Sequences
 join and leave the running set at every step. When the KV cache is full, the newest sequence is preempted: its
 blocks (and state slot) are freed and it goes back to the front of the queue, to recompute its prompt and
-generated tokens later. A model with
-state layers (Gated DeltaNet) takes a state slot for each running sequence: at most max_num_seqs, one each.
+generated tokens later. A model with state layers (Gated DeltaNet) takes a state slot for each running sequence:
+at most max_num_seqs, one each.
 """
 
 from __future__ import annotations
