@@ -55,12 +55,17 @@ inline v8 flush(v8 x) {
 // exp(x) for x <= 0, zero where it would be below kTiny.
 inline float decay_of(float x) { return x > kTinyLog ? std::exp(x) : 0.0f; }
 
+inline float lanes_sum(const v8& v) {
+    float sum = 0.0f;
+    for (int l = 0; l < 8; ++l) sum += v[l];
+    return sum;
+}
+
 float dot(const float* a, const float* b, int64_t n) {
     v8 acc{};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) acc += load<v8>(a + i) * load<v8>(b + i);
-    float sum = 0.0f;
-    for (int l = 0; l < 8; ++l) sum += acc[l];
+    float sum = lanes_sum(acc);
     for (; i < n; ++i) sum += a[i] * b[i];
     return sum;
 }
@@ -75,12 +80,6 @@ struct Coefficients {
     float keys[kDeltaChunk][kDeltaChunk];     // s < t: beta_t exp(G_t - G_s) k_t . k_s
     float queries[kDeltaChunk][kDeltaChunk];  // s <= t: exp(G_t - G_s) q_t . k_s
 };
-
-inline float lanes_sum(const v8& v) {
-    float sum = 0.0f;
-    for (int l = 0; l < 8; ++l) sum += v[l];
-    return sum;
-}
 
 // kk[t][s] = k_t . k_s and qk[t][s] = q_t . k_s for s <= t, four s at a time: eight independent sums, so that the
 // adds do not wait on each other (one dot at a time waits on its own sum's latency at every step).

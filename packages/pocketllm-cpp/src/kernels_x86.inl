@@ -502,11 +502,14 @@ void packed_tile(const PackedGroup<T, C>* groups, int64_t nb, const QuantizedRow
     }
 }
 
-// The next C weight rows' bytes, asked for into L2 before this group's tiles run: with a few activation rows the
-// tiles take about as long as the next rows take to arrive from memory, and decoding the next group would otherwise
-// wait for them after the tiles instead of during them. (A prefetch past the weight's end does not fault.)
-inline void prefetch_next_rows(const uint8_t* next, size_t bytes) {
-    for (size_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(next) + at, _MM_HINT_T1);
+// Weight rows [first, first + count) asked for into L2: the next group's, before this group's tiles run. With a
+// few activation rows the tiles take about as long as the next rows take to arrive from memory, and decoding the
+// next group would otherwise wait for them after the tiles instead of during them. (A prefetch past the weight's
+// end does not fault.)
+inline void prefetch_rows(const WeightView& w, size_t stride, int64_t first, int64_t count) {
+    const char* from = reinterpret_cast<const char*>(w.data + first * static_cast<int64_t>(stride));
+    const size_t bytes = static_cast<size_t>(count) * stride;
+    for (size_t at = 0; at < bytes; at += 64) _mm_prefetch(from + at, _MM_HINT_T1);
 }
 
 template <StorageType T, int C>
@@ -516,7 +519,7 @@ void packed_rows(const WeightView& w, size_t stride, int64_t row, const Quantize
     thread_local std::vector<PackedGroup<T, C>> groups;
     groups.resize(static_cast<size_t>((nb + 7) / 8));
     pack<T, C>(w.data + row * static_cast<int64_t>(stride), stride, nb, groups.data());
-    prefetch_next_rows(w.data + (row + C) * static_cast<int64_t>(stride), C * stride);
+    prefetch_rows(w, stride, row + C, C);
     int64_t r = 0;
     for (; r + PLLM_TILE_ACT <= n; r += PLLM_TILE_ACT) packed_tile<T, PLLM_TILE_ACT, C>(groups.data(), nb, act, r, y, y_stride, row);
     if (r + 2 <= n) {
@@ -757,7 +760,7 @@ void q6_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRow
     thread_local std::vector<Q6Packed<C>> packed;
     packed.resize(static_cast<size_t>(supers));
     q6_pack<C>(w.data + row * static_cast<int64_t>(stride), stride, supers, packed.data());
-    prefetch_next_rows(w.data + (row + C) * static_cast<int64_t>(stride), C * stride);
+    prefetch_rows(w, stride, row + C, C);
     int64_t r = 0;
     for (; r + PLLM_TILE_ACT <= n; r += PLLM_TILE_ACT) q6_tile<PLLM_TILE_ACT, C>(packed.data(), supers, act, r, y, y_stride, row);
     if (r + 2 <= n) {
@@ -773,7 +776,7 @@ void gemm_q6_k(const WeightView& w, int64_t row_begin, int64_t row_end, const Qu
     int64_t row = row_begin;
     if (n == 1) {
         for (; row + 4 <= row_end; row += 4) {
-            prefetch_next_rows(w.data + (row + 4) * static_cast<int64_t>(stride), 4 * stride);
+            prefetch_rows(w, stride, row + 4, 4);
             q6_decode_rows<4>(w, stride, row, act, y);
         }
         for (; row < row_end; ++row) q6_decode_rows<1>(w, stride, row, act, y);
@@ -793,13 +796,13 @@ void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const 
     if (n == 1) {  // decode: 4 weight rows in flight, whose blocks stream from memory
         if constexpr (T == StorageType::Q4_K || T == StorageType::Q5_K) {
             for (; row + 4 <= row_end; row += 4) {
-                prefetch_next_rows(w.data + (row + 4) * static_cast<int64_t>(stride), 4 * stride);
+                prefetch_rows(w, stride, row + 4, 4);
                 k_rows<T, 4>(w, stride, row, act, y);
             }
             for (; row < row_end; ++row) k_rows<T, 1>(w, stride, row, act, y);
         } else {
             for (; row + 4 <= row_end; row += 4) {
-                prefetch_next_rows(w.data + (row + 4) * static_cast<int64_t>(stride), 4 * stride);
+                prefetch_rows(w, stride, row + 4, 4);
                 tile<T, 1, 4>(w, stride, row, act, 0, y, y_stride);
             }
             for (; row < row_end; ++row) tile<T, 1, 1>(w, stride, row, act, 0, y, y_stride);
