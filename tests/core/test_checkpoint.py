@@ -543,3 +543,23 @@ def test_gguf_hybrid_layer_mix_that_cannot_be_read_is_a_checkpoint_error(extra: 
 
     with pytest.raises(CheckpointError, match=rf"x\.gguf: {key}"):
         config_from_gguf(_QWEN35_META | extra, source="x.gguf", tensor_names=set())
+
+
+def test_the_multi_token_prediction_head_is_kept_apart_and_its_shapes_checked(tmp_path: Path) -> None:
+    """Qwen3.5's mtp.* tensors: not the model's (tensors()), but its mtp_tensors(), each shaped as the config says."""
+    from safetensors.numpy import load_file, save_file
+
+    from pocketllm.testing.checkpoints import write_checkpoint
+
+    path = write_checkpoint("qwen3_5-cyclic-mtp", tmp_path / "model")
+    checkpoint = load_checkpoint(str(path))
+    head = {t.name for t in checkpoint.mtp_tensors()}
+    assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= head
+    assert not any(t.name.startswith("mtp.") for t in checkpoint.tensors())
+    assert load_checkpoint(str(write_checkpoint("qwen3_5-cyclic", tmp_path / "plain"))).mtp_tensors() == []
+    weights = load_file(str(path / "model.safetensors"))
+    name = "mtp.layers.0.self_attn.k_proj.weight"
+    weights[name] = weights[name][:-1]
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{name}.*num_key_value_heads"):
+        load_checkpoint(str(path))

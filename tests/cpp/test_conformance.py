@@ -55,3 +55,11 @@ class TestCppSpeculativeQwen3_5(SpeculativeConformance):
 
     backend = "cpp"
     checkpoint = "qwen3_5-cyclic"
+
+
+class TestCppSpeculativeQwen3_5MTP(SpeculativeConformance):
+    """Drafts from the checkpoint's multi-token-prediction head, its layer's keys and values in the paged cache."""
+
+    backend = "cpp"
+    checkpoint = "qwen3_5-cyclic-mtp"
+    multi_token_kwargs: ClassVar[dict[str, object]] = {"speculative_method": "mtp", "num_speculative_tokens": 3}

@@ -164,16 +164,6 @@ def test_q8_0_gguf_files_read_in_place_match_their_dequantized_values(tiny, tmp_
         assert np.abs(kept - reference).max() <= 0.15 * (reference.max() - reference.min())
 
 
-@pytest.fixture(scope="module")
-def llama_cpp(tmp_path_factory: pytest.TempPathFactory):
-    from tests.torch.qwen3_5_kit import LLAMA_CPP_SDIST, llama_cpp_converter
-
-    found = llama_cpp_converter(tmp_path_factory.mktemp("llama.cpp"))
-    if found is None:
-        pytest.skip(f"${LLAMA_CPP_SDIST} names no llama-cpp-python sdist")
-    return found
-
-
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_gguf_files_of_llama_cpp_s_own_converter_match_transformers(tmp_path, llama_cpp, moe: bool) -> None:
     from tests.torch.qwen3_5_kit import convert_with_llama_cpp

@@ -260,16 +260,18 @@ def llama_cpp_converter(unpack_to: Path) -> Path | None:
     return found[0].parent
 
 
-def convert_with_llama_cpp(llama_cpp: Path, model: Path, out: Path) -> Path:
+def convert_with_llama_cpp(llama_cpp: Path, model: Path, out: Path, *, add_mtp: bool = True) -> Path:
     """``model`` (a tiny_qwen3_5 directory) converted to an F32 GGUF by llama.cpp's own convert_hf_to_gguf.py, with
-    the kit's tokenizer and a multi-token-prediction layer added first, as the published checkpoints have."""
+    the kit's tokenizer and (``add_mtp``) a multi-token-prediction layer added first, as the published
+    checkpoints have."""
     import subprocess
     import sys
 
     from pocketllm.testing.checkpoints import _write_tokenizer
 
     _write_tokenizer(model)
-    _add_mtp_layer(model)
+    if add_mtp:
+        _add_mtp_layer(model)
     subprocess.run([sys.executable, "-c", _CONVERT, str(llama_cpp), str(model), "--outfile", str(out), "--outtype",
                     "f32"], check=True, capture_output=True, timeout=300)
     return out
@@ -288,4 +290,57 @@ def _add_mtp_layer(path: Path) -> None:
     weights["mtp.fc.weight"] = torch.zeros(hidden, 2 * hidden)
     for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         weights[f"mtp.{norm}.weight"] = torch.zeros(hidden)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def fit_mtp_head(hf: Any, path: Path, prompts: list[list[int]], *, new_tokens: int = 48, steps: int = 300,
+                 seed: int = 0) -> None:
+    """Train a multi-token-prediction head for the transformers model ``hf`` (saved at ``path``) and add it to the
+    checkpoint as Qwen3.5 releases ship one (``mtp.*``): a full-attention decoder layer (transformers' own class)
+    after a projection of the normed embedding of token i + 1 and the model's final hidden state at i, a norm,
+    and the model's lm_head, fitted for ``steps`` Adam steps to the model's own greedy continuations of
+    ``prompts``: token i + 2 from the model's state, and token i + 3 from the head's own output at i + 1, as
+    drafting runs it."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    config = hf.config
+    with torch.no_grad():
+        ids = torch.stack([hf.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                       do_sample=False)[0] for p in prompts])
+        hidden = hf.model(ids).last_hidden_state  # after the final norm
+    torch.manual_seed(seed)
+    head = torch.nn.ModuleDict({
+        "fc": torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False),
+        "pre_fc_norm_embedding": modeling.Qwen3_5RMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+        "pre_fc_norm_hidden": modeling.Qwen3_5RMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+        "layer": modeling.Qwen3_5DecoderLayer(config, layer_idx=config.layer_types.index("full_attention")),
+        "norm": modeling.Qwen3_5RMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+    })
+    embed, lm_head, rotary = hf.model.embed_tokens, hf.lm_head, hf.model.rotary_emb
+
+    def run(tokens: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        positions = torch.arange(n)[None].expand(len(tokens), n)
+        x = head["fc"](torch.cat([head["pre_fc_norm_embedding"](embed(tokens)), head["pre_fc_norm_hidden"](states)],
+                                 dim=-1))
+        x = head["layer"](x, position_embeddings=rotary(x, positions), position_ids=positions,
+                          attention_mask=torch.full((n, n), float("-inf")).triu(1)[None, None])
+        return head["norm"](x)
+
+    def loss_of(states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(lm_head(states).flatten(0, 1), targets.flatten())
+
+    optimizer = torch.optim.Adam(head.parameters(), lr=3e-3)
+    n = ids.shape[1] - 3
+    for _ in range(steps):
+        # Token i + 2 from the model's state at i, and (as drafting runs on) token i + 3 from the head's own.
+        first = run(ids[:, 1:n + 2], hidden[:, :n + 1])
+        second = run(ids[:, 2:n + 2], first[:, :n])
+        loss = loss_of(first, ids[:, 2:n + 3]) + loss_of(second, ids[:, 3:n + 3])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    weights = load_file(path / "model.safetensors")
+    for name, t in head.state_dict().items():
+        weights["mtp." + name.replace("layer.", "layers.0.", 1)] = t.detach().clone().contiguous()
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})

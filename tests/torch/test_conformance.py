@@ -55,3 +55,12 @@ class TestTorchSpeculativeQwen3_5(SpeculativeConformance):
     backend = "torch"
     checkpoint = "qwen3_5-cyclic"
     engine_kwargs: ClassVar[dict[str, object]] = {"dtype": "float32"}
+
+
+class TestTorchSpeculativeQwen3_5MTP(SpeculativeConformance):
+    """Drafts from the checkpoint's multi-token-prediction head, its own layer's keys and values in the KV cache."""
+
+    backend = "torch"
+    checkpoint = "qwen3_5-cyclic-mtp"
+    engine_kwargs: ClassVar[dict[str, object]] = {"dtype": "float32"}
+    multi_token_kwargs: ClassVar[dict[str, object]] = {"speculative_method": "mtp", "num_speculative_tokens": 3}

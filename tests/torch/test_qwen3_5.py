@@ -222,18 +222,6 @@ def test_gguf_files_of_llama_cpp_s_converter_match_transformers(tmp_path, moe: b
     assert run_to_completion(make_engine(checkpoint, max_model_len=256, prefill_chunk_size=16), requests) == expected
 
 
-@pytest.fixture(scope="module")
-def llama_cpp(tmp_path_factory: pytest.TempPathFactory):
-    """llama.cpp's converter, from the llama-cpp-python sdist that $POCKETLLM_LLAMA_CPP_SDIST names (unpacked once)."""
-    from tests.torch.qwen3_5_kit import LLAMA_CPP_SDIST, llama_cpp_converter
-
-    found = llama_cpp_converter(tmp_path_factory.mktemp("llama.cpp"))
-    if found is None:
-        pytest.skip(f"${LLAMA_CPP_SDIST} names no llama-cpp-python sdist (pip download --no-deps --no-binary :all: "
-                    "llama-cpp-python)")
-    return found
-
-
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_gguf_files_of_llama_cpp_s_own_converter_match_transformers(tmp_path, llama_cpp, moe: bool) -> None:
     """Files made by convert_hf_to_gguf.py itself (the llama-cpp-python sdist's vendor/llama.cpp), an irregular

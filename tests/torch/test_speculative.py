@@ -21,6 +21,7 @@ from pocketllm.testing.protocol import LONG_PROMPT, PROMPTS
 pytest.importorskip("pocketllm_torch")
 
 NGRAM = {"speculative_method": "ngram", "num_speculative_tokens": 4}
+MTP = {"speculative_method": "mtp", "num_speculative_tokens": 4}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 SAMPLES = 2000
 P_VALUE = 1e-3
@@ -41,19 +42,23 @@ def llama_cyclic(pocketllm_kit_checkpoint) -> Path:
     return pocketllm_kit_checkpoint("llama-cyclic")
 
 
-@pytest.fixture(scope="module")
-def soft_cyclic(llama_cyclic: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The cyclic Llama with its head scaled down (greedy outputs unchanged: every logit scales alike), so that at
-    temperature 1 the cycle's next token has a probability well inside (0, 1), not ~1."""
+@pytest.fixture(scope="module", params=[("llama-cyclic", NGRAM), ("qwen3_5-cyclic-mtp", MTP)],
+                ids=["ngram", "mtp"])
+def soft_cyclic(request: pytest.FixtureRequest, pocketllm_kit_checkpoint,
+                tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, object]]:
+    """A cyclic model with its head scaled down (greedy outputs unchanged: every logit scales alike), so that at
+    temperature 1 the cycle's next token has a probability well inside (0, 1), not ~1; and the method that drafts
+    for it (an MTP head shares the scaled head)."""
     from safetensors.numpy import load_file, save_file
 
+    name, method = request.param
     path = tmp_path_factory.mktemp("soft-cyclic")
-    for item in llama_cyclic.iterdir():
+    for item in pocketllm_kit_checkpoint(name).iterdir():
         shutil.copy(item, path / item.name)
     weights = load_file(str(path / "model.safetensors"))
     weights["lm_head.weight"] = weights["lm_head.weight"] * np.float32(HEAD_SCALE)
     save_file(weights, str(path / "model.safetensors"))
-    return path
+    return path, method
 
 
 @pytest.fixture
@@ -125,14 +130,15 @@ def homogeneity_p_value(a: Counter[tuple[int, int]], b: Counter[tuple[int, int]]
                                          torch.tensor(statistic / 2, dtype=torch.float64)))
 
 
-def test_speculation_keeps_the_distribution_and_a_wrong_rule_does_not(soft_cyclic: Path,
+def test_speculation_keeps_the_distribution_and_a_wrong_rule_does_not(soft_cyclic: tuple[Path, dict[str, object]],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """2,000 draws of the first two tokens at temperature 1, top-p 0.9, with and without drafts (different seeds:
-    independent samples). The prompt is the model's own greedy output, so the second token is drafted (from the
-    prompt) and the draft is often, not always, what the model samples. Accepting every draft is caught."""
-    plain = make(soft_cyclic, max_num_seqs=64, enable_prefix_caching=True)
-    spec = make(soft_cyclic, max_num_seqs=64, enable_prefix_caching=True, speculative_disable_by_batch_size=64,
-                **NGRAM)
+    independent samples). The prompt is every cycle once, so the second token is drafted (from the prompt, or by
+    the MTP head, which predicts the cycle) and the draft is often, not always, what the model samples. Accepting
+    every draft is caught."""
+    path, method = soft_cyclic
+    plain = make(path, max_num_seqs=64, enable_prefix_caching=True)
+    spec = make(path, max_num_seqs=64, enable_prefix_caching=True, speculative_disable_by_batch_size=64, **method)
     try:
         prompt = cycle_order(plain.tokenizer.vocab_size).tolist()  # every cycle once: each token is drafted
         without = first_two_tokens(plain, prompt, range(SAMPLES))

@@ -52,6 +52,9 @@ class FakeCheckpoint:
                                             path=Path("<memory>"), offset=0, nbytes=buffer.size, _buffer=buffer))
         return tensors
 
+    def mtp_tensors(self) -> list[CheckpointTensor]:
+        return []
+
     def weights(self, *, grouped: bool = False) -> Iterator[tuple[str, np.ndarray | Int4Groups | Int8Groups]]:
         """What the model runner loads: with ``grouped``, 4- and 8-bit matrices stay in their groups."""
         for tensor in self.tensors():

@@ -62,12 +62,13 @@ void bind_outputs(nb::module_& m) {
         .value("stop", Finish::Stop)
         .value("length", Finish::Length)
         .value("error", Finish::Error, "nothing could be sampled (the allowed tokens left none)");
-    nb::class_<SpeculativeConfig>(m, "SpeculativeConfig", "Speculative decoding's settings (ngram drafts).")
+    nb::class_<SpeculativeConfig>(m, "SpeculativeConfig", "Speculative decoding's settings (ngram or MTP drafts).")
         .def(nb::init<>())
         .def_rw("num_tokens", &SpeculativeConfig::num_tokens, "most drafted per sequence and step; 0: off")
         .def_rw("ngram_min", &SpeculativeConfig::ngram_min)
         .def_rw("ngram_max", &SpeculativeConfig::ngram_max)
-        .def_rw("max_batch", &SpeculativeConfig::max_batch, "nobody drafts while more sequences than this run");
+        .def_rw("max_batch", &SpeculativeConfig::max_batch, "nobody drafts while more sequences than this run")
+        .def_rw("mtp", &SpeculativeConfig::mtp, "drafts from the model's multi-token-prediction head");
     nb::class_<Delta>(m, "Delta", "What one step did for one request.")
         .def_ro("request_id", &Delta::request_id)
         .def_ro("tokens", &Delta::tokens, "its new tokens")

@@ -61,6 +61,51 @@ std::shared_ptr<const MoeWeights> moe_weights(const PyQwen3_5Layer& layer, Tenso
     return w;
 }
 
+// The multi-token-prediction head as Python gives it (see Qwen3_5MTP).
+struct PyQwen3_5MTP {
+    std::vector<float> embedding_norm, hidden_norm, norm;
+    std::optional<Tensor> fc;
+    PyQwen3_5Layer layer;
+};
+
+Qwen3_5Layer layer_of(const PyQwen3_5Layer& layer, TensorViews& get) {
+    Qwen3_5Layer L{};
+    L.input_norm = layer.input_norm;
+    L.post_attention_norm = layer.post_attention_norm;
+    if (layer.kind == "full_attention") {
+        L.kind = LayerKind::FullAttention;
+        L.q = get.matrix(layer.q, "q_proj");
+        L.k = get.matrix(layer.k, "k_proj");
+        L.v = get.matrix(layer.v, "v_proj");
+        L.o = get.matrix(layer.o, "o_proj");
+        L.q_norm = layer.q_norm;
+        L.k_norm = layer.k_norm;
+    } else if (layer.kind == "linear_attention") {
+        L.kind = LayerKind::LinearAttention;
+        L.qkv = get.matrix(layer.qkv, "in_proj_qkv");
+        L.z = get.matrix(layer.z, "in_proj_z");
+        L.b = get.matrix(layer.b, "in_proj_b");
+        L.a = get.matrix(layer.a, "in_proj_a");
+        L.out = get.matrix(layer.out, "out_proj");
+        L.conv = layer.conv;
+        L.decay = layer.decay;
+        L.dt_bias = layer.dt_bias;
+        L.norm = layer.norm;
+    } else {
+        throw std::invalid_argument(get.at + "kind must be full_attention or linear_attention, got '" + layer.kind +
+                                    "'");
+    }
+    L.is_moe = layer.router.has_value();
+    if (L.is_moe) {
+        L.moe = moe_weights(layer, get);
+    } else {
+        L.gate = get.matrix(layer.gate, "gate_proj");
+        L.up = get.matrix(layer.up, "up_proj");
+        L.down = get.matrix(layer.down, "down_proj");
+    }
+    return L;
+}
+
 }  // namespace
 
 void pocketllm::bind_qwen3_5(nb::module_& m) {
@@ -121,58 +166,38 @@ void pocketllm::bind_qwen3_5(nb::module_& m) {
         .def_rw("shared_expert_gate", &PyQwen3_5Layer::shared_expert_gate, nb::arg().none())
         .def_rw("top_k", &PyQwen3_5Layer::top_k)
         .def_rw("norm_topk_prob", &PyQwen3_5Layer::norm_topk_prob);
+    nb::class_<PyQwen3_5MTP>(m, "Qwen3_5MTP", "The multi-token-prediction head's tensors.")
+        .def(nb::init<>())
+        .def_rw("embedding_norm", &PyQwen3_5MTP::embedding_norm)
+        .def_rw("hidden_norm", &PyQwen3_5MTP::hidden_norm)
+        .def_rw("norm", &PyQwen3_5MTP::norm)
+        .def_rw("fc", &PyQwen3_5MTP::fc, nb::arg().none())
+        .def_rw("layer", &PyQwen3_5MTP::layer);
     m.def(
         "qwen3_5_model",
         [](const Qwen3_5Config& config, const Tensor& embedding, const std::vector<PyQwen3_5Layer>& layers,
            const std::vector<float>& final_norm, const Tensor& lm_head, int64_t num_blocks, int64_t block_size,
-           int64_t num_state_slots, int num_threads) {
+           int64_t num_state_slots, int num_threads, const std::optional<PyQwen3_5MTP>& mtp) {
             PyModel model;
             std::vector<Qwen3_5Layer> built;
             for (const PyQwen3_5Layer& layer : layers) {
                 TensorViews get{model, "layer " + std::to_string(built.size()) + " "};
-                Qwen3_5Layer L{};
-                L.input_norm = layer.input_norm;
-                L.post_attention_norm = layer.post_attention_norm;
-                if (layer.kind == "full_attention") {
-                    L.kind = LayerKind::FullAttention;
-                    L.q = get.matrix(layer.q, "q_proj");
-                    L.k = get.matrix(layer.k, "k_proj");
-                    L.v = get.matrix(layer.v, "v_proj");
-                    L.o = get.matrix(layer.o, "o_proj");
-                    L.q_norm = layer.q_norm;
-                    L.k_norm = layer.k_norm;
-                } else if (layer.kind == "linear_attention") {
-                    L.kind = LayerKind::LinearAttention;
-                    L.qkv = get.matrix(layer.qkv, "in_proj_qkv");
-                    L.z = get.matrix(layer.z, "in_proj_z");
-                    L.b = get.matrix(layer.b, "in_proj_b");
-                    L.a = get.matrix(layer.a, "in_proj_a");
-                    L.out = get.matrix(layer.out, "out_proj");
-                    L.conv = layer.conv;
-                    L.decay = layer.decay;
-                    L.dt_bias = layer.dt_bias;
-                    L.norm = layer.norm;
-                } else {
-                    throw std::invalid_argument(get.at + "kind must be full_attention or linear_attention, got '" +
-                                                layer.kind + "'");
-                }
-                L.is_moe = layer.router.has_value();
-                if (L.is_moe) {
-                    L.moe = moe_weights(layer, get);
-                } else {
-                    L.gate = get.matrix(layer.gate, "gate_proj");
-                    L.up = get.matrix(layer.up, "up_proj");
-                    L.down = get.matrix(layer.down, "down_proj");
-                }
-                built.push_back(std::move(L));
+                built.push_back(layer_of(layer, get));
+            }
+            std::optional<Qwen3_5MTP> head;
+            if (mtp) {
+                TensorViews get{model, "the multi-token-prediction head's "};
+                head = Qwen3_5MTP{mtp->embedding_norm, mtp->hidden_norm, mtp->norm, get.matrix(mtp->fc, "fc"),
+                                  layer_of(mtp->layer, get)};
             }
             TensorViews get{model, ""};
-            const WeightView embed = get.matrix(embedding, "embedding"), head = get.matrix(lm_head, "lm_head");
-            model.model = std::make_shared<Qwen3_5Model>(config, embed, std::move(built), final_norm, head, num_blocks,
-                                                         block_size, num_state_slots, num_threads);
+            const WeightView embed = get.matrix(embedding, "embedding"), lm = get.matrix(lm_head, "lm_head");
+            model.model = std::make_shared<Qwen3_5Model>(config, embed, std::move(built), final_norm, lm, num_blocks,
+                                                         block_size, num_state_slots, num_threads, std::move(head));
             return model;
         },
         nb::arg("config"), nb::arg("embedding"), nb::arg("layers"), nb::arg("final_norm"), nb::arg("lm_head"),
         nb::arg("num_blocks"), nb::arg("block_size"), nb::arg("num_state_slots"), nb::arg("num_threads"),
+        nb::arg("mtp").none() = nb::none(),
         "A Qwen3.5 Model (the Model class, its forward taking state slots) over the tensors' bytes, read in place.");
 }

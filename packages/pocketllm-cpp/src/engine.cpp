@@ -7,7 +7,11 @@
 namespace pocketllm {
 
 Engine::Engine(std::shared_ptr<Model> model, SchedulerConfig config, SpeculativeConfig speculative)
-    : model_(std::move(model)), seeds_(config.seed), scheduler_(*model_, config), drafter_(speculative) {}
+    : model_(std::move(model)), seeds_(config.seed), scheduler_(*model_, config), drafter_(speculative) {
+    if (drafter_.uses_head() && !model_->has_mtp()) {
+        throw std::invalid_argument("speculative decoding with mtp needs a model with a multi-token-prediction head");
+    }
+}
 
 void Engine::check_prompt(const std::string& id, const std::vector<int32_t>& prompt, int64_t longest) const {
     if (scheduler_.find(id)) throw std::invalid_argument("request id '" + id + "' is already in use");
@@ -78,12 +82,13 @@ std::vector<Delta> Engine::step() {
     ScheduledBatch batch = scheduler_.schedule();
     if (batch.seqs.empty()) return {};
     std::vector<int32_t> tokens;
-    const std::vector<SequenceSlice> slices = slices_of(batch, tokens);
-    const std::vector<StateCapture> captures = captures_of(batch, slices);
-    std::vector<float> pooled;
-    std::vector<float> logits;
+    std::vector<SequenceSlice> slices;
+    std::vector<float> pooled, hidden, logits;
     try {
-        logits = model_->forward(tokens, slices, &pooled, &captures);
+        draft_with_head(batch);
+        slices = slices_of(batch, tokens);
+        const std::vector<StateCapture> captures = captures_of(batch, slices);
+        logits = model_->forward(tokens, slices, &pooled, &captures, &hidden);
     } catch (...) {
         scheduler_.failed(batch);
         for (const SeqPtr& seq : batch.seqs) seq->draft.clear();
@@ -93,6 +98,7 @@ std::vector<Delta> Engine::step() {
     profile_.tokens += static_cast<int64_t>(tokens.size());
     std::vector<SeqPtr> done;
     std::vector<Delta> deltas = deltas_of(batch, slices, logits, pooled, done);
+    catch_up_head(batch, slices, hidden, done);
     scheduler_.computed(batch);
     commit_states(batch, slices);
     for (const SeqPtr& seq : done) scheduler_.finish(seq);
@@ -120,9 +126,96 @@ std::vector<SequenceSlice> Engine::slices_of(const ScheduledBatch& batch, std::v
         tokens.insert(tokens.end(), seq.draft.begin(), seq.draft.begin() + drafted);
         const bool samples = seq.computed + own == seq.size() && seq.pool == Pooling::None;
         slices.push_back({seq.computed, batch.counts[i], seq.blocks, samples ? 1 + drafted : 0, seq.pool,
-                          seq.state_slot, static_cast<int64_t>(seq.num_prompt)});
+                          seq.state_slot, static_cast<int64_t>(seq.num_prompt), drafter_.uses_head() && seq.spec.on});
     }
     return slices;
+}
+
+void Engine::draft_with_head(ScheduledBatch& batch) {
+    if (!drafter_.uses_head()) return;
+    std::vector<size_t> active;  // the batch's sequences with drafts to fill in
+    std::vector<float> hidden;
+    for (size_t i = 0; i < batch.seqs.size(); ++i) {
+        const Sequence& seq = *batch.seqs[i];
+        if (seq.computed + batch.counts[i] > seq.size()) {
+            active.push_back(i);
+            hidden.insert(hidden.end(), seq.spec.head_state.begin(), seq.spec.head_state.end());
+        }
+    }
+    const int64_t vocab = model_->vocab_size(), width = model_->hidden_size();
+    for (int64_t j = 0; !active.empty(); ++j) {
+        if (j > 0) {  // the head on its own output and draft j - 1, one position after where it last ran
+            std::vector<int32_t> tokens;
+            std::vector<SequenceSlice> slices;
+            for (size_t i : active) {
+                const Sequence& seq = *batch.seqs[i];
+                tokens.push_back(seq.draft[static_cast<size_t>(j - 1)]);
+                slices.push_back({seq.computed - 1 + j, 1, seq.blocks, 0, Pooling::None, seq.state_slot,
+                                  static_cast<int64_t>(seq.num_prompt)});
+            }
+            hidden = model_->mtp_forward(tokens, hidden, slices);
+        }
+        const std::vector<float> logits = model_->mtp_logits(hidden);
+        std::vector<size_t> going;
+        std::vector<float> kept;
+        for (size_t k = 0; k < active.size(); ++k) {
+            const SeqPtr& seq = batch.seqs[active[k]];
+            // Drawn as verification row j draws: drafts 0..j-1 in the context, the noise of output index + j.
+            std::vector<int32_t> context = seq->tokens;
+            context.insert(context.end(), seq->draft.begin(), seq->draft.begin() + j);
+            std::vector<float> row(logits.begin() + static_cast<int64_t>(k) * vocab,
+                                   logits.begin() + static_cast<int64_t>(k + 1) * vocab);
+            Rng rng(draw_seed(seq->seed, seq->num_output() + j));
+            const int32_t token = sample(row, seq->sampling, context, seq->num_prompt, rng, nullptr, seq->allowed);
+            if (token < 0) {  // nothing to draw: the verification runs the drafts so far
+                batch.counts[active[k]] -= static_cast<int64_t>(seq->draft.size()) - j;
+                seq->draft.resize(static_cast<size_t>(j));
+                continue;
+            }
+            seq->draft[static_cast<size_t>(j)] = token;
+            if (static_cast<int64_t>(seq->draft.size()) > j + 1) {
+                going.push_back(active[k]);
+                kept.insert(kept.end(), hidden.begin() + static_cast<int64_t>(k) * width,
+                            hidden.begin() + static_cast<int64_t>(k + 1) * width);
+            }
+        }
+        active = std::move(going);
+        hidden = std::move(kept);
+    }
+}
+
+void Engine::catch_up_head(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,
+                           const std::vector<float>& hidden, const std::vector<SeqPtr>& done) {
+    if (!drafter_.uses_head()) return;
+    const size_t width = static_cast<size_t>(model_->hidden_size());
+    std::vector<int32_t> tokens;
+    std::vector<float> rows;
+    std::vector<SequenceSlice> spans;
+    std::vector<Sequence*> whose;
+    size_t at = 0;  // slice i's hidden rows follow those of the slices before it that asked
+    for (size_t i = 0; i < slices.size(); ++i) {
+        if (!slices[i].hidden) continue;
+        Sequence& seq = *batch.seqs[i];
+        const int64_t kept = batch.counts[i];  // a verification's rows cut to those it kept
+        if (std::find(done.begin(), done.end(), batch.seqs[i]) == done.end()) {
+            const auto next = seq.tokens.begin() + slices[i].start + 1;  // the token after each kept row
+            tokens.insert(tokens.end(), next, next + kept);
+            rows.insert(rows.end(), hidden.begin() + static_cast<int64_t>(at),
+                        hidden.begin() + static_cast<int64_t>(at + static_cast<size_t>(kept) * width));
+            spans.push_back({slices[i].start, kept, seq.blocks, 0, Pooling::None, seq.state_slot,
+                             static_cast<int64_t>(seq.num_prompt)});
+            whose.push_back(&seq);
+        }
+        at += static_cast<size_t>(slices[i].num_tokens) * width;
+    }
+    if (spans.empty()) return;
+    const std::vector<float> out = model_->mtp_forward(tokens, rows, spans);
+    size_t end = 0;
+    for (size_t k = 0; k < spans.size(); ++k) {
+        end += static_cast<size_t>(spans[k].num_tokens) * width;
+        whose[k]->spec.head_state.assign(out.begin() + static_cast<int64_t>(end - width),
+                                         out.begin() + static_cast<int64_t>(end));
+    }
 }
 
 std::vector<StateCapture> Engine::captures_of(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices) {

@@ -57,7 +57,8 @@ void LlamaModel::reset_profile() {
 }
 
 std::vector<float> LlamaModel::forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
-                                  std::vector<float>* pooled, const std::vector<StateCapture>* captures) {
+                                  std::vector<float>* pooled, const std::vector<StateCapture>* captures,
+                                  std::vector<float>* hidden_out) {
     check(tokens, slices, captures);  // no state: any capture is refused
     Stopwatch total(profile_.forward);
     const LlamaConfig& c = config_;
@@ -134,7 +135,7 @@ std::vector<float> LlamaModel::forward(const std::vector<int32_t>& tokens, const
     });
     Stopwatch timed(profile_.lm_head);
     return final_rows(batch.x.data(), slices, {final_norm_, c.rms_norm_eps, lm_head_, c.exact_activations}, pool_,
-                      pooled);
+                      pooled, hidden_out);
 }
 
 void LlamaModel::attention_layer(int64_t l, Batch& batch, const std::vector<SequenceSlice>& slices) {

@@ -9,6 +9,15 @@ void Model::save_state(int32_t, float*) const { throw std::logic_error("this mod
 
 void Model::load_state(int32_t, const float*) { throw std::logic_error("this model keeps no state"); }
 
+std::vector<float> Model::mtp_forward(const std::vector<int32_t>&, const std::vector<float>&,
+                                      const std::vector<SequenceSlice>&) {
+    throw std::logic_error("this model has no multi-token-prediction head");
+}
+
+std::vector<float> Model::mtp_logits(const std::vector<float>&) {
+    throw std::logic_error("this model has no multi-token-prediction head");
+}
+
 void Model::check(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
                   const std::vector<StateCapture>* captures) const {
     static const std::vector<StateCapture> none;

@@ -5,8 +5,21 @@
 namespace pocketllm {
 
 std::vector<float> final_rows(const float* x, const std::vector<SequenceSlice>& slices, const OutputHead& head,
-                              ThreadPool& pool, std::vector<float>* pooled) {
+                              ThreadPool& pool, std::vector<float>* pooled, std::vector<float>* wanted) {
     const int64_t hidden = static_cast<int64_t>(head.final_norm.size());
+    for (int64_t s = 0, begin = 0; wanted != nullptr && s < static_cast<int64_t>(slices.size()); ++s) {
+        if (slices[s].hidden) {
+            const size_t at = wanted->size();
+            wanted->resize(at + static_cast<size_t>(slices[s].num_tokens * hidden));
+            for_rows(pool, slices[s].num_tokens, [&](int64_t first, int64_t end) {
+                for (int64_t t = first; t < end; ++t) {
+                    rms_norm(&x[(begin + t) * hidden], head.final_norm.data(), hidden, head.eps,
+                             &(*wanted)[at + static_cast<size_t>(t * hidden)]);
+                }
+            });
+        }
+        begin += slices[s].num_tokens;
+    }
     std::vector<float> normed(static_cast<size_t>(hidden));
     for (int64_t s = 0, begin = 0; pooled != nullptr && s < static_cast<int64_t>(slices.size()); ++s) {
         const SequenceSlice& slice = slices[s];

@@ -19,9 +19,9 @@ struct OutputHead {
 };
 
 // x [tokens, hidden]: the residual stream after the last layer, tokens in slice order. Returns the logits of each
-// slice's last num_logits tokens, [rows, vocab]; with `pooled`, appends each pooling slice's embedding (see
-// Model::forward).
+// slice's last num_logits tokens, [rows, vocab]; with `pooled`, appends each pooling slice's embedding, with
+// `hidden` the final hidden states of the slices that ask (see Model::forward).
 std::vector<float> final_rows(const float* x, const std::vector<SequenceSlice>& slices, const OutputHead& head,
-                              ThreadPool& pool, std::vector<float>* pooled);
+                              ThreadPool& pool, std::vector<float>* pooled, std::vector<float>* hidden);
 
 }  // namespace pocketllm

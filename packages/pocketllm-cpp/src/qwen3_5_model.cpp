@@ -46,10 +46,10 @@ struct Qwen3_5Model::Batch {
 
 Qwen3_5Model::Qwen3_5Model(Qwen3_5Config config, WeightView embedding, std::vector<Qwen3_5Layer> layers,
                            std::vector<float> final_norm, WeightView lm_head, int64_t num_blocks, int64_t block_size,
-                           int64_t num_state_slots, int num_threads)
+                           int64_t num_state_slots, int num_threads, std::optional<Qwen3_5MTP> mtp)
     : Model(config.vocab_size, config.hidden_size, num_blocks, block_size), config_(std::move(config)),
       embedding_(embedding), lm_head_(lm_head), layers_(std::move(layers)), final_norm_(std::move(final_norm)),
-      num_slots_(num_state_slots), pool_(num_threads) {
+      mtp_(std::move(mtp)), num_slots_(num_state_slots), pool_(num_threads) {
     const Qwen3_5Config& c = config_;
     const int64_t hidden = c.hidden_size;
     if (hidden <= 0 || c.vocab_size <= 0 || c.head_dim <= 0 || c.num_kv_heads <= 0 ||
@@ -68,52 +68,69 @@ Qwen3_5Model::Qwen3_5Model(Qwen3_5Config config, WeightView embedding, std::vect
     expect_shape(lm_head_, c.vocab_size, hidden, "lm_head");
     expect_size(final_norm_, hidden, "final_norm");
     const GatedDeltaShape shape = delta_shape(c);
-    int64_t attention_layers = 0, linear_layers = 0;
     for (size_t i = 0; i < layers_.size(); ++i) {
         const Qwen3_5Layer& L = layers_[i];
-        const std::string at = "layer " + std::to_string(i) + " ";
-        expect_size(L.input_norm, hidden, at + "input_norm");
-        expect_size(L.post_attention_norm, hidden, at + "post_attention_norm");
+        validate_layer(L, "layer " + std::to_string(i) + " ");
         if (L.kind == LayerKind::FullAttention) {
             conv_taps_.emplace_back();
-            expect_shape(L.q, 2 * c.num_heads * c.head_dim, hidden, at + "q_proj");
-            expect_shape(L.k, c.num_kv_heads * c.head_dim, hidden, at + "k_proj");
-            expect_shape(L.v, c.num_kv_heads * c.head_dim, hidden, at + "v_proj");
-            expect_shape(L.o, hidden, c.num_heads * c.head_dim, at + "o_proj");
-            expect_size(L.q_norm, c.head_dim, at + "q_norm");
-            expect_size(L.k_norm, c.head_dim, at + "k_norm");
-            ++attention_layers;
+            ++attention_layers_;
         } else {
-            validate(shape, {L.conv, L.decay, L.dt_bias, L.norm});
             conv_taps_.push_back(conv_taps(shape, L.conv));
-            const int64_t hv = c.linear_num_v_heads, dv = c.linear_v_dim;
-            expect_shape(L.qkv, shape.channels(), hidden, at + "in_proj_qkv");
-            expect_shape(L.z, hv * dv, hidden, at + "in_proj_z");
-            expect_shape(L.b, hv, hidden, at + "in_proj_b");
-            expect_shape(L.a, hv, hidden, at + "in_proj_a");
-            expect_shape(L.out, hidden, hv * dv, at + "out_proj");
             if (__builtin_add_overflow(slot_floats_, shape.state_floats(), &slot_floats_)) {
                 throw std::invalid_argument("state size overflows");
             }
-            ++linear_layers;
         }
-        if (L.is_moe) {
-            if (!L.moe) throw std::invalid_argument(at + "is MoE without experts");
-            validate(*L.moe, hidden);
-        } else {
-            if (L.gate.rows != L.up.rows) throw std::invalid_argument(at + "gate and up differ in rows");
-            expect_shape(L.gate, L.gate.rows, hidden, at + "gate_proj");
-            expect_shape(L.up, L.gate.rows, hidden, at + "up_proj");
-            expect_shape(L.down, hidden, L.gate.rows, at + "down_proj");
+    }
+    if (mtp_) {
+        if (mtp_->layer.kind != LayerKind::FullAttention) {
+            throw std::invalid_argument("the multi-token-prediction head's layer must be full attention");
         }
+        validate_layer(mtp_->layer, "the multi-token-prediction head's layer ");
+        expect_shape(mtp_->fc, hidden, 2 * hidden, "the multi-token-prediction head's fc");
+        expect_size(mtp_->embedding_norm, hidden, "the multi-token-prediction head's embedding norm");
+        expect_size(mtp_->hidden_norm, hidden, "the multi-token-prediction head's hidden norm");
+        expect_size(mtp_->norm, hidden, "the multi-token-prediction head's norm");
     }
     size_t states = 0;
     if (__builtin_mul_overflow(static_cast<size_t>(num_slots_), static_cast<size_t>(slot_floats_), &states)) {
         throw std::invalid_argument("state slots overflow");
     }
     states_.assign(states, 0.0f);
-    kv_ = std::make_unique<PagedAttention>(attention_layers, c.num_kv_heads, c.head_dim, c.kv_type, num_blocks,
-                                           block_size);
+    kv_ = std::make_unique<PagedAttention>(attention_layers_ + (mtp_ ? 1 : 0), c.num_kv_heads, c.head_dim, c.kv_type,
+                                           num_blocks, block_size);
+}
+
+void Qwen3_5Model::validate_layer(const Qwen3_5Layer& L, const std::string& at) const {
+    const Qwen3_5Config& c = config_;
+    const int64_t hidden = c.hidden_size;
+    expect_size(L.input_norm, hidden, at + "input_norm");
+    expect_size(L.post_attention_norm, hidden, at + "post_attention_norm");
+    if (L.kind == LayerKind::FullAttention) {
+        expect_shape(L.q, 2 * c.num_heads * c.head_dim, hidden, at + "q_proj");
+        expect_shape(L.k, c.num_kv_heads * c.head_dim, hidden, at + "k_proj");
+        expect_shape(L.v, c.num_kv_heads * c.head_dim, hidden, at + "v_proj");
+        expect_shape(L.o, hidden, c.num_heads * c.head_dim, at + "o_proj");
+        expect_size(L.q_norm, c.head_dim, at + "q_norm");
+        expect_size(L.k_norm, c.head_dim, at + "k_norm");
+    } else {
+        const GatedDeltaShape shape = delta_shape(c);
+        validate(shape, {L.conv, L.decay, L.dt_bias, L.norm});
+        const int64_t hv = c.linear_num_v_heads, dv = c.linear_v_dim;
+        expect_shape(L.qkv, shape.channels(), hidden, at + "in_proj_qkv");
+        expect_shape(L.z, hv * dv, hidden, at + "in_proj_z");
+        expect_shape(L.b, hv, hidden, at + "in_proj_b");
+        expect_shape(L.a, hv, hidden, at + "in_proj_a");
+        expect_shape(L.out, hidden, hv * dv, at + "out_proj");
+    }
+    if (L.is_moe) {
+        if (!L.moe) throw std::invalid_argument(at + "is MoE without experts");
+        validate(*L.moe, hidden);
+    } else {
+        if (L.gate.rows != L.up.rows) throw std::invalid_argument(at + "gate and up differ in rows");
+        expect_shape(L.gate, L.gate.rows, hidden, at + "gate_proj");
+        expect_shape(L.up, L.gate.rows, hidden, at + "up_proj");
+        expect_shape(L.down, hidden, L.gate.rows, at + "down_proj");
+    }
 }
 
 Qwen3_5Model::~Qwen3_5Model() = default;
@@ -146,11 +163,8 @@ void Qwen3_5Model::reset_profile() {
     regions_at_reset_ = pool_.regions();
 }
 
-std::vector<float> Qwen3_5Model::forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
-                                         std::vector<float>* pooled, const std::vector<StateCapture>* captures) {
-    check(tokens, slices, captures);
-    const std::vector<StateCapture> no_captures;
-    Stopwatch total(profile_.forward);
+Qwen3_5Model::Batch Qwen3_5Model::batch_of(const std::vector<int32_t>& tokens,
+                                           const std::vector<SequenceSlice>& slices) const {
     const Qwen3_5Config& c = config_;
     const int64_t n = static_cast<int64_t>(tokens.size()), hidden = c.hidden_size, half = c.rotary_dim / 2;
     Batch batch;
@@ -159,11 +173,6 @@ std::vector<float> Qwen3_5Model::forward(const std::vector<int32_t>& tokens, con
     batch.position.resize(static_cast<size_t>(n));
     for (int64_t s = 0, t = 0; s < static_cast<int64_t>(slices.size()); ++s) {
         batch.first.push_back(t);
-        // A sequence's first slice starts from a zero state.
-        if (slices[s].start == 0) {
-            std::fill_n(&states_[static_cast<size_t>(slices[s].state_slot) * static_cast<size_t>(slot_floats_)],
-                        slot_floats_, 0.0f);
-        }
         for (int64_t i = 0; i < slices[s].num_tokens; ++i, ++t) {
             batch.slice_of[t] = s;
             batch.position[t] = slices[s].start + i;
@@ -181,6 +190,24 @@ std::vector<float> Qwen3_5Model::forward(const std::vector<int32_t>& tokens, con
     batch.x.resize(static_cast<size_t>(n * hidden));
     batch.h.resize(batch.x.size());
     batch.out.resize(batch.x.size());
+    return batch;
+}
+
+std::vector<float> Qwen3_5Model::forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
+                                         std::vector<float>* pooled, const std::vector<StateCapture>* captures,
+                                         std::vector<float>* hidden_out) {
+    check(tokens, slices, captures);
+    const std::vector<StateCapture> no_captures;
+    Stopwatch total(profile_.forward);
+    const Qwen3_5Config& c = config_;
+    const int64_t n = static_cast<int64_t>(tokens.size()), hidden = c.hidden_size;
+    Batch batch = batch_of(tokens, slices);
+    for (const SequenceSlice& slice : slices) {  // a sequence's first slice starts from a zero state
+        if (slice.start == 0) {
+            std::fill_n(&states_[static_cast<size_t>(slice.state_slot) * static_cast<size_t>(slot_floats_)],
+                        slot_floats_, 0.0f);
+        }
+    }
     for (int64_t t = 0; t < n; ++t) dequantize_row(embedding_, tokens[t], &batch.x[t * hidden]);
 
     const int64_t linear_state = delta_shape(c).state_floats();
@@ -192,30 +219,98 @@ std::vector<float> Qwen3_5Model::forward(const std::vector<int32_t>& tokens, con
             }
         });
         if (L.kind == LayerKind::FullAttention) {
-            attention_layer(l, attention++, batch, slices);
+            attention_layer(L, attention++, batch, slices);
         } else {
             linear_layer(l, offset, batch, slices, captures ? *captures : no_captures);
             offset += linear_state;
         }
-        for_rows(pool_, n, [&](int64_t begin, int64_t end) {
-            for (int64_t t = begin; t < end; ++t) {
-                float* x = &batch.x[t * hidden];
-                for (int64_t i = 0; i < hidden; ++i) x[i] += batch.out[t * hidden + i];
-                rms_norm(x, L.post_attention_norm.data(), hidden, c.rms_norm_eps, &batch.h[t * hidden]);
-            }
-        });
-        feed_forward(l, batch);
+        add_and_norm(L, batch);
+        feed_forward(L, batch);
         for (size_t i = 0; i < batch.x.size(); ++i) batch.x[i] += batch.out[i];
     }
 
     Stopwatch timed(profile_.lm_head);
     return final_rows(batch.x.data(), slices, {final_norm_, c.rms_norm_eps, lm_head_, c.exact_activations}, pool_,
-                      pooled);
+                      pooled, hidden_out);
 }
 
-void Qwen3_5Model::attention_layer(int64_t l, int64_t index, Batch& batch, const std::vector<SequenceSlice>& slices) {
+void Qwen3_5Model::add_and_norm(const Qwen3_5Layer& L, Batch& batch) {
+    const int64_t hidden = config_.hidden_size;
+    for_rows(pool_, batch.n, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+            float* x = &batch.x[t * hidden];
+            for (int64_t i = 0; i < hidden; ++i) x[i] += batch.out[t * hidden + i];
+            rms_norm(x, L.post_attention_norm.data(), hidden, config_.rms_norm_eps, &batch.h[t * hidden]);
+        }
+    });
+}
+
+std::vector<float> Qwen3_5Model::mtp_forward(const std::vector<int32_t>& tokens, const std::vector<float>& hidden_in,
+                                             const std::vector<SequenceSlice>& slices) {
+    if (!mtp_) return Model::mtp_forward(tokens, hidden_in, slices);
+    check(tokens, slices);
     const Qwen3_5Config& c = config_;
-    const Qwen3_5Layer& L = layers_[static_cast<size_t>(l)];
+    const int64_t n = static_cast<int64_t>(tokens.size()), hidden = c.hidden_size;
+    for (const SequenceSlice& slice : slices) {
+        if (slice.num_logits != 0 || slice.pool != Pooling::None) {
+            throw std::invalid_argument("the multi-token-prediction head gives neither logits nor poolings");
+        }
+    }
+    if (static_cast<int64_t>(hidden_in.size()) != n * hidden) {
+        throw std::invalid_argument("the multi-token-prediction head needs a hidden state per token");
+    }
+    Stopwatch total(profile_.forward);
+    const Qwen3_5MTP& head = *mtp_;
+    Batch batch = batch_of(tokens, slices);
+    // [normed embedding | normed hidden state] per row, then fc back to the hidden size.
+    batch.mixed.resize(static_cast<size_t>(n * 2 * hidden));
+    for_rows(pool_, n, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+            float* both = &batch.mixed[t * 2 * hidden];
+            dequantize_row(embedding_, tokens[t], &batch.h[t * hidden]);
+            rms_norm(&batch.h[t * hidden], head.embedding_norm.data(), hidden, c.rms_norm_eps, both);
+            rms_norm(&hidden_in[t * hidden], head.hidden_norm.data(), hidden, c.rms_norm_eps, both + hidden);
+        }
+    });
+    {
+        Stopwatch timed(profile_.matmul);
+        matmul(head.fc, batch.mixed.data(), n, batch.x.data(), pool_, c.exact_activations);
+    }
+    const Qwen3_5Layer& L = head.layer;
+    for_rows(pool_, n, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+            rms_norm(&batch.x[t * hidden], L.input_norm.data(), hidden, c.rms_norm_eps, &batch.h[t * hidden]);
+        }
+    });
+    attention_layer(L, attention_layers_, batch, slices);
+    add_and_norm(L, batch);
+    feed_forward(L, batch);
+    std::vector<float> out(batch.x.size());
+    for_rows(pool_, n, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+            float* x = &batch.x[t * hidden];
+            for (int64_t i = 0; i < hidden; ++i) x[i] += batch.out[t * hidden + i];
+            rms_norm(x, head.norm.data(), hidden, c.rms_norm_eps, &out[t * hidden]);
+        }
+    });
+    return out;
+}
+
+std::vector<float> Qwen3_5Model::mtp_logits(const std::vector<float>& hidden) {
+    if (!mtp_) return Model::mtp_logits(hidden);
+    const int64_t rows = static_cast<int64_t>(hidden.size()) / config_.hidden_size;
+    if (rows * config_.hidden_size != static_cast<int64_t>(hidden.size())) {
+        throw std::invalid_argument("hidden rows must be whole rows of hidden_size");
+    }
+    Stopwatch timed(profile_.lm_head);
+    std::vector<float> logits(static_cast<size_t>(rows * config_.vocab_size));
+    if (rows > 0) matmul(lm_head_, hidden.data(), rows, logits.data(), pool_, config_.exact_activations);
+    return logits;
+}
+
+void Qwen3_5Model::attention_layer(const Qwen3_5Layer& L, int64_t index, Batch& batch,
+                                   const std::vector<SequenceSlice>& slices) {
+    const Qwen3_5Config& c = config_;
     const int64_t n = batch.n, dim = c.head_dim, heads = c.num_heads, q_size = heads * dim;
     const int64_t kv_size = c.num_kv_heads * dim, half = c.rotary_dim / 2;
     batch.proj.resize(static_cast<size_t>(n * 2 * q_size));
@@ -348,9 +443,8 @@ std::vector<std::vector<DeltaCapture>> Qwen3_5Model::conv_captures(int64_t offse
     return captured;
 }
 
-void Qwen3_5Model::feed_forward(int64_t l, Batch& batch) {
+void Qwen3_5Model::feed_forward(const Qwen3_5Layer& L, Batch& batch) {
     const Qwen3_5Config& c = config_;
-    const Qwen3_5Layer& L = layers_[static_cast<size_t>(l)];
     const int64_t n = batch.n;
     Stopwatch timed(profile_.matmul);
     if (L.is_moe) {

@@ -36,7 +36,12 @@ std::vector<int32_t> Drafter::propose(const std::vector<int32_t>& tokens, DraftS
         --state.pause;
         return {};
     }
-    return ngram_draft(tokens, config_.ngram_min, config_.ngram_max, std::min(state.k, room));
+    const int64_t k = std::min(state.k, room);
+    if (config_.mtp) {  // room for the head's drafts, once it has run over the sequence
+        return state.head_state.empty() || k <= 0 ? std::vector<int32_t>{}
+                                                  : std::vector<int32_t>(static_cast<size_t>(k), kPendingDraft);
+    }
+    return ngram_draft(tokens, config_.ngram_min, config_.ngram_max, k);
 }
 
 void Drafter::verified(DraftState& state, int64_t drafted, int64_t accepted) {

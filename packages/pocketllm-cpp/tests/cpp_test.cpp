@@ -45,7 +45,8 @@ public:
     void load_state(int32_t slot, const float* in) override { state_[static_cast<size_t>(slot)] = *in; }
     bool fail_next = false;  // the next forward pass throws after its checks, as one that runs out of memory
     std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
-                               std::vector<float>*, const std::vector<StateCapture>* captures) override {
+                               std::vector<float>*, const std::vector<StateCapture>* captures,
+                               std::vector<float>*) override {
         check(tokens, slices, captures);
         if (fail_next) {
             fail_next = false;
@@ -118,6 +119,21 @@ static void speculative_tests() {
     const SpeculativeStats& stats = drafter.stats();
     CHECK(stats.drafts == 4 && stats.draft_tokens == 10 && stats.accepted_tokens == 3);
     CHECK((stats.accepted_per_position == std::vector<int64_t>{2, 1, 0, 0}));
+    // MTP: room for the head's drafts (pending until the engine fills them in), once the head has run over the
+    // sequence; an engine whose model has no head refuses the method.
+    SpeculativeConfig mtp{4, 1, 4, 8, true};
+    Drafter head_drafter(mtp);
+    DraftState fresh = head_drafter.start();
+    CHECK(head_drafter.propose({1, 2, 3}, fresh, 8, 1).empty());
+    fresh.head_state.assign(4, 0.5f);
+    CHECK((head_drafter.propose({1, 2, 3}, fresh, 3, 1) == V(3, kPendingDraft)));
+    bool refused = false;
+    try {
+        Engine engine(std::make_shared<HashStateModel>(1, 64), SchedulerConfig{1, 64, 64, 1}, mtp);
+    } catch (const std::invalid_argument&) {
+        refused = true;
+    }
+    CHECK(refused);
 }
 
 static void state_slot_tests() {

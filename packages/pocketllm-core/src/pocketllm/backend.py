@@ -93,10 +93,12 @@ What a backend that drafts promises:
 
 * **Exact.** Greedy requests give exactly the tokens they give without
   speculative decoding. Sampled requests follow the same output distribution:
-  drafts are verified by rejection sampling against the target model's
-  probabilities after every logits processor (penalties, bias, top-k/p, min-p,
-  grammar mask), and a rejected position is resampled from the residual
-  distribution, so a draft changes how fast tokens come, never which.
+  drafts are verified against the target model's probabilities after every
+  logits processor (penalties, bias, top-k/p, min-p, grammar mask), by
+  rejection sampling with a residual draw at a rejected position, or by
+  keeping a draft where the target's own seeded draw is it (the builtin
+  backends: model drafts are drawn with that same noise), so a draft changes
+  how fast tokens come, never which.
 * **Reproducible.** A request's seed gives the same tokens with and without
   other requests in the batch, and its draws do not depend on how many drafted
   tokens were accepted before.

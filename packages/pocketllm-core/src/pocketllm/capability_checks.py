@@ -39,6 +39,8 @@ def check_engine_args(backend: str, caps: Capabilities, args: EngineArgs, checkp
     if args.speculative_method is not None and args.speculative_method not in caps.speculative_methods:
         raise UnsupportedOptionError("speculative_method", backend, f"{args.speculative_method!r} is not one of "
                                      f"{', '.join(caps.speculative_methods) or 'none'}")
+    if args.speculative_method == "mtp":
+        _check_mtp(checkpoint, caps, backend)
     if args.enable_prefix_caching and not caps.prefix_caching:
         raise UnsupportedOptionError("enable_prefix_caching", backend)
     if caps.max_num_seqs is not None and args.max_num_seqs > caps.max_num_seqs:
@@ -130,3 +132,16 @@ def check_embedding_request(backend: str, caps: Capabilities, prompt_ids: list[i
 def _check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
     if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt_ids):
         raise ConfigError("prompt", f"token ids must be integers in [0, {vocab_size})")
+
+
+def _check_mtp(checkpoint: Checkpoint, caps: Capabilities, backend: str) -> None:
+    """``speculative_method="mtp"`` runs the checkpoint's own multi-token-prediction layers: it needs some, stored
+    as the backend reads."""
+    tensors = checkpoint.mtp_tensors()
+    if not tensors:
+        raise UnsupportedOptionError("speculative_method", backend, "'mtp' runs the checkpoint's multi-token-"
+                                     "prediction layers, and it has none")
+    for tensor in tensors:
+        if tensor.storage_type not in caps.storage_types:
+            raise UnsupportedOptionError("quantization", backend, f"tensor {tensor.name!r} is stored as "
+                                         f"{tensor.storage_type}; supported: {', '.join(caps.storage_types)}")

@@ -59,6 +59,13 @@ private:
     void check_prompt(const std::string& id, const std::vector<int32_t>& prompt, int64_t longest) const;
     // Before a step: the drafts of the running sequences that decode next (see speculative.h).
     void propose_drafts();
+    // After scheduling, with the model's multi-token-prediction head: the drafts the scheduler held room for, each
+    // drawn as its verification row will draw (the head run again on its own output for each one after the first).
+    void draft_with_head(ScheduledBatch& batch);
+    // After sampling: the head over every row the step kept of the sequences that go on, each with the token after
+    // it, so that its keys and values cover their computed tokens and its output at the last is where they draft.
+    void catch_up_head(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,
+                       const std::vector<float>& hidden, const std::vector<SeqPtr>& done);
     // The model's slices for a step's batch, their new tokens (and drafts) appended to `tokens`.
     std::vector<SequenceSlice> slices_of(const ScheduledBatch& batch, std::vector<int32_t>& tokens) const;
     // The captures the forward pass takes: the batch's snapshots, and for a model with state layers the state

@@ -41,7 +41,8 @@ public:
 
     std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
                                std::vector<float>* pooled = nullptr,
-                               const std::vector<StateCapture>* captures = nullptr) override;
+                               const std::vector<StateCapture>* captures = nullptr,
+                               std::vector<float>* hidden = nullptr) override;
     void add_profile(Profile& into) const override;
     void reset_profile() override;
 

@@ -26,6 +26,8 @@ struct SequenceSlice {
     // Its prompt's length, for state layers with a chunked form (-1: the slice's end): tokens past the prompt run
     // one at a time, as decode ran them, so that a sequence recomputed after preemption keeps its bits.
     int64_t prompt_end = -1;
+    // Every row's final hidden state (after the last norm) is wanted too: the multi-token-prediction head reads them.
+    bool hidden = false;
 };
 
 // A copy of one slice's whole state (state_bytes / 4 floats) into `out`, taken inside a forward pass after the
@@ -65,10 +67,23 @@ public:
     // With `pooled`, appends [slices that pool, hidden] to it: the sum of the slice's final hidden states (Mean),
     // its first one (Cls; zeros unless the slice starts at 0) or its last one (Last).
     // With `captures` (models with state slots), copies states out inside the pass.
+    // With `hidden`, appends [rows, hidden] to it: every row of each slice that asks (SequenceSlice::hidden), in order.
     // Throws std::invalid_argument for ids, positions, blocks, slots or captures out of range, before touching a cache.
     virtual std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
                                        std::vector<float>* pooled = nullptr,
-                                       const std::vector<StateCapture>* captures = nullptr) = 0;
+                                       const std::vector<StateCapture>* captures = nullptr,
+                                       std::vector<float>* hidden = nullptr) = 0;
+
+    // A multi-token-prediction head (speculative decoding's mtp), where the model has one: a layer with keys and
+    // values of its own (in the same blocks) that reads, at each position, the token after it (`tokens`) and a
+    // final hidden state there (`hidden`, [rows, hidden]: the model's from forward, or the head's own output);
+    // returns its outputs, normed, [rows, hidden]. Rows in slice order; no slice asks for logits or pooling.
+    // std::logic_error without a head; std::invalid_argument as forward.
+    virtual bool has_mtp() const { return false; }
+    virtual std::vector<float> mtp_forward(const std::vector<int32_t>& tokens, const std::vector<float>& hidden,
+                                           const std::vector<SequenceSlice>& slices);
+    // The lm_head's logits [rows, vocab] of normed hidden rows (the head's outputs).
+    virtual std::vector<float> mtp_logits(const std::vector<float>& hidden);
     // Adds forward's share of the time (forward, matmul, lm_head, attention, wait, regions) to `into`.
     virtual void add_profile(Profile& into) const = 0;
     virtual void reset_profile() = 0;

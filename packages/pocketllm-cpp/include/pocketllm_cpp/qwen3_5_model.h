@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "pocketllm_cpp/weights.h"
@@ -47,15 +49,25 @@ struct Qwen3_5Layer {
     std::shared_ptr<const MoeWeights> moe;
 };
 
+// The multi-token-prediction head (speculative decoding's mtp): at position i, the normed embedding of token i + 1
+// and the normed final hidden state at i, concatenated in that order and projected back (fc [hidden, 2 * hidden]),
+// through one full-attention layer of the model's kind, then a norm; the model's lm_head reads its output.
+struct Qwen3_5MTP {
+    std::vector<float> embedding_norm, hidden_norm, norm;  // zero-centred norms: 1 + w already added
+    WeightView fc;
+    Qwen3_5Layer layer;
+};
+
 class PagedAttention;
 
 class Qwen3_5Model final : public Model {
 public:
     // `num_state_slots`: requests that may run at once (max_num_seqs). Throws std::invalid_argument for sizes that do
     // not match the config or overflow.
+    // `mtp`: the head, if speculative decoding drafts with it (its layer's keys and values join the KV cache).
     Qwen3_5Model(Qwen3_5Config config, WeightView embedding, std::vector<Qwen3_5Layer> layers,
                  std::vector<float> final_norm, WeightView lm_head, int64_t num_blocks, int64_t block_size,
-                 int64_t num_state_slots, int num_threads);
+                 int64_t num_state_slots, int num_threads, std::optional<Qwen3_5MTP> mtp = std::nullopt);
     ~Qwen3_5Model() override;
 
     const Qwen3_5Config& config() const { return config_; }
@@ -67,14 +79,25 @@ public:
 
     std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
                                std::vector<float>* pooled = nullptr,
-                               const std::vector<StateCapture>* captures = nullptr) override;
+                               const std::vector<StateCapture>* captures = nullptr,
+                               std::vector<float>* hidden = nullptr) override;
+    bool has_mtp() const override { return mtp_.has_value(); }
+    std::vector<float> mtp_forward(const std::vector<int32_t>& tokens, const std::vector<float>& hidden,
+                                   const std::vector<SequenceSlice>& slices) override;
+    std::vector<float> mtp_logits(const std::vector<float>& hidden) override;
     void add_profile(Profile& into) const override;
     void reset_profile() override;
 
 private:
     struct Batch;
 
-    void attention_layer(int64_t layer, int64_t attention_index, Batch& batch, const std::vector<SequenceSlice>& slices);
+    // A batch's positions and RoPE tables, its buffers sized for `tokens`.
+    Batch batch_of(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices) const;
+    // The checks of a layer's sizes against the config (std::invalid_argument naming it).
+    void validate_layer(const Qwen3_5Layer& layer, const std::string& at) const;
+    // Layer `L`'s attention over the KV cache's layer `attention_index`.
+    void attention_layer(const Qwen3_5Layer& L, int64_t attention_index, Batch& batch,
+                         const std::vector<SequenceSlice>& slices);
     void linear_layer(int64_t layer, int64_t state_offset, Batch& batch, const std::vector<SequenceSlice>& slices,
                       const std::vector<StateCapture>& captures);
     // Each slice's captures of the linear layer at `state_offset` in its state, in token order, with the conv
@@ -82,12 +105,16 @@ private:
     std::vector<std::vector<DeltaCapture>> conv_captures(int64_t state_offset, const Batch& batch,
                                                                 const std::vector<SequenceSlice>& slices,
                                                                 const std::vector<StateCapture>& captures);
-    void feed_forward(int64_t layer, Batch& batch);
+    // The residual add of a mixer's output, and the post-attention norm of the sum.
+    void add_and_norm(const Qwen3_5Layer& L, Batch& batch);
+    void feed_forward(const Qwen3_5Layer& L, Batch& batch);
 
     Qwen3_5Config config_;
     WeightView embedding_, lm_head_;
     std::vector<Qwen3_5Layer> layers_;
     std::vector<float> final_norm_;
+    std::optional<Qwen3_5MTP> mtp_;
+    int64_t attention_layers_ = 0;  // the model's; the head's layer is the KV cache's next
     std::vector<std::vector<float>> conv_taps_;  // per layer (empty for attention layers): gated_delta.h's conv_taps
     std::unique_ptr<PagedAttention> kv_;  // the attention layers' KV cache
     int64_t num_slots_, slot_floats_ = 0;

@@ -176,11 +176,12 @@ class EngineStats:
     def speculative(self) -> SpeculativeStats: ...
 
 class SpeculativeConfig:
-    """Speculative decoding's settings (ngram drafts)."""
+    """Speculative decoding's settings (ngram or MTP drafts)."""
     num_tokens: int  # most drafted per sequence and step; 0: off
     ngram_min: int
     ngram_max: int
     max_batch: int  # nobody drafts while more sequences than this run
+    mtp: bool  # drafts from the model's multi-token-prediction head
     def __init__(self) -> None: ...
 
 class SpeculativeStats:
@@ -295,6 +296,15 @@ class Qwen3_5Layer:
     norm_topk_prob: bool
     def __init__(self) -> None: ...
 
+class Qwen3_5MTP:
+    """The multi-token-prediction head's tensors."""
+    embedding_norm: list[float]
+    hidden_norm: list[float]
+    norm: list[float]
+    fc: Tensor | None
+    layer: Qwen3_5Layer
+    def __init__(self) -> None: ...
+
 def qwen3_5_model(config: Qwen3_5Config, embedding: Tensor, layers: list[Qwen3_5Layer], final_norm: list[float],
                   lm_head: Tensor, num_blocks: int, block_size: int, num_state_slots: int,
-                  num_threads: int) -> Model: ...
+                  num_threads: int, mtp: Qwen3_5MTP | None = None) -> Model: ...

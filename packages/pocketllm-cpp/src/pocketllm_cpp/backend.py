@@ -68,7 +68,7 @@ class CppBackend:
             prefix_caching=True,
             structured_outputs=True,
             pooling_types=POOLING_TYPES,
-            speculative_methods=("ngram",),
+            speculative_methods=("ngram", "mtp"),
             devices=("cpu",),
             dtypes=("float32",),
             kv_cache_dtypes=("auto", *KV_CACHE_DTYPES),
@@ -101,7 +101,8 @@ class CppEngine:
         snapshot_bytes = options.state_snapshot_mb << 20 if state_bytes and args.enable_prefix_caching else 0
         if snapshot_bytes:
             snapshot_capacity(snapshot_bytes, state_bytes, option="state_snapshot_mb")
-        per_block = bytes_per_block(num_layers=num_attention_layers(checkpoint),
+        mtp = args.speculative_method == "mtp"
+        per_block = bytes_per_block(num_layers=num_attention_layers(checkpoint, mtp),
                                     num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                                     itemsize=KV_CACHE_DTYPES[kv_dtype], block_size=block_size)
         num_blocks = KVBudget(block_size=block_size, bytes_per_block=per_block, max_model_len=args.max_model_len,
@@ -119,12 +120,13 @@ class CppEngine:
         self.eos = tuple(config.eos_token_ids)
         self.model = build_model(checkpoint, num_blocks=num_blocks, block_size=block_size, num_threads=threads,
                                  exact_activations=options.exact_activations, kv_cache_dtype=kv_dtype,
-                                 num_state_slots=args.max_num_seqs)
+                                 num_state_slots=args.max_num_seqs, mtp=mtp)
         speculative = _native.SpeculativeConfig()
-        if args.speculative_method is not None:  # ngram, the one this backend lists
-            assert args.ngram_min is not None and args.ngram_max is not None
-            speculative.num_tokens, speculative.ngram_min, speculative.ngram_max = (
-                args.num_speculative_tokens, args.ngram_min, args.ngram_max)
+        if args.speculative_method is not None:
+            speculative.num_tokens, speculative.mtp = args.num_speculative_tokens, mtp
+            if not mtp:
+                assert args.ngram_min is not None and args.ngram_max is not None
+                speculative.ngram_min, speculative.ngram_max = args.ngram_min, args.ngram_max
             speculative.max_batch = (SPECULATIVE_MAX_BATCH if args.speculative_disable_by_batch_size is None
                                      else args.speculative_disable_by_batch_size)
         self.engine = _native.Engine(self.model, args.max_num_seqs, args.max_num_batched_tokens,

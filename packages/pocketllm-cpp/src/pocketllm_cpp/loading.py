@@ -29,6 +29,7 @@ class BuildOptions(msgspec.Struct, frozen=True, kw_only=True):
     exact_activations: bool
     kv_cache_dtype: str
     num_state_slots: int  # requests that may run at once: the fixed-size state slots of hybrid models
+    mtp: bool = False  # with the multi-token-prediction head (speculative_method "mtp")
 
 
 class Tensors:
@@ -37,6 +38,7 @@ class Tensors:
     def __init__(self, path: Path | str, tensors: Iterable[CheckpointTensor]) -> None:
         self.path = path
         self.by_name = {t.name: t for t in tensors}
+        self.taken: set[str] = set()
 
     def has(self, name: str) -> bool:
         return name in self.by_name
@@ -44,7 +46,14 @@ class Tensors:
     def take(self, name: str) -> CheckpointTensor:
         if name not in self.by_name:
             raise CheckpointError(f"{self.path}: checkpoint has no tensor {name!r}")
+        self.taken.add(name)
         return self.by_name[name]
+
+    def finish(self) -> None:
+        """CheckpointError for tensors nothing took: a part the reader does not know would be silently unused."""
+        unused = sorted(set(self.by_name) - self.taken)
+        if unused:
+            raise CheckpointError(f"{self.path}: tensors this model does not use: {unused[:5]}")
 
     def matrix(self, name: str) -> _native.Tensor:
         tensor = self.take(name)

@@ -27,11 +27,12 @@ class _Builder(Protocol):
 
 def build_model(checkpoint: Checkpoint, *, num_blocks: int, block_size: int, num_threads: int | None = None,
                 exact_activations: bool = False, kv_cache_dtype: str = "float16",
-                num_state_slots: int = 1) -> _native.Model:
+                num_state_slots: int = 1, mtp: bool = False) -> _native.Model:
     """The native model over ``checkpoint``'s tensors. With ``exact_activations``, block weights multiply float32
     activations (a float32 reference's arithmetic) instead of 8-bit ones (llama.cpp's, faster). The KV cache
     holds ``kv_cache_dtype`` values: float16 (half the bytes attention reads) or float32. Hybrid models hold
-    ``num_state_slots`` requests' states (max_num_seqs)."""
+    ``num_state_slots`` requests' states (max_num_seqs). ``mtp``: with the checkpoint's multi-token-prediction
+    head (Qwen3.5), for speculative decoding."""
     config = checkpoint.config
     if config.architecture not in _BUILDERS:
         raise UnsupportedOptionError("model", NAME, f"architecture {config.architecture!r}")
@@ -39,14 +40,18 @@ def build_model(checkpoint: Checkpoint, *, num_blocks: int, block_size: int, num
         raise UnsupportedOptionError("model", NAME, "linear biases are not implemented yet")
     options = BuildOptions(num_blocks=num_blocks, block_size=block_size,
                            num_threads=num_threads or _native.available_cpus(), exact_activations=exact_activations,
-                           kv_cache_dtype=kv_cache_dtype, num_state_slots=num_state_slots)
+                           kv_cache_dtype=kv_cache_dtype, num_state_slots=num_state_slots, mtp=mtp)
+    if mtp and config.architecture not in HYBRID:
+        raise UnsupportedOptionError("speculative_method", NAME, f"'mtp' has no multi-token-prediction head for "
+                                     f"{config.architecture!r}")
     return _BUILDERS[config.architecture](checkpoint, options)
 
 
-def num_attention_layers(checkpoint: Checkpoint) -> int:
-    """Layers that keep KV in the paged cache (what the KV budget counts)."""
+def num_attention_layers(checkpoint: Checkpoint, mtp: bool = False) -> int:
+    """Layers that keep KV in the paged cache (what the KV budget counts), the MTP head's with ``mtp``."""
     config = checkpoint.config
-    return qwen3_5.num_attention_layers(config) if config.architecture in HYBRID else config.num_hidden_layers
+    model = qwen3_5.num_attention_layers(config) if config.architecture in HYBRID else config.num_hidden_layers
+    return model + int(mtp)
 
 
 def state_slot_bytes(checkpoint: Checkpoint) -> int:

@@ -5,8 +5,6 @@ GGUF names."""
 
 from __future__ import annotations
 
-import logging
-import re
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,10 +20,6 @@ if TYPE_CHECKING:
     from pocketllm.model_config import ModelConfig
     from pocketllm_cpp.loading import BuildOptions
 
-log = logging.getLogger(__name__)
-
-# The multi-token-prediction head (speculative decoding, not served): recognised, kept aside.
-_MTP = re.compile(r"^mtp\.|^blk\.\d+\.nextn\.")
 _HF = {"input_norm": "model.layers.{i}.input_layernorm.weight",
        "post_norm": "model.layers.{i}.post_attention_layernorm.weight",
        "q_norm": "model.layers.{i}.self_attn.q_norm.weight", "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
@@ -81,64 +75,21 @@ def num_attention_layers(config: ModelConfig) -> int:
 
 def build(checkpoint: Checkpoint, options: BuildOptions) -> _native.Model:
     config = checkpoint.config
-    extra = config.extra
-    all_tensors = list(checkpoint.tensors())
-    mtp = [t for t in all_tensors if _MTP.match(t.name)]
-    if mtp:
-        log.info("%s: keeping aside the %d tensors of the multi-token-prediction head (not served)",
-                 checkpoint.path, len(mtp))
-    tensors = Tensors(checkpoint.path, [t for t in all_tensors if not _MTP.match(t.name)])
-    gguf = tensors.has(_GGUF["final_norm"])
-    names = _GGUF if gguf else _HF
     hk, hv, dk, dv, kernel = linear_sizes(config)
     if hv % hk:
         raise CheckpointError(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads {hk}")
-    channels = 2 * hk * dk + hv * dv
-
-    def name(part: str, i: int = 0) -> str:
-        return names[part].format(i=i)
-
-    def norm(part: str, i: int = 0) -> list[float]:
-        weight = vector(tensors.take(name(part, i)))
-        return (weight if gguf else 1 + weight).tolist()  # zero-centred: applied as 1 + w
-
-    layers = []
-    for i, kind in enumerate(layer_types(config)):
-        p = f"model.layers.{i}"
-        layer = _native.Qwen3_5Layer()
-        layer.kind = kind
-        layer.input_norm, layer.post_attention_norm = norm("input_norm", i), norm("post_norm", i)
-        if kind == "full_attention":
-            a = f"{p}.self_attn"
-            layer.q, layer.k, layer.v, layer.o = (tensors.matrix(f"{a}.{m}.weight")
-                                                  for m in ("q_proj", "k_proj", "v_proj", "o_proj"))
-            layer.q_norm, layer.k_norm = norm("q_norm", i), norm("k_norm", i)
-        else:
-            layer.qkv, layer.z, layer.b, layer.a, layer.out = (tensors.matrix(name(m, i))
-                                                              for m in ("qkv", "z", "b", "a", "out"))
-            conv = vector(tensors.take(name("conv", i)))
-            if conv.size != channels * kernel:
-                raise CheckpointError(f"{checkpoint.path}: {name('conv', i)} has {conv.size} values, expected "
-                                      f"{channels} channels x {kernel}")
-            layer.conv = conv.tolist()
-            decay = vector(tensors.take(name("decay", i)))
-            layer.decay = (decay if gguf else -np.exp(decay)).tolist()
-            layer.dt_bias = vector(tensors.take(name("dt_bias", i))).tolist()
-            layer.norm = vector(tensors.take(f"{p}.linear_attn.norm.weight")).tolist()
-        if "num_experts" in extra:
-            _moe(layer, tensors, f"{p}.mlp", extra)
-        else:
-            layer.gate, layer.up, layer.down = (tensors.matrix(f"{p}.mlp.{m}.weight")
-                                                for m in ("gate_proj", "up_proj", "down_proj"))
-        layers.append(layer)
+    tensors = Tensors(checkpoint.path, list(checkpoint.tensors()))  # the MTP head's are apart: mtp_tensors()
+    gguf = tensors.has(_GGUF["final_norm"])
+    read = _Layers(checkpoint, tensors, gguf)
+    layers = [read.layer(f"model.layers.{i}", i, kind) for i, kind in enumerate(layer_types(config))]
     embedding = tensors.matrix("model.embed_tokens.weight")
     if config.tie_word_embeddings and not tensors.has("lm_head.weight"):
         lm_head = embedding
     else:
         lm_head = tensors.matrix("lm_head.weight")
-    final_norm = norm("final_norm")
+    final_norm = read.norm((_GGUF if gguf else _HF)["final_norm"])
     dim = config.head_dim
-    rotary = int(dim * extra.get("partial_rotary_factor", 1.0))
+    rotary = int(dim * config.extra.get("partial_rotary_factor", 1.0))
     inv_freq, attention = rope_frequencies(config, NAME, rotary)
     c = _native.Qwen3_5Config()
     c.vocab_size, c.hidden_size, c.num_layers = config.vocab_size, config.hidden_size, config.num_hidden_layers
@@ -148,8 +99,81 @@ def build(checkpoint: Checkpoint, options: BuildOptions) -> _native.Model:
     c.linear_num_k_heads, c.linear_num_v_heads, c.linear_k_dim, c.linear_v_dim, c.conv_kernel = hk, hv, dk, dv, kernel
     c.tiled_heads = gguf and hv > hk  # llama.cpp's converter reorders the value heads
     c.exact_activations, c.kv_cache_dtype = options.exact_activations, options.kv_cache_dtype
+    head = _mtp_head(checkpoint) if options.mtp else None
     return _native.qwen3_5_model(c, embedding, layers, final_norm, lm_head, options.num_blocks, options.block_size,
-                                 options.num_state_slots, options.num_threads)
+                                 options.num_state_slots, options.num_threads, head)
+
+
+# The multi-token-prediction head's own tensors (see Checkpoint.mtp_tensors): Hugging Face's, and the GGUF names of
+# llama.cpp's converter, whose layer is blk.<n> for n the model's layer count.
+_MTP_HF = {"fc": "mtp.fc.weight", "embedding_norm": "mtp.pre_fc_norm_embedding.weight",
+           "hidden_norm": "mtp.pre_fc_norm_hidden.weight", "norm": "mtp.norm.weight"}
+_MTP_GGUF = {"fc": "blk.{n}.nextn.eh_proj.weight", "embedding_norm": "blk.{n}.nextn.enorm.weight",
+             "hidden_norm": "blk.{n}.nextn.hnorm.weight", "norm": "blk.{n}.nextn.shared_head_norm.weight"}
+
+
+def _mtp_head(checkpoint: Checkpoint) -> _native.Qwen3_5MTP:
+    """Qwen3.5's head, one full-attention layer of the model's kind between its projection and its norm."""
+    tensors = Tensors(checkpoint.path, checkpoint.mtp_tensors())
+    gguf = not tensors.has(_MTP_HF["fc"])
+    n = checkpoint.config.num_hidden_layers
+    names = {part: name.format(n=n) for part, name in (_MTP_GGUF if gguf else _MTP_HF).items()}
+    read = _Layers(checkpoint, tensors, gguf)
+    head = _native.Qwen3_5MTP()
+    head.fc = tensors.matrix(names["fc"])
+    head.embedding_norm, head.hidden_norm, head.norm = (read.norm(names[part])
+                                                        for part in ("embedding_norm", "hidden_norm", "norm"))
+    head.layer = read.layer(f"model.layers.{n}" if gguf else "mtp.layers.0", n, "full_attention")
+    tensors.finish()
+    return head
+
+
+class _Layers:
+    """Reads Qwen3.5 layers from tensors named as the core names them (Hugging Face's, or GGUF's where the converter
+    changed the values: see the module docstring)."""
+
+    def __init__(self, checkpoint: Checkpoint, tensors: Tensors, gguf: bool) -> None:
+        self.checkpoint, self.tensors, self.gguf = checkpoint, tensors, gguf
+
+    def norm(self, name: str) -> list[float]:
+        weight = vector(self.tensors.take(name))
+        return (weight if self.gguf else 1 + weight).tolist()  # zero-centred: applied as 1 + w
+
+    def layer(self, p: str, i: int, kind: str) -> _native.Qwen3_5Layer:
+        """Layer ``i``: its Hugging Face-named tensors under ``p``, its GGUF-named ones under ``blk.<i>``."""
+        config, tensors = self.checkpoint.config, self.tensors
+
+        def name(part: str) -> str:
+            return _GGUF[part].format(i=i) if self.gguf else _HF[part].replace("model.layers.{i}", p)
+
+        layer = _native.Qwen3_5Layer()
+        layer.kind = kind
+        layer.input_norm, layer.post_attention_norm = self.norm(name("input_norm")), self.norm(name("post_norm"))
+        if kind == "full_attention":
+            a = f"{p}.self_attn"
+            layer.q, layer.k, layer.v, layer.o = (tensors.matrix(f"{a}.{m}.weight")
+                                                  for m in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            layer.q_norm, layer.k_norm = self.norm(name("q_norm")), self.norm(name("k_norm"))
+        else:
+            hk, hv, dk, dv, kernel = linear_sizes(config)
+            channels = 2 * hk * dk + hv * dv
+            layer.qkv, layer.z, layer.b, layer.a, layer.out = (tensors.matrix(name(m))
+                                                              for m in ("qkv", "z", "b", "a", "out"))
+            conv = vector(tensors.take(name("conv")))
+            if conv.size != channels * kernel:
+                raise CheckpointError(f"{self.checkpoint.path}: {name('conv')} has {conv.size} values, expected "
+                                      f"{channels} channels x {kernel}")
+            layer.conv = conv.tolist()
+            decay = vector(tensors.take(name("decay")))
+            layer.decay = (decay if self.gguf else -np.exp(decay)).tolist()
+            layer.dt_bias = vector(tensors.take(name("dt_bias"))).tolist()
+            layer.norm = vector(tensors.take(f"{p}.linear_attn.norm.weight")).tolist()
+        if "num_experts" in config.extra:
+            _moe(layer, tensors, f"{p}.mlp", config.extra)
+        else:
+            layer.gate, layer.up, layer.down = (tensors.matrix(f"{p}.mlp.{m}.weight")
+                                                for m in ("gate_proj", "up_proj", "down_proj"))
+        return layer
 
 
 def _moe(layer: _native.Qwen3_5Layer, tensors: Tensors, prefix: str, extra: dict[str, object]) -> None:

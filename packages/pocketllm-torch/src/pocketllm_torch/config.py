@@ -48,6 +48,7 @@ class TorchConfig:
     enable_prefix_caching: bool
     decode_graphs: bool  # replay decode steps from TorchScript traces (see decode_graphs.py)
     state_snapshot_bytes: int  # budget of the state layers' prefix-cache snapshots (see state_snapshots.py)
+    speculative_method: str | None  # EngineArgs': what drafts
     speculative_max_batch: int  # speculative decoding drafts while at most this many sequences run
 
     @classmethod
@@ -77,6 +78,7 @@ class TorchConfig:
             # On by default where it was measured: CPUs, where a small model's decode is bound by Python overhead.
             decode_graphs=device.type == "cpu" if options.decode_graphs is None else options.decode_graphs,
             state_snapshot_bytes=options.state_snapshot_mb << 20,
+            speculative_method=args.speculative_method,
             speculative_max_batch=(SPECULATIVE_MAX_BATCH if args.speculative_disable_by_batch_size is None
                                    else args.speculative_disable_by_batch_size),
         )

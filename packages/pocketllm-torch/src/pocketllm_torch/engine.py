@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from pocketllm.backend import BackendStats, RequestDelta
+from pocketllm.errors import UnsupportedOptionError
 from pocketllm.sampling_params import SamplingParams
 from pocketllm_torch.block_manager import BlockManager
 from pocketllm_torch.config import TorchConfig
 from pocketllm_torch.model_runner import ModelRunner
+from pocketllm_torch.name import NAME
 from pocketllm_torch.sampler import SamplingFailure
 from pocketllm_torch.scheduler import Scheduler
 from pocketllm_torch.sequence import Sequence
@@ -60,6 +62,9 @@ def serve_as_worker(args: EngineArgs, checkpoint: Checkpoint, options: TorchOpti
 
 class TorchEngine:
     def __init__(self, args: EngineArgs, checkpoint: Checkpoint, options: TorchOptions) -> None:
+        if args.speculative_method == "mtp" and args.tensor_parallel_size > 1:
+            raise UnsupportedOptionError("speculative_method", NAME, "'mtp' with tensor_parallel_size > 1 is not "
+                                         "implemented: the head's layer is not split across ranks")
         self.config = TorchConfig.from_args(args, checkpoint.config, options)
         self.tp = join_group(args, self.config, options)
         try:
@@ -121,6 +126,7 @@ class TorchEngine:
         deltas = [self._take(seq, i, new, batch, done) for i, (seq, new) in enumerate(zip(batch.seqs, sampled,
                                                                                          strict=True))
                   if new is not None]
+        self.runner.mtp_catch_up(batch, done)
         self.scheduler.mark_computed(batch)
         self.runner.commit_states(batch)
         self.runner.save_snapshots(batch)

@@ -13,7 +13,8 @@ from pocketllm_torch.cache_spec import AttentionSpec, StateSpec
 from pocketllm_torch.context import StepContext
 from pocketllm_torch.decode_graphs import DecodeGraphs
 from pocketllm_torch.linear import uses_int4, uses_int8
-from pocketllm_torch.models import model_class
+from pocketllm_torch.models import model_class, mtp_class
+from pocketllm_torch.mtp import MTPDrafter
 from pocketllm_torch.sampler import Outcome, sample_each
 from pocketllm_torch.speculative import DraftRow
 from pocketllm_torch.state_cache import StateCache
@@ -52,6 +53,13 @@ class ModelRunner:
         if tp is not None and split is not None:
             parallelize(self.model, split, tp, config.model.vocab_size)
         specs = self.model.cache_specs
+        # The multi-token-prediction head's layer keeps keys and values too: the cache's last layer.
+        head = None
+        if config.speculative_method == "mtp":
+            head = mtp_class(config.model.architecture).from_weights(
+                config.model, ((t.name, groups.load(t, int4=int4, int8=int8)) for t in checkpoint.mtp_tensors()),
+                self.model, config.device, config.dtype)
+            specs = [*specs, head.cache_spec]
         attention = [s for s in specs if isinstance(s, AttentionSpec)]
         states = [s for s in specs if isinstance(s, StateSpec)]
         # Sized after the weights are loaded, so a GPU's budget is what they left free.
@@ -73,7 +81,11 @@ class ModelRunner:
         # Each layer's cache, in layer order: its KV view or its state slots.
         kv_layers, state_layers = iter(self.kv_cache.layers), iter(self.state_cache.layers if states else [])
         self.caches: list[torch.Tensor | LayerState] = [
-            next(kv_layers) if isinstance(s, AttentionSpec) else next(state_layers) for s in specs]
+            next(kv_layers) if isinstance(s, AttentionSpec) else next(state_layers) for s in self.model.cache_specs]
+        self.mtp = MTPDrafter(head, self.kv_cache, self.block_size) if head is not None else None
+        # MTP: the last step's final hidden states, and where each sequence's rows began and how many ran.
+        self._hidden: torch.Tensor | None = None
+        self._ran: list[tuple[int, int]] = []
         self.snapshots: StateSnapshots | None = None
         self._captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # states inside the last step's chunks
         self._capture_ends: list[tuple[Sequence, int]] = []  # rank 0: whose they are, and where
@@ -135,6 +147,9 @@ class ModelRunner:
         embedding (None for the others).
 
         A row that could not be sampled gets a SamplingFailure instead of its token."""
+        if self.mtp is not None:  # the drafts the scheduler made room for (a prompt chunk runs none)
+            self.mtp.draft([seq for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+                            if seq.num_computed_tokens + n > seq.num_tokens])
         token_ids: list[int] = []
         starts: list[int] = []
         last_rows: list[int] = []  # rows whose logits are sampled
@@ -154,6 +169,7 @@ class ModelRunner:
                 samplers.append((i, drafted + 1))
         step = Step(token_ids, starts, list(batch.num_new_tokens), [seq.block_table for seq in batch.seqs],
                     last_rows)
+        self._ran = list(zip(starts, batch.num_new_tokens, strict=True))  # before verifications keep fewer rows
         if self.state_cache is not None:
             step.state_slots = [seq.state_slot for seq in batch.seqs]
             # New, or recomputing after preemption: their states start from zero.
@@ -171,6 +187,8 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.send(step)
         logits, hidden, ctx = self.forward(step)
+        if self.mtp is not None:
+            self._hidden = hidden
         # Filed by save_snapshots once the blocks they end have their hashes.
         self._capture_ends = [(batch.seqs[i], batch.seqs[i].num_computed_tokens + p) for i, p in ctx.captured]
         results: list[list[Outcome] | list[float] | None] = [None] * len(batch.seqs)
@@ -193,6 +211,19 @@ class ModelRunner:
             kept = batch.num_new_tokens[i]
             if (i, kept) in self._kept and seq.state_slot is not None:
                 self._pending_commits.append((seq.state_slot, i, kept))
+
+    def mtp_catch_up(self, batch: ScheduledBatch, done: list[Sequence]) -> None:
+        """After a step, before its tokens are marked computed (``batch.num_new_tokens`` the rows it kept): the MTP
+        head runs over the kept rows of the sequences that go on generating (see mtp.py)."""
+        if self.mtp is None or self._hidden is None:
+            return
+        kept, first = [], 0
+        for seq, (start, ran), n in zip(batch.seqs, self._ran, batch.num_new_tokens, strict=True):
+            if seq.spec is not None and seq not in done:
+                kept.append((seq, start, self._hidden[first:first + n]))
+            first += ran
+        self._hidden = None
+        self.mtp.catch_up(kept)
 
     def _pool(self, seq: Sequence, rows: torch.Tensor) -> list[float] | None:
         """Fold an embedding request's chunk of final hidden states into its pooling; its embedding once its

@@ -10,6 +10,10 @@ the tokens of decoding without speculation. The rejected rows' keys and values a
 reads them (whole blocks past the sequence are freed), and state layers keep their state after every row so that
 the accepted one is committed (model_runner.py).
 
+Drafts come from the sequence itself (``ngram``: NgramProposer, before the step is scheduled) or from the model's
+multi-token-prediction head (``mtp``: the scheduler holds room for k drafts, which mtp.py fills in before the
+forward).
+
 Grammar-constrained requests do not draft: their mask depends on the grammar's state after each drafted token,
 which would have to be advanced and rolled back per draft; they decode one token per step alongside the others.
 """
@@ -22,6 +26,8 @@ from typing import TYPE_CHECKING
 from pocketllm.ngram_proposer import NgramProposer
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from pocketllm.args import EngineArgs
     from pocketllm.backend import BackendStats
     from pocketllm.sampling_params import SamplingParams
@@ -32,6 +38,8 @@ if TYPE_CHECKING:
 # MAX_PAUSE): on text that never repeats itself, a verification row that is always rejected costs its share of a
 # step, and the pauses bound that share.
 MAX_PAUSE = 64
+# A draft the MTP head has yet to fill in (see the module docstring): it holds the draft's room in the schedule.
+PENDING = -1
 
 
 def accepts(sampled: int, drafted: int) -> bool:
@@ -82,18 +90,21 @@ class DraftState:
     """A drafting sequence's proposer and how much it drafts: k shrinks to what was last accepted (plus one) and
     doubles while whole drafts are accepted; drafts that keep missing pause it."""
 
-    proposer: NgramProposer
+    proposer: NgramProposer | None  # None: the MTP head drafts
     k: int
     pause: int = 0  # steps left without drafting
     misses: int = 0  # drafts in a row with nothing accepted
+    hidden: Tensor | None = None  # MTP: the head's output at the last computed position, where drafts start
 
 
 class Drafter:
     """The engine's drafting policy and its counters (``BackendStats``'s ``num_spec_*``)."""
 
     def __init__(self, args: EngineArgs, max_batch: int) -> None:
-        assert args.speculative_method == "ngram" and args.ngram_min is not None and args.ngram_max is not None
-        self.ngram = args.ngram_min, args.ngram_max
+        self.ngram: tuple[int, int] | None = None  # mtp: the head drafts
+        if args.speculative_method == "ngram":
+            assert args.ngram_min is not None and args.ngram_max is not None
+            self.ngram = args.ngram_min, args.ngram_max
         self.max_k = args.num_speculative_tokens
         self.max_batch = max_batch  # more running sequences than this, and nobody drafts
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -108,7 +119,7 @@ class Drafter:
     def start(self, seq: Sequence) -> None:
         """Give a new sequence its drafter, unless it is grammar-constrained (see the module docstring)."""
         if seq.constraint is None and seq.pooling is None:
-            seq.spec = DraftState(NgramProposer(*self.ngram), self.max_k)
+            seq.spec = DraftState(NgramProposer(*self.ngram) if self.ngram else None, self.max_k)
 
     def propose(self, running: list[Sequence]) -> None:
         """Before a step: the drafts of the running sequences that decode next."""
@@ -121,8 +132,10 @@ class Drafter:
         if state.pause:
             state.pause -= 1
             return []
-        room = seq.max_output_tokens - seq.num_output_tokens - 1  # the token after the drafts must fit too
-        return state.proposer.propose(seq.token_ids, min(state.k, room))
+        room = min(state.k, seq.max_output_tokens - seq.num_output_tokens - 1)  # the token after them must fit
+        if state.proposer is None:
+            return [PENDING] * room if state.hidden is not None else []
+        return state.proposer.propose(seq.token_ids, room)
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verification of ``drafted`` tokens accepted its first ``accepted``."""

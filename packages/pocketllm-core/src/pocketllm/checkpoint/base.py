@@ -32,15 +32,22 @@ class Checkpoint:
     format: ClassVar[str]
 
     def __init__(self, path: Path, config: ModelConfig, tensors: list[CheckpointTensor],
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, mtp_tensors: list[CheckpointTensor] | None = None) -> None:
         self.path = path
         self.config = config
         self.quantization = quantization
         self._tensors = tensors
+        self._mtp_tensors = mtp_tensors or []
 
     def tensors(self) -> list[CheckpointTensor]:
-        """Every tensor, in file order; nothing is read until a tensor's data is."""
+        """Every tensor of the model, in file order; nothing is read until a tensor's data is."""
         return list(self._tensors)
+
+    def mtp_tensors(self) -> list[CheckpointTensor]:
+        """The multi-token-prediction layers' tensors (Qwen3.5's ``mtp.*``; in GGUF the ``blk.<n>.*`` past the
+        model's layers), kept apart from ``tensors()``: only speculative decoding with ``mtp`` runs them, and
+        their shapes are the backend's to check. Empty when the checkpoint has none."""
+        return list(self._mtp_tensors)
 
     def weights(self) -> Iterator[tuple[str, np.ndarray]]:
         """``(name, dequantized array)`` pairs, reading each tensor only when it is reached."""

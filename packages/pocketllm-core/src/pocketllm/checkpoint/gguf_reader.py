@@ -6,7 +6,6 @@ names; any other architecture comes through with GGUF's own names, for a backend
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +22,7 @@ from pocketllm.checkpoint.configs import (
     recommended_settings,
 )
 from pocketllm.checkpoint.gguf_file import GGUFFile, GGUFFormatError, TensorHeader, read_gguf
-from pocketllm.checkpoint.shapes import check_shapes
+from pocketllm.checkpoint.shapes import check_mtp_shapes, check_shapes
 from pocketllm.checkpoint.tensor import CheckpointTensor, RowPermutation
 from pocketllm.errors import CheckpointError
 from pocketllm.model_config import ModelConfig
@@ -79,7 +78,6 @@ _PERMUTES_QK = frozenset({"llama"})
 _SKIPPED = frozenset({"rope_freqs.weight"})
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _LAYER_ANY = re.compile(r"blk\.(\d+)\..+")
-log = logging.getLogger(__name__)
 _UNQUANTIZED = frozenset({"ALL_F32", "F32", "F16", "BF16"})
 # Matrices of one row in Hugging Face layout. llama.cpp's own GGUF writer (llama-quantize's files) drops a tensor's
 # trailing dimensions of 1, so these come back 1-D; its Python converter keeps them.
@@ -99,13 +97,12 @@ class GGUFCheckpoint(Checkpoint):
         meta = file.metadata
         self._metadata = meta
         config = config_from_gguf(meta, source=str(path), tensor_names={t.name for t in file.tensors})
-        mtp = [t for t in file.tensors if _is_mtp(t.name, config)]
-        if mtp:
-            log.info("%s: skipping the %d tensors of the multi-token-prediction layers (not served)", path, len(mtp))
+        mtp = [_describe(t, file, path, config) for t in file.tensors if _is_mtp(t.name, config)]
         tensors = [_describe(t, file, path, config) for t in file.tensors
                    if t.name not in _SKIPPED and not _is_mtp(t.name, config)]
         check_shapes(tensors, config, lambda field: gguf_key_of(field, meta))
-        super().__init__(path, config, tensors, _quantization(meta.get("general.file_type"), file.tensors))
+        check_mtp_shapes(mtp, config, lambda field: gguf_key_of(field, meta))
+        super().__init__(path, config, tensors, _quantization(meta.get("general.file_type"), file.tensors), mtp)
 
     @property
     def gguf_metadata(self) -> Mapping[str, Any]:

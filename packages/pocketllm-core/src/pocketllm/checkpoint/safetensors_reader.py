@@ -21,7 +21,7 @@ from pocketllm.checkpoint.configs import (
     recommended_settings,
 )
 from pocketllm.checkpoint.jsonfile import read_json_object
-from pocketllm.checkpoint.shapes import check_shapes
+from pocketllm.checkpoint.shapes import check_mtp_shapes, check_shapes
 from pocketllm.checkpoint.tensor import CheckpointTensor
 from pocketllm.errors import CheckpointError
 
@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 # A multimodal wrapper's text weights, renamed to the text model's own names; its other towers are not loaded.
 TEXT_MODEL_PREFIX = "model.language_model."
+# Qwen3.5's multi-token-prediction layers, in both the text-only and the multimodal form (Checkpoint.mtp_tensors).
+MTP_PREFIX = "mtp."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 # Storage types of model weights: CheckpointTensor.dequantize widens BF16 and narrows F64 to float32.
 # sentence-transformers' pooling flags, by the name of the mode (PoolingParams.pooling_type for those served).
@@ -50,6 +52,8 @@ class SafetensorsCheckpoint(Checkpoint):
         tensors: list[CheckpointTensor] = []
         for shard, expected in _shard_names(directory).items():
             tensors += _shard_tensors(shard, expected)
+        mtp = [t for t in tensors if t.name.startswith(MTP_PREFIX)]
+        tensors = [t for t in tensors if not t.name.startswith(MTP_PREFIX)]
         if raw.get("model_type") in TEXT_WRAPPERS:
             tensors = _text_model_tensors(tensors, directory)
         names = {t.name for t in tensors}
@@ -64,7 +68,8 @@ class SafetensorsCheckpoint(Checkpoint):
         if config.tie_word_embeddings:  # tied: the backend reuses the embedding, as transformers does
             tensors = [t for t in tensors if t.name != "lm_head.weight"]
         check_shapes(tensors, config, hf_key_of)
-        super().__init__(directory, config, tensors)
+        check_mtp_shapes(mtp, config, hf_key_of)
+        super().__init__(directory, config, tensors, mtp_tensors=mtp)
 
     def recommended_sampling(self) -> list[RecommendedSetting]:
         # As vLLM reads generation_config.json: these keys only, max_new_tokens as the default max_tokens.
@@ -97,8 +102,7 @@ class SafetensorsCheckpoint(Checkpoint):
 
 def _text_model_tensors(tensors: list[CheckpointTensor], directory: Path) -> list[CheckpointTensor]:
     """The language model's tensors of a multimodal wrapper under the text model's names (``model.*``,
-    ``lm_head``); the vision tower and the multi-token-prediction head are skipped, as transformers'
-    text-only class skips them."""
+    ``lm_head``); the vision tower is skipped, as transformers' text-only class skips it."""
     kept, skipped = [], []
     for t in tensors:
         if t.name.startswith(TEXT_MODEL_PREFIX):

@@ -128,15 +128,38 @@ def check_shapes(tensors: Iterable[CheckpointTensor], config: ModelConfig, key_o
                 raise CheckpointError(f"{tensor.path}: tensor {tensor.file_name!r} belongs to layer {layer}, but "
                                       f"{key_of('num_hidden_layers')} says {config.num_hidden_layers} layers")
             rule = rules.get(_EXPERT_INDEX.sub(".experts.*.", rest))
-        if rule is None:
-            continue
-        expected = tuple(_product(config, dim) for dim in rule)
-        if tuple(tensor.shape) != expected:
-            fields = sorted({g for dim in rule for f in dim if isinstance(f, str) for g in _DERIVED_FROM.get(f, (f,))})
-            implied = ", ".join(" * ".join(map(str, dim)) for dim in rule)
-            raise CheckpointError(
-                f"{tensor.path}: tensor {tensor.file_name!r} has shape {list(tensor.shape)}, but the config implies "
-                f"{list(expected)} ({implied}; from {', '.join(key_of(f) for f in fields)})")
+        if rule is not None:
+            _check(tensor, rule, config, key_of)
+
+
+# The multi-token-prediction head's own tensors, by the name after "mtp." (Hugging Face) or "blk.N." (GGUF).
+_MTP_HEAD: dict[str, tuple[Dim, ...]] = {
+    **{f"{name}.weight": (("hidden_size",), (2, "hidden_size")) for name in ("fc", "nextn.eh_proj")},
+    **{f"{name}.weight": (("hidden_size",),) for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm",
+                                                          "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm")},
+}
+_MTP_TENSOR = re.compile(r"(?:mtp\.layers|model\.layers|blk)\.\d+\.(.+)|mtp\.(.+)")
+
+
+def check_mtp_shapes(tensors: Iterable[CheckpointTensor], config: ModelConfig, key_of: Callable[[str], str]) -> None:
+    """``check_shapes`` for a checkpoint's multi-token-prediction tensors (``Checkpoint.mtp_tensors``): the
+    head's layer shaped as one of the model's layers, its projection [hidden, 2 * hidden], its norms [hidden]."""
+    rules = LAYER_RULES.get(config.architecture, {}) | GGUF_LAYER_RULES.get(config.architecture, {}) | _MTP_HEAD
+    for tensor in tensors:
+        match = _MTP_TENSOR.fullmatch(tensor.name)
+        rule = rules.get(_EXPERT_INDEX.sub(".experts.*.", match[1] or match[2])) if match else None
+        if rule is not None:
+            _check(tensor, rule, config, key_of)
+
+
+def _check(tensor: CheckpointTensor, rule: tuple[Dim, ...], config: ModelConfig, key_of: Callable[[str], str]) -> None:
+    expected = tuple(_product(config, dim) for dim in rule)
+    if tuple(tensor.shape) != expected:
+        fields = sorted({g for dim in rule for f in dim if isinstance(f, str) for g in _DERIVED_FROM.get(f, (f,))})
+        implied = ", ".join(" * ".join(map(str, dim)) for dim in rule)
+        raise CheckpointError(
+            f"{tensor.path}: tensor {tensor.file_name!r} has shape {list(tensor.shape)}, but the config implies "
+            f"{list(expected)} ({implied}; from {', '.join(key_of(f) for f in fields)})")
 
 
 def _product(config: ModelConfig, dim: Dim) -> int:

@@ -41,7 +41,7 @@ QWEN3_5_LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linea
 QWEN3_5_LAYER_TYPES = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 # Checkpoints for speculative decoding (SpeculativeConformance): the kit's models made to repeat themselves (see
 # cyclic_weights), so that drafts copied from a sequence are often, not always, what the model says next.
-SPECULATIVE_CHECKPOINTS = ("llama-cyclic", "qwen3-cyclic", "qwen3_5-cyclic")
+SPECULATIVE_CHECKPOINTS = ("llama-cyclic", "qwen3-cyclic", "qwen3_5-cyclic", "qwen3_5-cyclic-mtp")
 CYCLE_LENGTH = 6
 CYCLIC_LAYER_SCALE = 0.05
 _SEEDS = {"llama": 0, "qwen3": 1, "qwen3_5": 2}
@@ -59,8 +59,8 @@ def write_checkpoint(kind: str, path: Path) -> Path:
     if kind == "qwen3_5":
         return _write_safetensors(path, "qwen3_5", seed=2)
     if kind in SPECULATIVE_CHECKPOINTS:
-        return _write_safetensors(path, kind.removesuffix("-cyclic"), seed=_SEEDS[kind.removesuffix("-cyclic")],
-                                  cyclic=True)
+        arch = kind.removesuffix("-mtp").removesuffix("-cyclic")
+        return _write_safetensors(path, arch, seed=_SEEDS[arch], cyclic=True, mtp=kind.endswith("-mtp"))
     raise ValueError(f"unknown kit checkpoint {kind!r}; choose from "
                      f"{KIT_CHECKPOINTS + PROTOCOL_CHECKPOINTS + SPECULATIVE_CHECKPOINTS}")
 
@@ -141,6 +141,19 @@ def cyclic_weights(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return scaled | {"lm_head.weight": np.ascontiguousarray(embedding[preceding] * np.float32(2.0))}
 
 
+def cyclic_mtp_head(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A multi-token-prediction head (Qwen3.5's ``mtp.*``) for a cyclic qwen3_5 model that says what the cycle says:
+    its projection passes the embedding of the token it reads through and drops the model's hidden state, its
+    layer is a copy of the model's (scaled down likewise), so the shared head predicts the token after that one
+    in its cycle. Where the model itself follows its cycle, the head's drafts are accepted."""
+    full = f"model.layers.{QWEN3_5_LAYER_TYPES.index('full_attention')}."
+    head = {"mtp.layers.0." + name.removeprefix(full): w for name, w in weights.items() if name.startswith(full)}
+    head["mtp.fc.weight"] = np.concatenate([np.eye(HIDDEN), np.zeros((HIDDEN, HIDDEN))], axis=1).astype(np.float32)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):  # zero-centred: weights of 1
+        head[f"mtp.{norm}.weight"] = np.zeros(HIDDEN, np.float32)
+    return head
+
+
 def _qwen3_5_layers(w: Callable[..., np.ndarray]) -> dict[str, np.ndarray]:
     """Qwen3.5's layers: zero-centred norms (applied as 1 + w, so small w), gated attention, Gated DeltaNet."""
     lin = QWEN3_5_LINEAR
@@ -217,14 +230,18 @@ def hf_config(arch: str, max_positions: int = MAX_POSITIONS) -> dict:
 
 
 def _write_safetensors(path: Path, arch: str, *, seed: int, max_positions: int = MAX_POSITIONS,
-                       cyclic: bool = False) -> Path:
+                       cyclic: bool = False, mtp: bool = False) -> Path:
     from safetensors.numpy import save_file
 
     path.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(path)
     (path / "config.json").write_text(json.dumps(hf_config(arch, max_positions), indent=2, sort_keys=True) + "\n")
     weights = tiny_weights(arch, seed)
-    save_file(cyclic_weights(weights) if cyclic else weights, str(path / "model.safetensors"))
+    if cyclic:
+        weights = cyclic_weights(weights)
+    if mtp:
+        weights |= cyclic_mtp_head(weights)
+    save_file(weights, str(path / "model.safetensors"))
     return path
 
 

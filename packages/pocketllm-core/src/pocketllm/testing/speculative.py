@@ -2,7 +2,8 @@
 keeps (see "Speculative decoding" in pocketllm.backend).
 
 The backend runs with and without speculation on a checkpoint that mostly repeats itself (``*-cyclic`` in
-``checkpoints.SPECULATIVE_CHECKPOINTS``), so that drafts are accepted in runs and sometimes rejected. Every check of
+``checkpoints.SPECULATIVE_CHECKPOINTS``; ``qwen3_5-cyclic-mtp`` adds a multi-token-prediction head that predicts
+the same cycle, for ``mtp``), so that drafts are accepted in runs and sometimes rejected. Every check of
 ``MultiTokenConformance`` runs (greedy outputs equal token for token; stops, stop tokens, ``min_tokens`` and
 ``max_tokens`` inside an accepted run end it at that token), and these: drafts are counted; a seed reproduces its
 tokens alone and in any batch; drafting and non-drafting requests share a batch; an abort inside an accepted run

@@ -9,6 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from pocketllm.errors import UnsupportedOptionError
+from pocketllm_torch.name import NAME
+
 MODELS = {
     "llama": "llama:LlamaModel",
     "qwen3": "qwen3:Qwen3Model",
@@ -17,6 +20,24 @@ MODELS = {
 }
 
 
+# Multi-token-prediction heads (speculative_method "mtp"), by the architecture of the model they draft for.
+MTP_MODELS = {
+    "qwen3_5_text": "qwen3_5_mtp:Qwen3_5MTP",
+    "qwen3_5_moe_text": "qwen3_5_mtp:Qwen3_5MTP",
+}
+
+
 def model_class(architecture: str) -> Any:
-    module, name = MODELS[architecture].split(":")
+    return _load(MODELS[architecture])
+
+
+def mtp_class(architecture: str) -> Any:
+    if architecture not in MTP_MODELS:
+        raise UnsupportedOptionError("speculative_method", NAME, f"'mtp' has no multi-token-prediction head for "
+                                     f"{architecture!r} (it has for {', '.join(MTP_MODELS)})")
+    return _load(MTP_MODELS[architecture])
+
+
+def _load(path: str) -> Any:
+    module, name = path.split(":")
     return getattr(importlib.import_module(f"pocketllm_torch.models.{module}"), name)

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from pocketllm_torch.groups import Int4Groups, Int8Groups
     from pocketllm_torch.state_cache import LayerState
 
-# The multi-token-prediction head (speculative decoding, not served yet) and RoPE buffers of old checkpoints.
-_IGNORED = re.compile(r"^mtp\.|.*rotary_emb\.inv_freq$")
+# RoPE buffers of old checkpoints. (The multi-token-prediction head's tensors come apart: qwen3_5_mtp.py.)
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 # A GGUF file keeps llama.cpp's names for the tensors its converter changed (the core reader renames only those
 # it left alone): the norms are stored as 1 + w, ssm_a = -exp(A_log), the convolution squeezed to [channels,
 # kernel], and, where Hv > Hk, the value heads tiled (see GatedDeltaNet.tiled_heads). Per part of layer {i}:
@@ -348,83 +348,19 @@ class Qwen3_5Model:
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray | Int4Groups | Int8Groups]],
                      device: torch.device, dtype: torch.dtype, max_model_len: int) -> Qwen3_5Model:
-        act_dtype = compute_dtype(device, dtype)
         w = Weights(weights, device, dtype, ignored=_IGNORED)
-        extra = config.extra
-        eps = config.rms_norm_eps
-        gguf = w.has(_GGUF_NAMES["final_norm"])
-        names = _GGUF_NAMES if gguf else _HF_NAMES
-
-        def name(part: str, layer: int = 0) -> str:
-            return names[part].format(i=layer)
-
-        def norm(part: str, layer: int = 0) -> RMSNorm:
-            weight = w.dense(name(part, layer)).float()
-            return RMSNorm((weight if gguf else 1 + weight).to(device, act_dtype), eps)
-
-        def mlp(prefix: str) -> MLP:
-            return MLP(w.linear([f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]),
-                       w.linear([f"{prefix}.down_proj.weight"]))
-
-        def stacked(prefix: str, part: str) -> Tensor:
-            if w.has(f"{prefix}.{part}.weight"):  # GGUF: stacked [experts, out, in]
-                return w.dense(f"{prefix}.{part}.weight")
-            return torch.stack([w.dense(f"{prefix}.{e}.{part}.weight") for e in range(extra["num_experts"])])
-
-        def moe(prefix: str) -> SparseMoE:
-            experts = f"{prefix}.experts"
-            if w.has(f"{experts}.gate_up_proj"):  # transformers' fused layout
-                gate_up, down = w.dense(f"{experts}.gate_up_proj"), w.dense(f"{experts}.down_proj")
-            else:
-                gate_up = torch.cat([stacked(experts, "gate_proj"), stacked(experts, "up_proj")], dim=1)
-                down = stacked(experts, "down_proj")
-            return SparseMoE(
-                router=w.dense(f"{prefix}.gate.weight").to(device, act_dtype),
-                gate_up=gate_up.to(device, act_dtype), down=down.to(device, act_dtype),
-                top_k=extra["num_experts_per_tok"], renormalize=extra.get("norm_topk_prob", True),
-                shared_expert=mlp(f"{prefix}.shared_expert"),
-                shared_gate=w.dense(f"{prefix}.shared_expert_gate.weight").to(device, act_dtype))
-
-        sizes = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                 "linear_conv_kernel_dim")
-        for key in sizes:
-            if not isinstance(extra.get(key), int) or isinstance(extra[key], bool) or extra[key] <= 0:
-                raise CheckpointError(f"config {key!r} must be a positive integer, got {extra.get(key)!r}")
-        hk, hv, dk, dv, kernel = (extra[key] for key in sizes)
-        if hv % hk:
-            raise CheckpointError(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads {hk}")
-        heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        is_moe = "num_experts" in extra
+        load = LayerLoader(w, config, device, dtype)
         layers, specs = [], []
         for i, kind in enumerate(layer_types(config)):
-            p = f"model.layers.{i}"
-            mixer: GatedDeltaNet | GatedAttention
-            if kind == "linear_attention":
-                decay = w.dense(name("decay", i)).float()
-                mixer = GatedDeltaNet(
-                    in_proj=w.linear([name(part, i) for part in ("qkv", "z", "b", "a")]),
-                    conv_weight=w.dense(name("conv", i)).reshape(2 * hk * dk + hv * dv, kernel).to(device, act_dtype),
-                    decay_rate=(decay if gguf else -decay.exp()).to(device),
-                    dt_bias=w.dense(name("dt_bias", i)).float().to(device),
-                    norm=GatedRMSNorm(w.dense(f"{p}.linear_attn.norm.weight").to(device, act_dtype), eps),
-                    out_proj=w.linear([name("out", i)]),
-                    num_k_heads=hk, num_v_heads=hv, k_dim=dk, v_dim=dv, tiled_heads=gguf and hv > hk)
-                specs.append(StateSpec((2 * hk * dk + hv * dv, kernel - 1), (hv, dk, dv)))
-            else:
-                a = f"{p}.self_attn"
-                mixer = GatedAttention(
-                    qkv_proj=w.linear([f"{a}.{part}.weight" for part in ("q_proj", "k_proj", "v_proj")]),
-                    o_proj=w.linear([f"{a}.o_proj.weight"]),
-                    q_norm=norm("q_norm", i), k_norm=norm("k_norm", i),
-                    num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
-                specs.append(AttentionSpec(kv_heads, dim))
-            layers.append(HybridLayer(norm("input_norm", i), mixer, norm("post_norm", i),
-                                      moe(f"{p}.mlp") if is_moe else mlp(f"{p}.mlp")))
+            layers.append(load.layer(f"model.layers.{i}", i, kind))
+            specs.append(StateSpec(*load.state_shapes()) if kind == "linear_attention"
+                         else AttentionSpec(config.num_key_value_heads, config.head_dim))
         embed = w.take("model.embed_tokens.weight")
         head = w.pop("lm_head.weight") if config.tie_word_embeddings else w.take("lm_head.weight")
-        final_norm = norm("final_norm")
+        final_norm = load.norm(load.name("final_norm"))
         w.finish()
-        rotary = int(dim * extra.get("partial_rotary_factor", 1.0))
+        act_dtype, dim = load.act_dtype, config.head_dim
+        rotary = int(dim * config.extra.get("partial_rotary_factor", 1.0))
         inv_freq, attention_factor = rope_frequencies(config, NAME, rotary)
         angles = torch.outer(torch.arange(max_model_len, dtype=torch.float32), torch.from_numpy(inv_freq))
         angles = torch.cat([angles, angles], dim=-1)
@@ -437,5 +373,98 @@ class Qwen3_5Model:
             sin=(angles.sin() * attention_factor).to(device, act_dtype),
             dtype=act_dtype,
             cache_specs=specs,
-            traceable=not is_moe,
+            traceable=not load.is_moe,
         )
+
+
+class LayerLoader:
+    """Builds Qwen3.5's layers from a checkpoint's weights, in Hugging Face or GGUF naming (see _GGUF_NAMES): the
+    model's own and those of its multi-token-prediction head (qwen3_5_mtp.py), which are built alike."""
+
+    def __init__(self, w: Weights, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.w, self.config, self.device = w, config, device
+        self.act_dtype = compute_dtype(device, dtype)
+        self.gguf = w.has(_GGUF_NAMES["final_norm"])
+        self.is_moe = "num_experts" in config.extra
+        extra = config.extra
+        sizes = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel_dim")
+        for key in sizes:
+            if not isinstance(extra.get(key), int) or isinstance(extra[key], bool) or extra[key] <= 0:
+                raise CheckpointError(f"config {key!r} must be a positive integer, got {extra.get(key)!r}")
+        self.hk, self.hv, self.dk, self.dv, self.kernel = (extra[key] for key in sizes)
+        if self.hv % self.hk:
+            raise CheckpointError(f"linear_num_value_heads {self.hv} is not a multiple of linear_num_key_heads "
+                                  f"{self.hk}")
+
+    def name(self, part: str, layer: int = 0) -> str:
+        return (_GGUF_NAMES if self.gguf else _HF_NAMES)[part].format(i=layer)
+
+    def norm(self, name: str) -> RMSNorm:
+        """A zero-centred norm: GGUF files store its weight as 1 + w already."""
+        weight = self.w.dense(name).float()
+        return RMSNorm((weight if self.gguf else 1 + weight).to(self.device, self.act_dtype), self.config.rms_norm_eps)
+
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """A Gated DeltaNet layer's conv state [channels, kernel - 1] and recurrent state [Hv, dk, dv]."""
+        return (2 * self.hk * self.dk + self.hv * self.dv, self.kernel - 1), (self.hv, self.dk, self.dv)
+
+    def layer(self, prefix: str, i: int, kind: str) -> HybridLayer:
+        """Layer ``i``, its Hugging Face-named tensors under ``prefix`` (``model.layers.3``), its GGUF-named ones
+        under ``blk.<i>``."""
+        def norm(part: str, hf: str) -> RMSNorm:
+            return self.norm(self.name(part, i) if self.gguf else f"{prefix}.{hf}")
+
+        mixer: GatedDeltaNet | GatedAttention
+        if kind == "linear_attention":
+            mixer = self._gated_delta_net(prefix, i)
+        else:
+            a = f"{prefix}.self_attn"
+            mixer = GatedAttention(
+                qkv_proj=self.w.linear([f"{a}.{part}.weight" for part in ("q_proj", "k_proj", "v_proj")]),
+                o_proj=self.w.linear([f"{a}.o_proj.weight"]),
+                q_norm=norm("q_norm", "self_attn.q_norm.weight"), k_norm=norm("k_norm", "self_attn.k_norm.weight"),
+                num_heads=self.config.num_attention_heads, num_kv_heads=self.config.num_key_value_heads,
+                head_dim=self.config.head_dim)
+        return HybridLayer(norm("input_norm", "input_layernorm.weight"), mixer,
+                           norm("post_norm", "post_attention_layernorm.weight"),
+                           self._moe(f"{prefix}.mlp") if self.is_moe else self._mlp(f"{prefix}.mlp"))
+
+    def _gated_delta_net(self, prefix: str, i: int) -> GatedDeltaNet:
+        hk, hv, dk, dv, kernel = self.hk, self.hv, self.dk, self.dv, self.kernel
+        w, name, device, act_dtype = self.w, self.name, self.device, self.act_dtype
+        decay = w.dense(name("decay", i)).float()
+        return GatedDeltaNet(
+            in_proj=w.linear([name(part, i) for part in ("qkv", "z", "b", "a")]),
+            conv_weight=w.dense(name("conv", i)).reshape(2 * hk * dk + hv * dv, kernel).to(device, act_dtype),
+            decay_rate=(decay if self.gguf else -decay.exp()).to(device),
+            dt_bias=w.dense(name("dt_bias", i)).float().to(device),
+            norm=GatedRMSNorm(w.dense(f"{prefix}.linear_attn.norm.weight").to(device, act_dtype),
+                              self.config.rms_norm_eps),
+            out_proj=w.linear([name("out", i)]),
+            num_k_heads=hk, num_v_heads=hv, k_dim=dk, v_dim=dv, tiled_heads=self.gguf and hv > hk)
+
+    def _mlp(self, prefix: str) -> MLP:
+        return MLP(self.w.linear([f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]),
+                   self.w.linear([f"{prefix}.down_proj.weight"]))
+
+    def _stacked(self, prefix: str, part: str) -> Tensor:
+        if self.w.has(f"{prefix}.{part}.weight"):  # GGUF: stacked [experts, out, in]
+            return self.w.dense(f"{prefix}.{part}.weight")
+        return torch.stack([self.w.dense(f"{prefix}.{e}.{part}.weight")
+                            for e in range(self.config.extra["num_experts"])])
+
+    def _moe(self, prefix: str) -> SparseMoE:
+        w, device, act_dtype, extra = self.w, self.device, self.act_dtype, self.config.extra
+        experts = f"{prefix}.experts"
+        if w.has(f"{experts}.gate_up_proj"):  # transformers' fused layout
+            gate_up, down = w.dense(f"{experts}.gate_up_proj"), w.dense(f"{experts}.down_proj")
+        else:
+            gate_up = torch.cat([self._stacked(experts, "gate_proj"), self._stacked(experts, "up_proj")], dim=1)
+            down = self._stacked(experts, "down_proj")
+        return SparseMoE(
+            router=w.dense(f"{prefix}.gate.weight").to(device, act_dtype),
+            gate_up=gate_up.to(device, act_dtype), down=down.to(device, act_dtype),
+            top_k=extra["num_experts_per_tok"], renormalize=extra.get("norm_topk_prob", True),
+            shared_expert=self._mlp(f"{prefix}.shared_expert"),
+            shared_gate=w.dense(f"{prefix}.shared_expert_gate.weight").to(device, act_dtype))
