@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,8 @@ ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25
         "mrope_interleaved": True}
 # The text_config of Qwen/Qwen3.5-0.8B (huggingface.co/Qwen/Qwen3.5-0.8B/blob/main/config.json), the smallest
 # published Qwen3.5, as quoted alike by several public reimplementations; its model card: 24 layers, hidden 1024,
-# 8 heads, 2 KV heads. Left out: its multi-token-prediction layer (mtp_num_hidden_layers 1), which no engine here
-# runs, and the vision tower.
+# 8 heads, 2 KV heads. Left out: the vision tower, and its multi-token-prediction layer (mtp_num_hidden_layers 1),
+# which qwen3_5_mtp.py adds, fitted, for its own bench.
 DENSE_0_8B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
                   linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -74,14 +75,20 @@ MODELS = {"dense": ModelSpec("qwen3_5-0.8b", False, DENSE_0_8B),
 
 def gguf_file(spec: ModelSpec, folder: Path, quant: str = "Q4_K_M") -> Path:
     """``folder/<name>-<quant>.gguf``, made unless it is there (the float intermediates are deleted)."""
-    out = folder / f"{spec.name}-{quant}.gguf"
+    def make(tmp: Path, out: Path) -> None:
+        quantize(convert(write_checkpoint(spec, tmp / "hf"), tmp / "bf16.gguf"), out, quant)
+
+    return made_once(folder / f"{spec.name}-{quant}.gguf", make)
+
+
+def made_once(out: Path, make: Callable[[Path, Path], None]) -> Path:
+    """``out``, made by ``make(scratch folder, where to write it)`` unless it is there: written beside it and
+    renamed into place, so that an interrupted run leaves no half file (the scratch folder is deleted)."""
     if out.exists():
         return out
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        hf = write_checkpoint(spec, Path(tmp) / "hf")
-        bf16 = convert(hf, Path(tmp) / "bf16.gguf")
-        quantize(bf16, Path(tmp) / out.name, quant)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        make(Path(tmp), Path(tmp) / out.name)
         os.replace(Path(tmp) / out.name, out)
     return out
 
@@ -129,9 +136,10 @@ def _random(name: str, shape: Any, generator: Any) -> Any:
     return torch.empty(shape, dtype=torch.bfloat16).normal_(0, 0.02, generator=generator)
 
 
-def convert(model: Path, out: Path) -> Path:
+def convert(model: Path, out: Path, *, mtp: bool = False) -> Path:
     """``model`` as a bfloat16 GGUF, by the convert_hf_to_gguf.py of the llama-cpp-python sdist that
-    $POCKETLLM_LLAMA_CPP_SDIST names (the noxfile's bench session sets it)."""
+    $POCKETLLM_LLAMA_CPP_SDIST names (the noxfile's bench session sets it); with ``mtp``, its multi-token-prediction
+    head too (the converter's default), else without (``--no-mtp``)."""
     source = os.environ.get(SDIST)
     if not source:
         raise SystemExit(f"${SDIST} names no llama-cpp-python sdist (nox -s bench sets it)")
@@ -143,7 +151,7 @@ def convert(model: Path, out: Path) -> Path:
                        filter="data")
     converter = next(root.glob("*/vendor/llama.cpp"))
     subprocess.run([sys.executable, "-c", CONVERT, str(converter), str(model), "--outfile", str(out), "--outtype",
-                    "bf16", "--no-mtp"], check=True)
+                    "bf16", *([] if mtp else ["--no-mtp"])], check=True)
     return out
 
 

@@ -108,14 +108,13 @@ def pocket_batch(llm: LLM, ids: list[list[int]], new_tokens: int) -> float:
 class LlamaServer:
     """A llama-server process on a free port; ``decode`` posts to /completion."""
 
-    def __init__(self, binary: Path, model: Path, threads: int, spec: bool) -> None:
+    def __init__(self, binary: Path, model: Path, threads: int, spec: list[str]) -> None:
+        """``spec``: its speculative-decoding arguments (none: plain decoding)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         args = [str(binary), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", "4096", "-np", "1",
-                "--port", str(self.port), "--host", "127.0.0.1", "--no-webui"]
-        if spec:  # its own defaults: a 12-token lookup, drafts of up to 48
-            args += ["--spec-type", "ngram-simple"]
+                "--port", str(self.port), "--host", "127.0.0.1", "--no-webui", *spec]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -142,10 +141,48 @@ class LlamaServer:
         self.process.wait(30)
 
 
+Speeds = dict[tuple[str, str], list[float]]
+
+
+def take_turns(engines: dict[str, Any], prompts: dict[str, list[int]], new_tokens: int, runs: int,
+               notes: dict[str, Any], outputs: dict[str, list[list[int]]]) -> Speeds:
+    """Every engine on every prompt in turn, ``runs`` times after a warm-up: decode tok/s per (engine, prompt);
+    llama-server's drafted and accepted counts into ``notes``, PocketLLM's tokens into ``outputs``."""
+    speeds: Speeds = {}
+    for run in range(runs + 1):  # the first is a warm-up
+        for label, ids in prompts.items():
+            for kind, e in engines.items():
+                if isinstance(e, LlamaServer):
+                    speed, timings = e.decode(ids, new_tokens)
+                    notes[f"{kind}, {label}: drafted, accepted"] = [timings.get("draft_n"),
+                                                                    timings.get("draft_n_accepted")]
+                else:
+                    speed, tokens = pocket_decode(e, ids, new_tokens)
+                    outputs.setdefault(kind, []).append(tokens)
+                if run:
+                    speeds.setdefault((kind, label), []).append(speed)
+    return speeds
+
+
+def speed_table(engines: tuple[str, ...], rows: list[str], medians: dict[tuple[str, str], float],
+                ratios: list[tuple[int, int]]) -> list[str]:
+    """A markdown table: each prompt's tok/s per engine, then the ratios engines[a] / engines[b] asked for."""
+    short = [e.removeprefix("pocketllm-").replace(" + ", "+") for e in engines]
+    lines = ["| prompt | " + " | ".join(engines) + "".join(f" | {short[a]} / {short[b]}" for a, b in ratios) + " |",
+             "|---" * (len(engines) + len(ratios) + 1) + "|"]
+    for row in rows:
+        m = [medians[(kind, row)] for kind in engines]
+        lines.append(f"| {row} | " + " | ".join(f"{v:.1f}" for v in m) +
+                     "".join(f" | {m[a] / m[b]:.2f}x" for a, b in ratios) + " |")
+    return lines
+
+
 @contextmanager
 def engine(kind: str, model: str, path: Path, args: argparse.Namespace) -> Iterator[Any]:
     if kind.startswith("llama.cpp"):
-        server = LlamaServer(args.llama_server, path, args.threads, "ngram" in kind)
+        # its n-gram speculation with its own defaults: a 12-token lookup, drafts of up to 48
+        server = LlamaServer(args.llama_server, path, args.threads,
+                             ["--spec-type", "ngram-simple"] if "ngram" in kind else [])
         try:
             yield server
         finally:
@@ -176,25 +213,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "results")
     args = parser.parse_args()
     path = load_checkpoint(args.model).path
-    speeds: dict[tuple[str, str], list[float]] = {}
     notes: dict[str, Any] = {}
     outputs: dict[str, list[list[int]]] = {}
     with ExitStack() as stack:
         engines = {kind: stack.enter_context(engine(kind, args.model, path, args)) for kind in ENGINES}
         edit, fresh = ([prompt_ids(engines["pocketllm-cpp"], t) for t in texts] for texts in (EDIT, FRESH))
-        for run in range(args.runs + 1):  # the first is a warm-up
-            for workload, prompts in (("edit", edit), ("fresh", fresh)):
-                for i, ids in enumerate(prompts):
-                    for kind, e in engines.items():
-                        if isinstance(e, LlamaServer):
-                            speed, timings = e.decode(ids, args.new_tokens)
-                            notes[f"{kind}, {workload} {i}: drafted, accepted"] = [timings.get("draft_n"),
-                                                                                 timings.get("draft_n_accepted")]
-                        else:
-                            speed, tokens = pocket_decode(e, ids, args.new_tokens)
-                            outputs.setdefault(kind, []).append(tokens)
-                        if run:
-                            speeds.setdefault((kind, f"{workload} {i}"), []).append(speed)
+        labelled = {f"{workload} {i}": ids for workload, prompts in (("edit", edit), ("fresh", fresh))
+                    for i, ids in enumerate(prompts)}
+        speeds = take_turns(engines, labelled, args.new_tokens, args.runs, notes, outputs)
         stats = engines["pocketllm-cpp + ngram"].stats()
         notes["pocketllm-cpp + ngram, single streams: drafts, drafted, accepted"] = [
             stats.num_spec_drafts, stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens]
@@ -210,12 +236,7 @@ def main() -> None:
              f"k = {args.k}", "",
              f"Decode tok/s after the first token, median of {args.runs} runs. PocketLLM's outputs with and without "
              f"drafts {'are' if same else 'are NOT'} the same tokens.", "",
-             "| prompt | " + " | ".join(ENGINES) + " | cpp+ngram / llama.cpp | cpp+ngram / llama.cpp+ngram | "
-             "cpp+ngram / cpp |", "|---" * (len(ENGINES) + 4) + "|"]
-    for row in rows:
-        m = [medians[(kind, row)] for kind in ENGINES]
-        lines.append(f"| {row} | " + " | ".join(f"{v:.1f}" for v in m) +
-                     f" | {m[1] / m[2]:.2f}x | {m[1] / m[3]:.2f}x | {m[1] / m[0]:.2f}x |")
+             *speed_table(ENGINES, rows, medians, [(1, 2), (1, 3), (1, 0)])]
     lines += ["", "Aggregate decode tok/s of N edit requests at once (PocketLLM):", "",
               "| requests | without drafts | with drafts | ratio |", "|---|---|---|---|"]
     for batch in args.batches:

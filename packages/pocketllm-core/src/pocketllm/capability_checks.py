@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pocketllm import backend_options
+from pocketllm.checkpoint import load_checkpoint
 from pocketllm.errors import ConfigError, PromptTooLongError, UnsupportedOptionError
 from pocketllm.pooling import POOLING_TYPES
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
     from pocketllm.backend import Capabilities
     from pocketllm.backend_options import BackendOptions
-    from pocketllm.checkpoint import Checkpoint
+    from pocketllm.checkpoint import Checkpoint, CheckpointTensor
     from pocketllm.pooling import PoolingParams
     from pocketllm.sampling_params import SamplingParams
 
@@ -26,14 +27,7 @@ def check_engine_args(backend: str, caps: Capabilities, args: EngineArgs, checkp
     """Raise UnsupportedOptionError for the first engine option or checkpoint property ``caps`` rules out, or
     ConfigError for a backend option of the wrong type or out of range; return the backend options, resolved
     into the backend's ``Capabilities.backend_options`` class, for ``create_engine``."""
-    architecture = checkpoint.config.architecture
-    if architecture not in caps.architectures:
-        raise UnsupportedOptionError("model", backend, f"architecture {architecture!r} is not one of "
-                                     f"{', '.join(caps.architectures) or 'none'}")
-    for tensor in checkpoint.tensors():
-        if tensor.storage_type not in caps.storage_types:
-            raise UnsupportedOptionError("quantization", backend, f"tensor {tensor.name!r} is stored as "
-                                         f"{tensor.storage_type}; supported: {', '.join(caps.storage_types)}")
+    _check_servable(checkpoint, caps, backend, "model", "quantization")
     if args.tensor_parallel_size > 1 and not caps.tensor_parallel:
         raise UnsupportedOptionError("tensor_parallel_size", backend, "tensor parallelism is not implemented")
     if args.speculative_method is not None and args.speculative_method not in caps.speculative_methods:
@@ -41,6 +35,8 @@ def check_engine_args(backend: str, caps: Capabilities, args: EngineArgs, checkp
                                      f"{', '.join(caps.speculative_methods) or 'none'}")
     if args.speculative_method == "mtp":
         _check_mtp(checkpoint, caps, backend)
+    if args.speculative_method == "draft_model":
+        _check_draft_model(args, checkpoint, caps, backend)
     if args.enable_prefix_caching and not caps.prefix_caching:
         raise UnsupportedOptionError("enable_prefix_caching", backend)
     if caps.max_num_seqs is not None and args.max_num_seqs > caps.max_num_seqs:
@@ -141,7 +137,33 @@ def _check_mtp(checkpoint: Checkpoint, caps: Capabilities, backend: str) -> None
     if not tensors:
         raise UnsupportedOptionError("speculative_method", backend, "'mtp' runs the checkpoint's multi-token-"
                                      "prediction layers, and it has none")
+    _check_storage(tensors, caps, backend, "quantization")
+
+
+def _check_draft_model(args: EngineArgs, checkpoint: Checkpoint, caps: Capabilities, backend: str) -> None:
+    """``speculative_method="draft_model"``: a checkpoint the backend serves, whose tokens are the target's (the same
+    vocabulary size: its ids are verified as the target's)."""
+    assert args.draft_model is not None  # EngineArgs checks it is given
+    draft = load_checkpoint(args.draft_model)
+    if draft.config.vocab_size != checkpoint.config.vocab_size:
+        raise ConfigError("draft_model", f"{args.draft_model} has a vocabulary of {draft.config.vocab_size} tokens, "
+                                         f"the model {checkpoint.config.vocab_size}: a draft model shares the model's")
+    _check_servable(draft, caps, backend, "draft_model", "draft_model")
+
+
+def _check_servable(checkpoint: Checkpoint, caps: Capabilities, backend: str, model_option: str,
+                    storage_option: str) -> None:
+    """The backend runs the checkpoint's architecture and reads every tensor's storage type; the errors name the
+    options given."""
+    architecture = checkpoint.config.architecture
+    if architecture not in caps.architectures:
+        raise UnsupportedOptionError(model_option, backend, f"architecture {architecture!r} is not one of "
+                                     f"{', '.join(caps.architectures) or 'none'}")
+    _check_storage(checkpoint.tensors(), caps, backend, storage_option)
+
+
+def _check_storage(tensors: list[CheckpointTensor], caps: Capabilities, backend: str, option: str) -> None:
     for tensor in tensors:
         if tensor.storage_type not in caps.storage_types:
-            raise UnsupportedOptionError("quantization", backend, f"tensor {tensor.name!r} is stored as "
+            raise UnsupportedOptionError(option, backend, f"tensor {tensor.name!r} is stored as "
                                          f"{tensor.storage_type}; supported: {', '.join(caps.storage_types)}")

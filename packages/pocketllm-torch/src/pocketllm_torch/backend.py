@@ -52,7 +52,7 @@ class TorchBackend:
             structured_outputs=True,
             pooling_types=POOLING_TYPES,
             tensor_parallel=True,
-            speculative_methods=("ngram", "mtp"),
+            speculative_methods=("ngram", "mtp", "draft_model"),
             devices=("cpu", "cuda"),
             dtypes=("float32", "bfloat16", "float16"),
             kv_cache_dtypes=("auto", "float32", "bfloat16", "float16"),

@@ -49,6 +49,7 @@ class TorchConfig:
     decode_graphs: bool  # replay decode steps from TorchScript traces (see decode_graphs.py)
     state_snapshot_bytes: int  # budget of the state layers' prefix-cache snapshots (see state_snapshots.py)
     speculative_method: str | None  # EngineArgs': what drafts
+    draft_model: str | None  # speculative_method "draft_model": its path or alias
     speculative_max_batch: int  # speculative decoding drafts while at most this many sequences run
 
     @classmethod
@@ -79,6 +80,7 @@ class TorchConfig:
             decode_graphs=device.type == "cpu" if options.decode_graphs is None else options.decode_graphs,
             state_snapshot_bytes=options.state_snapshot_mb << 20,
             speculative_method=args.speculative_method,
+            draft_model=args.draft_model,
             speculative_max_batch=(SPECULATIVE_MAX_BATCH if args.speculative_disable_by_batch_size is None
                                    else args.speculative_disable_by_batch_size),
         )
@@ -89,12 +91,13 @@ class TorchConfig:
                                head_dim=m.head_dim, itemsize=self.kv_cache_dtype.itemsize, block_size=self.block_size)
 
     def resolve_num_kv_blocks(self, num_attention_layers: int, state_slot_bytes: int = 0, snapshot_bytes: int = 0,
-                              ranks_here: int = 1) -> int:
+                              ranks_here: int = 1, draft_bytes_per_block: int = 0) -> int:
         """The ``num_kv_blocks`` option, else what this device's budget holds (see pocketllm.kv_budget), measured
         now: on a GPU, once the weights are loaded. On a CPU, ``ranks_here`` tensor-parallel ranks share the
-        machine's budget."""
+        machine's budget. A draft model's cache has as many blocks, ``draft_bytes_per_block`` each."""
         share = ranks_here if self.device.type == "cpu" else 1
-        budget = KVBudget(block_size=self.block_size, bytes_per_block=self.kv_bytes_per_block(num_attention_layers),
+        budget = KVBudget(block_size=self.block_size,
+                          bytes_per_block=self.kv_bytes_per_block(num_attention_layers) + draft_bytes_per_block,
                           max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                           memory_bytes=_kv_memory_budget(self.device) // share,
                           device_bytes=_physical_memory(self.device), state_slot_bytes=state_slot_bytes,

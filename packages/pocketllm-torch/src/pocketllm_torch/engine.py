@@ -62,9 +62,10 @@ def serve_as_worker(args: EngineArgs, checkpoint: Checkpoint, options: TorchOpti
 
 class TorchEngine:
     def __init__(self, args: EngineArgs, checkpoint: Checkpoint, options: TorchOptions) -> None:
-        if args.speculative_method == "mtp" and args.tensor_parallel_size > 1:
-            raise UnsupportedOptionError("speculative_method", NAME, "'mtp' with tensor_parallel_size > 1 is not "
-                                         "implemented: the head's layer is not split across ranks")
+        if args.speculative_method in ("mtp", "draft_model") and args.tensor_parallel_size > 1:
+            raise UnsupportedOptionError("speculative_method", NAME, f"{args.speculative_method!r} with "
+                                         "tensor_parallel_size > 1 is not implemented: the drafting model is not "
+                                         "split across ranks")
         self.config = TorchConfig.from_args(args, checkpoint.config, options)
         self.tp = join_group(args, self.config, options)
         try:
@@ -126,7 +127,7 @@ class TorchEngine:
         deltas = [self._take(seq, i, new, batch, done) for i, (seq, new) in enumerate(zip(batch.seqs, sampled,
                                                                                          strict=True))
                   if new is not None]
-        self.runner.mtp_catch_up(batch, done)
+        self.runner.catch_up(batch, done)
         self.scheduler.mark_computed(batch)
         self.runner.commit_states(batch)
         self.runner.save_snapshots(batch)

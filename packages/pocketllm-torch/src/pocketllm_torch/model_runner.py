@@ -12,6 +12,7 @@ from pocketllm_torch.attention import KVCache, build_metadata
 from pocketllm_torch.cache_spec import AttentionSpec, StateSpec
 from pocketllm_torch.context import StepContext
 from pocketllm_torch.decode_graphs import DecodeGraphs
+from pocketllm_torch.draft_model import ModelDrafter, open_draft_model
 from pocketllm_torch.linear import uses_int4, uses_int8
 from pocketllm_torch.models import model_class, mtp_class
 from pocketllm_torch.mtp import MTPDrafter
@@ -70,8 +71,11 @@ class ModelRunner:
         self.verify_state_rows = VERIFY_STATE_BYTES // state_bytes if states else None
         # The snapshots' budget is memory they may come to hold: it is not the KV cache's to take.
         snapshot_bytes = config.state_snapshot_bytes if states and config.enable_prefix_caching else 0
-        self.num_kv_blocks = config.resolve_num_kv_blocks(len(attention), state_bytes, snapshot_bytes,
-                                                          ranks_here=tp.local_world_size if tp else 1)
+        # A draft model's cache has as many blocks as the target's: the same block tables index both.
+        draft = open_draft_model(config) if config.speculative_method == "draft_model" else None
+        self.num_kv_blocks = config.resolve_num_kv_blocks(
+            len(attention), state_bytes, snapshot_bytes, ranks_here=tp.local_world_size if tp else 1,
+            draft_bytes_per_block=ModelDrafter.bytes_per_block(config, draft) if draft is not None else 0)
         if tp is not None:  # every rank holds the same blocks: as many as the tightest rank can
             self.num_kv_blocks = tp.min(self.num_kv_blocks)
         # One spare block up front is the null block that padding reads.
@@ -82,7 +86,11 @@ class ModelRunner:
         kv_layers, state_layers = iter(self.kv_cache.layers), iter(self.state_cache.layers if states else [])
         self.caches: list[torch.Tensor | LayerState] = [
             next(kv_layers) if isinstance(s, AttentionSpec) else next(state_layers) for s in self.model.cache_specs]
-        self.mtp = MTPDrafter(head, self.kv_cache, self.block_size) if head is not None else None
+        self.drafter: MTPDrafter | ModelDrafter | None = None  # drafts by a model: filled in after scheduling
+        if head is not None:
+            self.drafter = MTPDrafter(head, self.kv_cache, self.block_size)
+        elif draft is not None:
+            self.drafter = ModelDrafter(config, draft, self.num_kv_blocks + 1, int4=int4, int8=int8)
         # MTP: the last step's final hidden states, and where each sequence's rows began and how many ran.
         self._hidden: torch.Tensor | None = None
         self._ran: list[tuple[int, int]] = []
@@ -147,8 +155,8 @@ class ModelRunner:
         embedding (None for the others).
 
         A row that could not be sampled gets a SamplingFailure instead of its token."""
-        if self.mtp is not None:  # the drafts the scheduler made room for (a prompt chunk runs none)
-            self.mtp.draft([seq for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+        if self.drafter is not None:  # the drafts the scheduler made room for (a prompt chunk runs none)
+            self.drafter.draft([seq for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
                             if seq.num_computed_tokens + n > seq.num_tokens])
         token_ids: list[int] = []
         starts: list[int] = []
@@ -187,7 +195,7 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.send(step)
         logits, hidden, ctx = self.forward(step)
-        if self.mtp is not None:
+        if isinstance(self.drafter, MTPDrafter):
             self._hidden = hidden
         # Filed by save_snapshots once the blocks they end have their hashes.
         self._capture_ends = [(batch.seqs[i], batch.seqs[i].num_computed_tokens + p) for i, p in ctx.captured]
@@ -212,10 +220,15 @@ class ModelRunner:
             if (i, kept) in self._kept and seq.state_slot is not None:
                 self._pending_commits.append((seq.state_slot, i, kept))
 
-    def mtp_catch_up(self, batch: ScheduledBatch, done: list[Sequence]) -> None:
-        """After a step, before its tokens are marked computed (``batch.num_new_tokens`` the rows it kept): the MTP
-        head runs over the kept rows of the sequences that go on generating (see mtp.py)."""
-        if self.mtp is None or self._hidden is None:
+    def catch_up(self, batch: ScheduledBatch, done: list[Sequence]) -> None:
+        """After a step, before its tokens are marked computed (``batch.num_new_tokens`` the rows it kept): the
+        drafting model (the MTP head or the draft model) runs over the kept rows of the sequences that go on
+        generating (see mtp.py, draft_model.py)."""
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.catch_up([(seq, start + n) for seq, (start, _), n in
+                                   zip(batch.seqs, self._ran, batch.num_new_tokens, strict=True)
+                                   if seq.spec is not None and seq not in done])
+        if not isinstance(self.drafter, MTPDrafter) or self._hidden is None:
             return
         kept, first = [], 0
         for seq, (start, ran), n in zip(batch.seqs, self._ran, batch.num_new_tokens, strict=True):
@@ -223,7 +236,7 @@ class ModelRunner:
                 kept.append((seq, start, self._hidden[first:first + n]))
             first += ran
         self._hidden = None
-        self.mtp.catch_up(kept)
+        self.drafter.catch_up(kept)
 
     def _pool(self, seq: Sequence, rows: torch.Tensor) -> list[float] | None:
         """Fold an embedding request's chunk of final hidden states into its pooling; its embedding once its

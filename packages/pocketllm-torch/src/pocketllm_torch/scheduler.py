@@ -164,6 +164,8 @@ class Scheduler:
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.draft = []  # proposed again once it decodes
+        if seq.spec is not None:
+            seq.spec.restart()
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -10,9 +10,9 @@ the tokens of decoding without speculation. The rejected rows' keys and values a
 reads them (whole blocks past the sequence are freed), and state layers keep their state after every row so that
 the accepted one is committed (model_runner.py).
 
-Drafts come from the sequence itself (``ngram``: NgramProposer, before the step is scheduled) or from the model's
-multi-token-prediction head (``mtp``: the scheduler holds room for k drafts, which mtp.py fills in before the
-forward).
+Drafts come from the sequence itself (``ngram``: NgramProposer, before the step is scheduled), from the model's
+multi-token-prediction head (``mtp``) or from a smaller model (``draft_model``): for those the scheduler holds
+room for k drafts, which mtp.py or draft_model.py fills in before the forward.
 
 Grammar-constrained requests do not draft: their mask depends on the grammar's state after each drafted token,
 which would have to be advanced and rolled back per draft; they decode one token per step alongside the others.
@@ -90,18 +90,25 @@ class DraftState:
     """A drafting sequence's proposer and how much it drafts: k shrinks to what was last accepted (plus one) and
     doubles while whole drafts are accepted; drafts that keep missing pause it."""
 
-    proposer: NgramProposer | None  # None: the MTP head drafts
+    proposer: NgramProposer | None  # None: a model drafts (the MTP head, or a draft model)
     k: int
     pause: int = 0  # steps left without drafting
     misses: int = 0  # drafts in a row with nothing accepted
     hidden: Tensor | None = None  # MTP: the head's output at the last computed position, where drafts start
+    # draft_model: positions whose keys and values the draft model holds (its later ones are rejected drafts')
+    seen: int = 0
+
+    def restart(self) -> None:
+        """After preemption: the caches are gone, with what drafting kept of them."""
+        self.hidden, self.seen = None, 0
 
 
 class Drafter:
     """The engine's drafting policy and its counters (``BackendStats``'s ``num_spec_*``)."""
 
     def __init__(self, args: EngineArgs, max_batch: int) -> None:
-        self.ngram: tuple[int, int] | None = None  # mtp: the head drafts
+        self.method = args.speculative_method
+        self.ngram: tuple[int, int] | None = None
         if args.speculative_method == "ngram":
             assert args.ngram_min is not None and args.ngram_max is not None
             self.ngram = args.ngram_min, args.ngram_max
@@ -133,9 +140,11 @@ class Drafter:
             state.pause -= 1
             return []
         room = min(state.k, seq.max_output_tokens - seq.num_output_tokens - 1)  # the token after them must fit
-        if state.proposer is None:
-            return [PENDING] * room if state.hidden is not None else []
-        return state.proposer.propose(seq.token_ids, room)
+        if state.proposer is not None:
+            return state.proposer.propose(seq.token_ids, room)
+        if self.method == "mtp" and state.hidden is None:  # the head has not run over the sequence yet
+            return []
+        return [PENDING] * room
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verification of ``drafted`` tokens accepted its first ``accepted``."""
@@ -147,6 +156,7 @@ class Drafter:
         self.num_accepted_tokens += accepted
         for position in range(accepted):
             self.accepted_per_position[position] += 1
+        state.seen += min(accepted, drafted - 1)  # draft_model: the accepted drafts it ran (all but the last)
         if accepted == drafted:
             state.k = min(self.max_k, 2 * state.k)
         else:

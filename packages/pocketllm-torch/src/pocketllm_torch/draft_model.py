@@ -1,0 +1,110 @@
+"""Drafting with a smaller model of the same vocabulary (``speculative_method="draft_model"``), for the model runner.
+
+The draft model keeps keys and values of its own in a KV cache with as many blocks as the target's, indexed by
+the same block tables: a sequence's blocks hold both models' entries for the same positions, and preemption and
+freeing need nothing more. After each step, ``catch_up`` runs the draft model over the tokens the target computed
+that it has not seen (prompt chunks as they run). Before a verification, ``draft`` runs it on the sequence's last
+token and then on each draft in turn, for the drafts the scheduler made room for; those writes past the sequence
+land in blocks the verification holds, and stay valid up to the last accepted draft (``DraftState.seen``).
+
+Each draft is drawn as the target draws its token at that position, as the MTP head's are (mtp.py): the same
+processing of the logits, the same seeded noise, so the target keeps it where its own draw is that token.
+
+Draft models with state layers (Qwen3.5) are refused: their states would need slots and snapshots of their own.
+A sequence admitted after a cached prefix runs its draft model over the prefix once (the request that computed the
+prefix may not have drafted: a grammar's does not), rewriting those entries with the values they hold.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pocketllm.checkpoint import load_checkpoint
+from pocketllm.errors import UnsupportedOptionError
+from pocketllm.kv_budget import bytes_per_block
+from pocketllm_torch import groups
+from pocketllm_torch.attention import KVCache, build_metadata
+from pocketllm_torch.cache_spec import AttentionSpec
+from pocketllm_torch.context import StepContext
+from pocketllm_torch.models import model_class
+from pocketllm_torch.name import NAME
+from pocketllm_torch.sampler import choose_tokens, process_logits
+from pocketllm_torch.speculative import DraftRow
+
+if TYPE_CHECKING:
+    from pocketllm.checkpoint import Checkpoint
+    from pocketllm_torch.config import TorchConfig
+    from pocketllm_torch.sequence import Sequence
+    from pocketllm_torch.speculative import DraftState
+
+
+def open_draft_model(config: TorchConfig) -> Checkpoint:
+    """The draft model's checkpoint (the core checked its vocabulary and storage against the target's)."""
+    assert config.draft_model is not None
+    return load_checkpoint(config.draft_model)
+
+
+class ModelDrafter:
+    def __init__(self, config: TorchConfig, checkpoint: Checkpoint, num_blocks: int, *, int4: bool, int8: bool) -> None:
+        model_config = checkpoint.config
+        weights = ((t.name, groups.load(t, int4=int4, int8=int8)) for t in checkpoint.tensors())
+        self.model = model_class(model_config.architecture).from_weights(model_config, weights, config.device,
+                                                                         config.dtype, config.max_model_len)
+        specs = self.model.cache_specs
+        if not all(isinstance(s, AttentionSpec) for s in specs):
+            raise UnsupportedOptionError("draft_model", NAME, f"a draft model of {model_config.architecture!r} keeps "
+                                         "state layers, which drafting does not run yet")
+        self.block_size = config.block_size
+        self.kv_cache = KVCache(len(specs), num_blocks, config.block_size, specs[0].num_kv_heads, specs[0].head_dim,
+                                config.kv_cache_dtype, config.device)
+
+    @staticmethod
+    def bytes_per_block(config: TorchConfig, checkpoint: Checkpoint) -> int:
+        """What one block of the draft model's cache holds."""
+        m = checkpoint.config
+        return bytes_per_block(num_layers=m.num_hidden_layers, num_kv_heads=m.num_key_value_heads,
+                               head_dim=m.head_dim, itemsize=config.kv_cache_dtype.itemsize,
+                               block_size=config.block_size)
+
+    @torch.inference_mode()
+    def catch_up(self, ends: list[tuple[Sequence, int]]) -> None:
+        """After a step: the draft model over each ``(sequence, its computed tokens now)``'s tokens it has not seen,
+        chunk by chunk as the target computes them (a whole cached prefix at once, the first time)."""
+        spans = [(seq, _state(seq).seen, end - _state(seq).seen) for seq, end in ends if end > _state(seq).seen]
+        if spans:
+            self._run([t for seq, start, n in spans for t in seq.token_ids[start:start + n]], spans)
+        for seq, end in ends:
+            _state(seq).seen = max(_state(seq).seen, end)
+
+    @torch.inference_mode()
+    def draft(self, seqs: list[Sequence]) -> None:
+        """Fill in the drafts of these decoding sequences (``len(seq.draft)`` of them each, held by Drafter.propose
+        and cut to what the step has room for): the draft model on each one's last token, then on each draft."""
+        active = [seq for seq in seqs if seq.draft]
+        for j in range(max((len(seq.draft) for seq in active), default=0)):
+            position = [seq.num_tokens - 1 + j for seq in active]
+            tokens = [seq.token_ids[-1] if j == 0 else seq.draft[j - 1] for seq in active]
+            hidden = self._run(tokens, [(seq, p, 1) for seq, p in zip(active, position, strict=True)])
+            rows = [DraftRow(seq, j) for seq in active]
+            logits = self.model.compute_logits(hidden)
+            for seq, token in zip(active, choose_tokens(process_logits(logits, rows), rows).tolist(), strict=True):
+                seq.draft[j] = token
+                _state(seq).seen = seq.num_tokens  # through its last token; the drafts' entries wait for verification
+            active = [seq for seq in active if len(seq.draft) > j + 1]
+
+    def _run(self, token_ids: list[int], spans: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+        tables = [seq.block_table for seq, _, _ in spans]
+        self.kv_cache.zero_new_blocks(tables)
+        lengths = [n for _, _, n in spans]
+        device = self.kv_cache.blocks.device
+        positions, meta = build_metadata([start for _, start, _ in spans], lengths, tables, self.block_size, device,
+                                         self.model.dtype)
+        ctx = StepContext(positions, meta, list(self.kv_cache.layers), lengths, None)
+        return self.model(torch.tensor(token_ids, device=device), ctx)
+
+
+def _state(seq: Sequence) -> DraftState:
+    assert seq.spec is not None
+    return seq.spec
