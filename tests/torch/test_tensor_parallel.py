@@ -46,6 +46,26 @@ def test_two_ranks_generate_what_one_does(kind: str, tmp_path: Path) -> None:
     assert _greedy(path, 2) == _greedy(path, 1)
 
 
+@pytest.mark.parametrize("kind", ["llama-cyclic", "qwen3_5-cyclic"])
+def test_two_ranks_verify_drafts_as_one_rank_decodes(kind: str, tmp_path: Path) -> None:
+    """ngram drafts verified on two ranks, in the hybrid with each rank committing its share of the accepted row's
+    state (named in the next step): the tokens of one rank decoding without drafts, with drafts accepted."""
+    from pocketllm.testing.protocol import LONG_PROMPT, PROMPTS
+
+    path = str(write_checkpoint(kind, tmp_path))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    results, accepted = {}, 0
+    for tp, spec in ((1, {}), (2, {"speculative_method": "ngram", "num_speculative_tokens": 4})):
+        llm = LLM(path, backend="torch", dtype="float32", tensor_parallel_size=tp, **spec)
+        try:
+            results[tp] = [out.outputs[0].token_ids for out in llm.generate([LONG_PROMPT, *PROMPTS], params)]
+            accepted = llm.stats().num_spec_accepted_tokens
+        finally:
+            llm.shutdown()
+    assert results[2] == results[1]
+    assert accepted > 0
+
+
 def _logprobs(llm: LLM, prompts: list[str], tokens: int) -> list[list[tuple[int, float, list[tuple[int, float]]]]]:
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=3))
     return [[(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in o.outputs[0].logprobs]

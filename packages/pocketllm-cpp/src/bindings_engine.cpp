@@ -27,6 +27,7 @@ using Mask = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::
 struct PyEngine {
     nb::object model_owner;
     std::unique_ptr<Engine> engine;
+    nb::object draft_owner;  // the draft model's tensors' owner, kept alive with the engine
 };
 
 void bind_sampling(nb::module_& m) {
@@ -68,7 +69,8 @@ void bind_outputs(nb::module_& m) {
         .def_rw("ngram_min", &SpeculativeConfig::ngram_min)
         .def_rw("ngram_max", &SpeculativeConfig::ngram_max)
         .def_rw("max_batch", &SpeculativeConfig::max_batch, "nobody drafts while more sequences than this run")
-        .def_rw("mtp", &SpeculativeConfig::mtp, "drafts from the model's multi-token-prediction head");
+        .def_rw("mtp", &SpeculativeConfig::mtp, "drafts from the model's multi-token-prediction head")
+        .def_rw("draft_model", &SpeculativeConfig::draft_model, "drafts from the engine's draft model");
     nb::class_<Delta>(m, "Delta", "What one step did for one request.")
         .def_ro("request_id", &Delta::request_id)
         .def_ro("tokens", &Delta::tokens, "its new tokens")
@@ -123,17 +125,21 @@ void pocketllm::bind_engine(nb::module_& m) {
             "__init__",
             [](PyEngine* self, nb::object model, int64_t max_num_seqs, int64_t max_num_batched_tokens,
                int64_t prefill_chunk_size, int64_t seed, bool prefix_caching, int64_t snapshot_bytes,
-               const SpeculativeConfig& speculative) {
+               const SpeculativeConfig& speculative, nb::object draft) {
                 if (!nb::isinstance<PyModel>(model)) throw nb::type_error("model must be a pocketllm_cpp._native.Model");
+                if (!draft.is_none() && !nb::isinstance<PyModel>(draft)) {
+                    throw nb::type_error("draft must be a pocketllm_cpp._native.Model or None");
+                }
                 PyModel& owner = nb::cast<PyModel&>(model);
+                std::shared_ptr<Model> drafting = draft.is_none() ? nullptr : nb::cast<PyModel&>(draft).model;
                 new (self) PyEngine{model, std::make_unique<Engine>(
                     owner.model, SchedulerConfig{max_num_seqs, max_num_batched_tokens, prefill_chunk_size,
                                                  static_cast<uint64_t>(seed), prefix_caching, snapshot_bytes},
-                    speculative)};
+                    speculative, std::move(drafting)), draft};
             },
             nb::arg("model"), nb::arg("max_num_seqs"), nb::arg("max_num_batched_tokens"),
             nb::arg("prefill_chunk_size"), nb::arg("seed"), nb::arg("prefix_caching") = false, nb::arg("snapshot_bytes") = 0,
-            nb::arg("speculative") = SpeculativeConfig{})
+            nb::arg("speculative") = SpeculativeConfig{}, nb::arg("draft").none() = nb::none())
         .def(
             "add_request",
             [](PyEngine& self, const std::string& id, std::vector<int32_t> prompt, const SamplingConfig& sampling,

@@ -6,10 +6,20 @@
 
 namespace pocketllm {
 
-Engine::Engine(std::shared_ptr<Model> model, SchedulerConfig config, SpeculativeConfig speculative)
-    : model_(std::move(model)), seeds_(config.seed), scheduler_(*model_, config), drafter_(speculative) {
+Engine::Engine(std::shared_ptr<Model> model, SchedulerConfig config, SpeculativeConfig speculative,
+               std::shared_ptr<Model> draft)
+    : model_(std::move(model)), draft_(std::move(draft)), seeds_(config.seed), scheduler_(*model_, config),
+      drafter_(speculative) {
     if (drafter_.uses_head() && !model_->has_mtp()) {
         throw std::invalid_argument("speculative decoding with mtp needs a model with a multi-token-prediction head");
+    }
+    if (drafter_.uses_draft_model() != static_cast<bool>(draft_)) {
+        throw std::invalid_argument("a draft model goes with speculative decoding's draft_model, and only with it");
+    }
+    if (draft_ && (draft_->vocab_size() != model_->vocab_size() || draft_->num_blocks() != model_->num_blocks() ||
+                   draft_->block_size() != model_->block_size() || draft_->num_state_slots() != 0)) {
+        throw std::invalid_argument("a draft model needs the model's vocabulary, KV blocks and block size, and no "
+                                    "state layers");
     }
 }
 
@@ -86,6 +96,7 @@ std::vector<Delta> Engine::step() {
     std::vector<float> pooled, hidden, logits;
     try {
         draft_with_head(batch);
+        draft_with_model(batch);
         slices = slices_of(batch, tokens);
         const std::vector<StateCapture> captures = captures_of(batch, slices);
         logits = model_->forward(tokens, slices, &pooled, &captures, &hidden);
@@ -99,6 +110,7 @@ std::vector<Delta> Engine::step() {
     std::vector<SeqPtr> done;
     std::vector<Delta> deltas = deltas_of(batch, slices, logits, pooled, done);
     catch_up_head(batch, slices, hidden, done);
+    catch_up_draft_model(batch, slices, done);
     scheduler_.computed(batch);
     commit_states(batch, slices);
     for (const SeqPtr& seq : done) scheduler_.finish(seq);
@@ -160,13 +172,7 @@ void Engine::draft_with_head(ScheduledBatch& batch) {
         std::vector<float> kept;
         for (size_t k = 0; k < active.size(); ++k) {
             const SeqPtr& seq = batch.seqs[active[k]];
-            // Drawn as verification row j draws: drafts 0..j-1 in the context, the noise of output index + j.
-            std::vector<int32_t> context = seq->tokens;
-            context.insert(context.end(), seq->draft.begin(), seq->draft.begin() + j);
-            std::vector<float> row(logits.begin() + static_cast<int64_t>(k) * vocab,
-                                   logits.begin() + static_cast<int64_t>(k + 1) * vocab);
-            Rng rng(draw_seed(seq->seed, seq->num_output() + j));
-            const int32_t token = sample(row, seq->sampling, context, seq->num_prompt, rng, nullptr, seq->allowed);
+            const int32_t token = draw_draft(*seq, &logits[k * static_cast<size_t>(vocab)], j);
             if (token < 0) {  // nothing to draw: the verification runs the drafts so far
                 batch.counts[active[k]] -= static_cast<int64_t>(seq->draft.size()) - j;
                 seq->draft.resize(static_cast<size_t>(j));
@@ -182,6 +188,65 @@ void Engine::draft_with_head(ScheduledBatch& batch) {
         active = std::move(going);
         hidden = std::move(kept);
     }
+}
+
+int32_t Engine::draw_draft(const Sequence& seq, const float* logits, int64_t j) const {
+    std::vector<int32_t> context = seq.tokens;
+    context.insert(context.end(), seq.draft.begin(), seq.draft.begin() + j);
+    std::vector<float> row(logits, logits + model_->vocab_size());
+    Rng rng(draw_seed(seq.seed, seq.num_output() + j));
+    return sample(row, seq.sampling, context, seq.num_prompt, rng, nullptr, seq.allowed);
+}
+
+void Engine::draft_with_model(ScheduledBatch& batch) {
+    if (!drafter_.uses_draft_model()) return;
+    std::vector<size_t> active;  // the batch's sequences with drafts to fill in
+    for (size_t i = 0; i < batch.seqs.size(); ++i) {
+        if (batch.seqs[i]->computed + batch.counts[i] > batch.seqs[i]->size()) active.push_back(i);
+    }
+    for (int64_t j = 0; !active.empty(); ++j) {  // its last token, then draft j - 1, one position further on
+        std::vector<int32_t> tokens;
+        std::vector<SequenceSlice> slices;
+        for (size_t i : active) {
+            Sequence& seq = *batch.seqs[i];
+            tokens.push_back(j == 0 ? seq.tokens.back() : seq.draft[static_cast<size_t>(j - 1)]);
+            slices.push_back({seq.size() - 1 + j, 1, seq.blocks, 1});
+            seq.spec.seen = seq.size();  // through its last token; the drafts' entries wait for the verification
+        }
+        const std::vector<float> logits = draft_->forward(tokens, slices);
+        std::vector<size_t> going;
+        for (size_t k = 0; k < active.size(); ++k) {
+            const SeqPtr& seq = batch.seqs[active[k]];
+            const int32_t token = draw_draft(*seq, &logits[k * static_cast<size_t>(model_->vocab_size())], j);
+            if (token < 0) {  // nothing to draw: the verification runs the drafts so far
+                batch.counts[active[k]] -= static_cast<int64_t>(seq->draft.size()) - j;
+                seq->draft.resize(static_cast<size_t>(j));
+                continue;
+            }
+            seq->draft[static_cast<size_t>(j)] = token;
+            if (static_cast<int64_t>(seq->draft.size()) > j + 1) going.push_back(active[k]);
+        }
+        active = std::move(going);
+    }
+}
+
+void Engine::catch_up_draft_model(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,
+                                  const std::vector<SeqPtr>& done) {
+    if (!drafter_.uses_draft_model()) return;
+    std::vector<int32_t> tokens;
+    std::vector<SequenceSlice> spans;
+    for (size_t i = 0; i < slices.size(); ++i) {
+        Sequence& seq = *batch.seqs[i];
+        const int64_t end = slices[i].start + batch.counts[i];  // its computed tokens once this step counts
+        if (!seq.spec.on || end <= seq.spec.seen ||
+            std::find(done.begin(), done.end(), batch.seqs[i]) != done.end()) {
+            continue;
+        }
+        tokens.insert(tokens.end(), seq.tokens.begin() + seq.spec.seen, seq.tokens.begin() + end);
+        spans.push_back({seq.spec.seen, end - seq.spec.seen, seq.blocks, 0});
+        seq.spec.seen = end;
+    }
+    if (!spans.empty()) draft_->forward(tokens, spans);
 }
 
 void Engine::catch_up_head(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,

@@ -202,6 +202,8 @@ void Scheduler::preempt(const SeqPtr& seq) {
     release(*seq);
     seq->computed = 0;
     seq->draft.clear();
+    seq->spec.head_state.clear();  // the MTP head drafts again once it has run over the recomputed tokens
+    seq->spec.seen = 0;            // and a draft model runs over them again
     waiting_.push_front(seq);
     ++preemptions_;
 }

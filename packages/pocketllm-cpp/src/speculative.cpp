@@ -37,15 +37,17 @@ std::vector<int32_t> Drafter::propose(const std::vector<int32_t>& tokens, DraftS
         return {};
     }
     const int64_t k = std::min(state.k, room);
-    if (config_.mtp) {  // room for the head's drafts, once it has run over the sequence
-        return state.head_state.empty() || k <= 0 ? std::vector<int32_t>{}
-                                                  : std::vector<int32_t>(static_cast<size_t>(k), kPendingDraft);
+    if (config_.mtp || config_.draft_model) {  // room for a model's drafts (the head's, once it ran over the sequence)
+        return (config_.mtp && state.head_state.empty()) || k <= 0
+                   ? std::vector<int32_t>{}
+                   : std::vector<int32_t>(static_cast<size_t>(k), kPendingDraft);
     }
     return ngram_draft(tokens, config_.ngram_min, config_.ngram_max, k);
 }
 
 void Drafter::verified(DraftState& state, int64_t drafted, int64_t accepted) {
     if (drafted == 0) return;
+    state.seen += std::min(accepted, drafted - 1);  // draft model: the accepted drafts it ran (all but the last)
     ++stats_.drafts;
     stats_.draft_tokens += drafted;
     stats_.accepted_tokens += accepted;

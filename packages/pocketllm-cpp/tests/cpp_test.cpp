@@ -127,13 +127,20 @@ static void speculative_tests() {
     CHECK(head_drafter.propose({1, 2, 3}, fresh, 8, 1).empty());
     fresh.head_state.assign(4, 0.5f);
     CHECK((head_drafter.propose({1, 2, 3}, fresh, 3, 1) == V(3, kPendingDraft)));
-    bool refused = false;
-    try {
-        Engine engine(std::make_shared<HashStateModel>(1, 64), SchedulerConfig{1, 64, 64, 1}, mtp);
-    } catch (const std::invalid_argument&) {
-        refused = true;
-    }
-    CHECK(refused);
+    const auto refused = [](SpeculativeConfig config, std::shared_ptr<Model> draft) {
+        try {
+            Engine engine(std::make_shared<HashStateModel>(1, 64), SchedulerConfig{1, 64, 64, 1}, config, draft);
+        } catch (const std::invalid_argument&) {
+            return true;
+        }
+        return false;
+    };
+    CHECK(refused(mtp, nullptr));
+    // A draft model goes with the method, and keeps no state (its blocks are the model's, its slots would not be).
+    const SpeculativeConfig with_draft{4, 1, 4, 8, false, true};
+    CHECK(refused(with_draft, nullptr));
+    CHECK(refused(with_draft, std::make_shared<HashStateModel>(1, 64)));
+    CHECK(refused(SpeculativeConfig{}, std::make_shared<HashStateModel>(1, 64)));
 }
 
 static void state_slot_tests() {

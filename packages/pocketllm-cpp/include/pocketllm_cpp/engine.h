@@ -36,7 +36,10 @@ struct EngineStats {
 
 class Engine {
 public:
-    Engine(std::shared_ptr<Model> model, SchedulerConfig config, SpeculativeConfig speculative = {});
+    // `draft`: the draft model of SpeculativeConfig::draft_model, with the model's vocabulary and KV blocks (the
+    // same block tables index both pools) and no state layers; std::invalid_argument otherwise.
+    Engine(std::shared_ptr<Model> model, SchedulerConfig config, SpeculativeConfig speculative = {},
+           std::shared_ptr<Model> draft = nullptr);
 
     // Queues a request; throws std::invalid_argument for an id in use or a prompt the pool can never hold.
     // `drafts`: whether speculative decoding may draft for it (not for a grammar's: its mask follows each token).
@@ -66,6 +69,14 @@ private:
     // it, so that its keys and values cover their computed tokens and its output at the last is where they draft.
     void catch_up_head(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,
                        const std::vector<float>& hidden, const std::vector<SeqPtr>& done);
+    // The same with the draft model: run on each sequence's last token, then on each draft; after sampling, over
+    // the computed tokens it has not seen (prompt chunks as they run, a cached prefix once).
+    void draft_with_model(ScheduledBatch& batch);
+    void catch_up_draft_model(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,
+                              const std::vector<SeqPtr>& done);
+    // Draft j of a sequence from its drafting model's logits row, drawn as verification row j will draw (drafts
+    // 0..j-1 in the context, the noise of output index + j); < 0 where nothing may be drawn.
+    int32_t draw_draft(const Sequence& seq, const float* logits, int64_t j) const;
     // The model's slices for a step's batch, their new tokens (and drafts) appended to `tokens`.
     std::vector<SequenceSlice> slices_of(const ScheduledBatch& batch, std::vector<int32_t>& tokens) const;
     // The captures the forward pass takes: the batch's snapshots, and for a model with state layers the state
@@ -85,6 +96,7 @@ private:
     bool pool_chunk(const SeqPtr& seq, int64_t start, int64_t end, const float* part, Delta& delta);
 
     std::shared_ptr<Model> model_;
+    std::shared_ptr<Model> draft_;  // speculative decoding's draft model, if it drafts
     Rng seeds_;
     Scheduler scheduler_;
     Drafter drafter_;

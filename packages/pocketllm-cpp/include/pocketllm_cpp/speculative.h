@@ -17,9 +17,11 @@ struct SpeculativeConfig {
     int64_t num_tokens = 0;  // most tokens drafted per sequence and step; 0: no drafting
     int64_t ngram_min = 1, ngram_max = 4;
     int64_t max_batch = 0;  // nobody drafts while more sequences than this run
-    // Drafts come from the model's multi-token-prediction head (Model::mtp_forward), not from the sequence: the
-    // scheduler holds room for them (kPendingDraft), and the engine fills them in before the forward pass.
+    // Drafts come from the model's multi-token-prediction head (Model::mtp_forward), or from a draft model (the
+    // Engine's), not from the sequence: the scheduler holds room for them (kPendingDraft), and the engine fills
+    // them in before the forward pass.
     bool mtp = false;
+    bool draft_model = false;
 };
 constexpr int32_t kPendingDraft = -1;
 
@@ -38,6 +40,8 @@ struct DraftState {
     // mtp: the head's output at the sequence's last computed position, where its next drafts start (empty: none
     // yet, so it does not draft).
     std::vector<float> head_state{};
+    // draft model: positions whose keys and values it holds (past them, drafts it ran that were rejected)
+    int64_t seen = 0;
 };
 constexpr int64_t kMaxPause = 64;
 
@@ -51,7 +55,8 @@ public:
     explicit Drafter(const SpeculativeConfig& config);
     bool enabled() const { return config_.num_tokens > 0; }
     bool uses_head() const { return enabled() && config_.mtp; }
-    DraftState start() const { return {enabled(), config_.num_tokens, 0, 0, {}}; }
+    bool uses_draft_model() const { return enabled() && config_.draft_model; }
+    DraftState start() const { return {enabled(), config_.num_tokens, 0, 0, {}, 0}; }
     // Up to `room` drafts for a sequence whose next step decodes, given how many sequences run.
     std::vector<int32_t> propose(const std::vector<int32_t>& tokens, DraftState& state, int64_t room,
                                  int64_t running) const;

@@ -182,6 +182,7 @@ class SpeculativeConfig:
     ngram_max: int
     max_batch: int  # nobody drafts while more sequences than this run
     mtp: bool  # drafts from the model's multi-token-prediction head
+    draft_model: bool  # drafts from the engine's draft model
     def __init__(self) -> None: ...
 
 class SpeculativeStats:
@@ -226,7 +227,7 @@ class Engine:
     """Scheduler, KV block pool, state slots and sampler over a Model; one thread calls it."""
     def __init__(self, model: Model, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk_size: int,
                  seed: int, prefix_caching: bool = False, snapshot_bytes: int = 0,
-                 speculative: SpeculativeConfig = ...) -> None: ...
+                 speculative: SpeculativeConfig = ..., draft: Model | None = None) -> None: ...
     def add_request(self, request_id: str, prompt: list[int], sampling: SamplingConfig,
                     drafts: bool = True) -> None: ...
     def add_embedding_request(self, request_id: str, prompt: list[int], pooling: Pooling, normalize: bool) -> None: ...

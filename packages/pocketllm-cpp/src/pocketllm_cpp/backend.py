@@ -17,7 +17,8 @@ from pocketllm.backend import (
     SampledLogprobs,
     TokenLogprob,
 )
-from pocketllm.errors import CheckpointError, ConfigError
+from pocketllm.checkpoint import load_checkpoint
+from pocketllm.errors import CheckpointError, ConfigError, UnsupportedOptionError
 from pocketllm.kv_budget import KVBudget, bytes_per_block, snapshot_capacity
 from pocketllm.limits import MAX_THREADS
 from pocketllm.pooling import POOLING_TYPES
@@ -68,7 +69,7 @@ class CppBackend:
             prefix_caching=True,
             structured_outputs=True,
             pooling_types=POOLING_TYPES,
-            speculative_methods=("ngram", "mtp"),
+            speculative_methods=("ngram", "mtp", "draft_model"),
             devices=("cpu",),
             dtypes=("float32",),
             kv_cache_dtypes=("auto", *KV_CACHE_DTYPES),
@@ -84,7 +85,7 @@ class CppEngine:
 
     def __init__(self, args: EngineArgs, checkpoint: Checkpoint, options: CppOptions) -> None:
         from pocketllm_cpp import _native
-        from pocketllm_cpp.model import build_model, num_attention_layers, state_slot_bytes
+        from pocketllm_cpp.model import HYBRID, build_model, num_attention_layers, state_slot_bytes
 
         # The core has checked every option against this backend's Capabilities, options' types and ranges too.
         assert args.max_model_len is not None  # resolved by the core
@@ -102,9 +103,15 @@ class CppEngine:
         if snapshot_bytes:
             snapshot_capacity(snapshot_bytes, state_bytes, option="state_snapshot_mb")
         mtp = args.speculative_method == "mtp"
-        per_block = bytes_per_block(num_layers=num_attention_layers(checkpoint, mtp),
-                                    num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                                    itemsize=KV_CACHE_DTYPES[kv_dtype], block_size=block_size)
+        # A draft model's KV pool has as many blocks, indexed by the same block tables (the core checked the file).
+        draft = load_checkpoint(args.draft_model) if args.draft_model is not None else None
+        if draft is not None and draft.config.architecture in HYBRID:
+            raise UnsupportedOptionError("draft_model", NAME, f"a draft model of {draft.config.architecture!r} keeps "
+                                         "state layers, which drafting does not run yet")
+        per_block = sum(bytes_per_block(num_layers=num_attention_layers(c, mtp and c is checkpoint),
+                                        num_kv_heads=c.config.num_key_value_heads, head_dim=c.config.head_dim,
+                                        itemsize=KV_CACHE_DTYPES[kv_dtype], block_size=block_size)
+                        for c in (checkpoint, draft) if c is not None)
         num_blocks = KVBudget(block_size=block_size, bytes_per_block=per_block, max_model_len=args.max_model_len,
                               max_num_seqs=args.max_num_seqs, memory_bytes=int(physical * KV_MEMORY_FRACTION),
                               device_bytes=physical, state_slot_bytes=state_bytes, snapshot_bytes=snapshot_bytes,
@@ -121,17 +128,21 @@ class CppEngine:
         self.model = build_model(checkpoint, num_blocks=num_blocks, block_size=block_size, num_threads=threads,
                                  exact_activations=options.exact_activations, kv_cache_dtype=kv_dtype,
                                  num_state_slots=args.max_num_seqs, mtp=mtp)
+        drafting = None if draft is None else build_model(
+            draft, num_blocks=num_blocks, block_size=block_size, num_threads=threads,
+            exact_activations=options.exact_activations, kv_cache_dtype=kv_dtype)
         speculative = _native.SpeculativeConfig()
         if args.speculative_method is not None:
             speculative.num_tokens, speculative.mtp = args.num_speculative_tokens, mtp
-            if not mtp:
+            speculative.draft_model = drafting is not None
+            if args.speculative_method == "ngram":
                 assert args.ngram_min is not None and args.ngram_max is not None
                 speculative.ngram_min, speculative.ngram_max = args.ngram_min, args.ngram_max
             speculative.max_batch = (SPECULATIVE_MAX_BATCH if args.speculative_disable_by_batch_size is None
                                      else args.speculative_disable_by_batch_size)
         self.engine = _native.Engine(self.model, args.max_num_seqs, args.max_num_batched_tokens,
                                      args.prefill_chunk_size, args.seed, args.enable_prefix_caching, snapshot_bytes,
-                                     speculative)
+                                     speculative, drafting)
         self.vocab_size = config.vocab_size
         # The module, loaded here once (importing this file must not need it: `pocketllm backends` lists a
         # backend whose native library is missing), and its finish reasons in the core's words.

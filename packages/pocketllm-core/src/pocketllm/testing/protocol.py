@@ -523,7 +523,10 @@ class ProtocolConformance(CheckpointKit):
         value = _unsupported_value(caps, option)
         if value is None:
             pytest.skip(f"{self.backend} supports every value of {option} this test tries")
-        overrides = {option: value, **({"num_speculative_tokens": 2} if option == "speculative_method" else {})}
+        overrides = {option: value}
+        if option == "speculative_method":  # the method's own settings, so that the method alone is refused
+            overrides |= {"num_speculative_tokens": 2, **({"draft_model": str(model_path)} if value == "draft_model"
+                                                         else {})}
         with pytest.raises(UnsupportedOptionError) as err:
             self.make_llm(model_path, **overrides).shutdown()
         assert err.value.option.startswith(option) and err.value.backend == self.backend
@@ -570,7 +573,7 @@ def _unsupported_value(caps: Capabilities, option: str) -> Any:
     if option == "tensor_parallel_size":
         return None if caps.tensor_parallel else 2
     if option == "speculative_method":
-        return next((m for m in ("ngram", "mtp") if m not in caps.speculative_methods), None)
+        return next((m for m in ("ngram", "mtp", "draft_model") if m not in caps.speculative_methods), None)
     if option == "backend_options":
         return {"no_such_knob_in_any_backend": 1}
     if option == "enable_prefix_caching":
