@@ -61,10 +61,12 @@ def test_a_draft_model_s_drafts_are_accepted_and_change_no_token(pair: tuple[Pat
 
 
 @pytest.mark.parametrize("kwargs", [{"backend_options": {"num_kv_blocks": 24}, "max_model_len": 384},
-                                    {"enable_prefix_caching": True}], ids=["preempted", "prefix-cached"])
+                                    {"enable_prefix_caching": True, "prefill_chunk_size": 64}],
+                         ids=["preempted", "prefix-cached"])
 def test_preemption_and_prefix_caching_change_nothing(pair: tuple[Path, Path], kwargs: dict[str, object],
                                                      backend: str) -> None:
-    """Preempted sequences recompute both models' caches; cached prefixes are run by the draft model again."""
+    """Preempted sequences recompute both models' caches; cached prefixes are run by the draft model again, a
+    prompt chunk at a time."""
     target, draft = pair
     plain = make(target, backend, max_model_len=384)
     expected = outputs(plain) + outputs(plain)

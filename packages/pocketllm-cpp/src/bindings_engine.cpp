@@ -25,9 +25,9 @@ using Mask = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::
 
 // An engine and the model it runs (whose Python object keeps the weights' arrays alive).
 struct PyEngine {
-    nb::object model_owner;
+    nb::object model_owner;  // the models' tensors' owners: destroyed after the engine that reads them
+    nb::object draft_owner;
     std::unique_ptr<Engine> engine;
-    nb::object draft_owner;  // the draft model's tensors' owner, kept alive with the engine
 };
 
 void bind_sampling(nb::module_& m) {
@@ -132,10 +132,10 @@ void pocketllm::bind_engine(nb::module_& m) {
                 }
                 PyModel& owner = nb::cast<PyModel&>(model);
                 std::shared_ptr<Model> drafting = draft.is_none() ? nullptr : nb::cast<PyModel&>(draft).model;
-                new (self) PyEngine{model, std::make_unique<Engine>(
+                new (self) PyEngine{model, draft, std::make_unique<Engine>(
                     owner.model, SchedulerConfig{max_num_seqs, max_num_batched_tokens, prefill_chunk_size,
                                                  static_cast<uint64_t>(seed), prefix_caching, snapshot_bytes},
-                    speculative, std::move(drafting)), draft};
+                    speculative, std::move(drafting))};
             },
             nb::arg("model"), nb::arg("max_num_seqs"), nb::arg("max_num_batched_tokens"),
             nb::arg("prefill_chunk_size"), nb::arg("seed"), nb::arg("prefix_caching") = false, nb::arg("snapshot_bytes") = 0,

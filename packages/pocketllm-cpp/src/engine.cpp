@@ -138,7 +138,9 @@ std::vector<SequenceSlice> Engine::slices_of(const ScheduledBatch& batch, std::v
         tokens.insert(tokens.end(), seq.draft.begin(), seq.draft.begin() + drafted);
         const bool samples = seq.computed + own == seq.size() && seq.pool == Pooling::None;
         slices.push_back({seq.computed, batch.counts[i], seq.blocks, samples ? 1 + drafted : 0, seq.pool,
-                          seq.state_slot, static_cast<int64_t>(seq.num_prompt), drafter_.uses_head() && seq.spec.on});
+                          seq.state_slot, static_cast<int64_t>(seq.num_prompt),
+                          // the head runs over every generation's rows: its blocks may be reused by one that drafts
+                          drafter_.uses_head() && seq.pool == Pooling::None});
     }
     return slices;
 }
@@ -233,20 +235,26 @@ void Engine::draft_with_model(ScheduledBatch& batch) {
 void Engine::catch_up_draft_model(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,
                                   const std::vector<SeqPtr>& done) {
     if (!drafter_.uses_draft_model()) return;
-    std::vector<int32_t> tokens;
-    std::vector<SequenceSlice> spans;
-    for (size_t i = 0; i < slices.size(); ++i) {
-        Sequence& seq = *batch.seqs[i];
-        const int64_t end = slices[i].start + batch.counts[i];  // its computed tokens once this step counts
-        if (!seq.spec.on || end <= seq.spec.seen ||
-            std::find(done.begin(), done.end(), batch.seqs[i]) != done.end()) {
-            continue;
+    // A chunk at a time, as the model's prefill runs (a cached prefix is the draft model's to run the first time).
+    const int64_t chunk = scheduler_.config().prefill_chunk_size;
+    for (bool more = true; more;) {
+        std::vector<int32_t> tokens;
+        std::vector<SequenceSlice> spans;
+        for (size_t i = 0; i < slices.size(); ++i) {
+            Sequence& seq = *batch.seqs[i];
+            const int64_t end = slices[i].start + batch.counts[i];  // its computed tokens once this step counts
+            if (!seq.spec.on || end <= seq.spec.seen ||
+                std::find(done.begin(), done.end(), batch.seqs[i]) != done.end()) {
+                continue;
+            }
+            const int64_t n = std::min(end - seq.spec.seen, chunk);
+            tokens.insert(tokens.end(), seq.tokens.begin() + seq.spec.seen, seq.tokens.begin() + seq.spec.seen + n);
+            spans.push_back({seq.spec.seen, n, seq.blocks, 0});
+            seq.spec.seen += n;
         }
-        tokens.insert(tokens.end(), seq.tokens.begin() + seq.spec.seen, seq.tokens.begin() + end);
-        spans.push_back({seq.spec.seen, end - seq.spec.seen, seq.blocks, 0});
-        seq.spec.seen = end;
+        more = !spans.empty();
+        if (more) draft_->forward(tokens, spans);
     }
-    if (!spans.empty()) draft_->forward(tokens, spans);
 }
 
 void Engine::catch_up_head(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,
@@ -278,8 +286,10 @@ void Engine::catch_up_head(const ScheduledBatch& batch, const std::vector<Sequen
     size_t end = 0;
     for (size_t k = 0; k < spans.size(); ++k) {
         end += static_cast<size_t>(spans[k].num_tokens) * width;
-        whose[k]->spec.head_state.assign(out.begin() + static_cast<int64_t>(end - width),
-                                         out.begin() + static_cast<int64_t>(end));
+        if (whose[k]->spec.on) {
+            whose[k]->spec.head_state.assign(out.begin() + static_cast<int64_t>(end - width),
+                                             out.begin() + static_cast<int64_t>(end));
+        }
     }
 }
 

@@ -62,6 +62,7 @@ public:
     int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
     int64_t preemptions() const { return preemptions_; }
     const BlockManager& blocks() const { return blocks_; }
+    const SchedulerConfig& config() const { return config_; }
     const StateSnapshots& snapshots() const { return snapshots_; }
 
 private:

@@ -47,36 +47,44 @@ def open_draft_model(config: TorchConfig) -> Checkpoint:
 
 
 class ModelDrafter:
-    def __init__(self, config: TorchConfig, checkpoint: Checkpoint, num_blocks: int, *, int4: bool, int8: bool) -> None:
+    """The draft model, loaded with the target's weights (so that a GPU's KV budget is what both left free), and
+    its cache, allocated once the target's block count is known (``allocate``)."""
+
+    def __init__(self, config: TorchConfig, checkpoint: Checkpoint, *, int4: bool, int8: bool) -> None:
         model_config = checkpoint.config
         weights = ((t.name, groups.load(t, int4=int4, int8=int8)) for t in checkpoint.tensors())
         self.model = model_class(model_config.architecture).from_weights(model_config, weights, config.device,
                                                                          config.dtype, config.max_model_len)
-        specs = self.model.cache_specs
-        if not all(isinstance(s, AttentionSpec) for s in specs):
+        self.specs = self.model.cache_specs
+        if not all(isinstance(s, AttentionSpec) for s in self.specs):
             raise UnsupportedOptionError("draft_model", NAME, f"a draft model of {model_config.architecture!r} keeps "
                                          "state layers, which drafting does not run yet")
+        self.config = config
         self.block_size = config.block_size
-        self.kv_cache = KVCache(len(specs), num_blocks, config.block_size, specs[0].num_kv_heads, specs[0].head_dim,
-                                config.kv_cache_dtype, config.device)
+        self.chunk = config.prefill_chunk_size  # catch-up runs as the target's prefill does, a chunk at a time
+        self.kv_cache: KVCache | None = None
 
-    @staticmethod
-    def bytes_per_block(config: TorchConfig, checkpoint: Checkpoint) -> int:
+    @property
+    def bytes_per_block(self) -> int:
         """What one block of the draft model's cache holds."""
-        m = checkpoint.config
-        return bytes_per_block(num_layers=m.num_hidden_layers, num_kv_heads=m.num_key_value_heads,
-                               head_dim=m.head_dim, itemsize=config.kv_cache_dtype.itemsize,
-                               block_size=config.block_size)
+        spec = self.specs[0]
+        return bytes_per_block(num_layers=len(self.specs), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                               itemsize=self.config.kv_cache_dtype.itemsize, block_size=self.block_size)
+
+    def allocate(self, num_blocks: int) -> None:
+        spec = self.specs[0]
+        self.kv_cache = KVCache(len(self.specs), num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+                                self.config.kv_cache_dtype, self.config.device)
 
     @torch.inference_mode()
     def catch_up(self, ends: list[tuple[Sequence, int]]) -> None:
         """After a step: the draft model over each ``(sequence, its computed tokens now)``'s tokens it has not seen,
-        chunk by chunk as the target computes them (a whole cached prefix at once, the first time)."""
-        spans = [(seq, _state(seq).seen, end - _state(seq).seen) for seq, end in ends if end > _state(seq).seen]
-        if spans:
+        as the target computes them (a cached prefix the first time, prefill_chunk_size tokens at a time)."""
+        while spans := [(seq, _state(seq).seen, min(end - _state(seq).seen, self.chunk)) for seq, end in ends
+                        if end > _state(seq).seen]:
             self._run([t for seq, start, n in spans for t in seq.token_ids[start:start + n]], spans)
-        for seq, end in ends:
-            _state(seq).seen = max(_state(seq).seen, end)
+            for seq, start, n in spans:
+                _state(seq).seen = start + n
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence]) -> None:
@@ -95,6 +103,7 @@ class ModelDrafter:
             active = [seq for seq in active if len(seq.draft) > j + 1]
 
     def _run(self, token_ids: list[int], spans: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+        assert self.kv_cache is not None  # allocated with the target's
         tables = [seq.block_table for seq, _, _ in spans]
         self.kv_cache.zero_new_blocks(tables)
         lengths = [n for _, _, n in spans]

@@ -40,9 +40,14 @@ _EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
 
 
 def join_group(args: EngineArgs, config: TorchConfig, options: TorchOptions) -> Group | None:
-    """This rank's tensor-parallel group (None at tensor_parallel_size 1)."""
+    """This rank's tensor-parallel group (None at tensor_parallel_size 1), on every rank alike; what tensor
+    parallelism does not run is refused before any rank waits for the others."""
     if args.tensor_parallel_size == 1:
         return None
+    if args.speculative_method in ("mtp", "draft_model"):
+        raise UnsupportedOptionError("speculative_method", NAME, f"{args.speculative_method!r} with "
+                                     "tensor_parallel_size > 1 is not implemented: the drafting model is not "
+                                     "split across ranks")
     return Group(config.device, threads_chosen=options.num_threads is not None)
 
 
@@ -62,10 +67,6 @@ def serve_as_worker(args: EngineArgs, checkpoint: Checkpoint, options: TorchOpti
 
 class TorchEngine:
     def __init__(self, args: EngineArgs, checkpoint: Checkpoint, options: TorchOptions) -> None:
-        if args.speculative_method in ("mtp", "draft_model") and args.tensor_parallel_size > 1:
-            raise UnsupportedOptionError("speculative_method", NAME, f"{args.speculative_method!r} with "
-                                         "tensor_parallel_size > 1 is not implemented: the drafting model is not "
-                                         "split across ranks")
         self.config = TorchConfig.from_args(args, checkpoint.config, options)
         self.tp = join_group(args, self.config, options)
         try:

@@ -72,10 +72,11 @@ class ModelRunner:
         # The snapshots' budget is memory they may come to hold: it is not the KV cache's to take.
         snapshot_bytes = config.state_snapshot_bytes if states and config.enable_prefix_caching else 0
         # A draft model's cache has as many blocks as the target's: the same block tables index both.
-        draft = open_draft_model(config) if config.speculative_method == "draft_model" else None
+        draft = (ModelDrafter(config, open_draft_model(config), int4=int4, int8=int8)
+                 if config.speculative_method == "draft_model" else None)
         self.num_kv_blocks = config.resolve_num_kv_blocks(
             len(attention), state_bytes, snapshot_bytes, ranks_here=tp.local_world_size if tp else 1,
-            draft_bytes_per_block=ModelDrafter.bytes_per_block(config, draft) if draft is not None else 0)
+            draft_bytes_per_block=draft.bytes_per_block if draft is not None else 0)
         if tp is not None:  # every rank holds the same blocks: as many as the tightest rank can
             self.num_kv_blocks = tp.min(self.num_kv_blocks)
         # One spare block up front is the null block that padding reads.
@@ -90,7 +91,8 @@ class ModelRunner:
         if head is not None:
             self.drafter = MTPDrafter(head, self.kv_cache, self.block_size)
         elif draft is not None:
-            self.drafter = ModelDrafter(config, draft, self.num_kv_blocks + 1, int4=int4, int8=int8)
+            draft.allocate(self.num_kv_blocks + 1)
+            self.drafter = draft
         # MTP: the last step's final hidden states, and where each sequence's rows began and how many ran.
         self._hidden: torch.Tensor | None = None
         self._ran: list[tuple[int, int]] = []
@@ -230,9 +232,11 @@ class ModelRunner:
                                    if seq.spec is not None and seq not in done])
         if not isinstance(self.drafter, MTPDrafter) or self._hidden is None:
             return
+        # Every generating sequence, drafting or not (a grammar's): the head's keys and values of the blocks it
+        # files in the prefix cache are then there for the requests that reuse them.
         kept, first = [], 0
         for seq, (start, ran), n in zip(batch.seqs, self._ran, batch.num_new_tokens, strict=True):
-            if seq.spec is not None and seq not in done:
+            if seq.pooling is None and seq not in done:
                 kept.append((seq, start, self._hidden[first:first + n]))
             first += ran
         self._hidden = None

@@ -3,7 +3,8 @@ model runner.
 
 After each step, ``catch_up`` runs the head over every row the target kept, each paired with the token after it
 (the next prompt token, or the one the step emitted there), so that the head's keys and values cover every
-computed position and its output at a sequence's last one is where the sequence's next drafts start. Before a
+computed position and its output at a sequence's last one is where the sequence's next drafts start. It runs for
+sequences that do not draft too (a grammar's), whose blocks other requests may reuse from the prefix cache. Before a
 verification, ``draft`` fills the drafts the scheduler made room for: draft 0 from that output, draft j from the
 head run again on its output j - 1 and draft j - 1, one position further on. Those runs write the head's keys and
 values past the computed tokens, into blocks the verification holds; the next catch-up rewrites each such
@@ -56,8 +57,8 @@ class MTPDrafter:
         last = 0
         for seq, _, rows in kept:
             last += len(rows)
-            assert seq.spec is not None
-            seq.spec.hidden = out[last - 1]
+            if seq.spec is not None:  # it drafts
+                seq.spec.hidden = out[last - 1]
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence]) -> None:
