@@ -90,7 +90,7 @@ def test_a_draft_model_that_cannot_draft_is_refused(pair: tuple[Path, Path], poc
             drafting(target, draft, backend, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match=r"draft_model.*vocabulary"):
         drafting(target, _other_vocabulary(draft, tmp_path), backend)
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match=r"draft_model: .*missing"):
         drafting(target, tmp_path / "missing", backend)
 
 

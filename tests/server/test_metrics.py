@@ -129,9 +129,12 @@ def test_the_grammar_cache_is_counted_in_bytes_and_entries(torch_server) -> None
     assert value(after, "pocketllm:grammar_cache_capacity_bytes") == 64 << 20
 
 
-def test_a_server_with_ngram_drafts_counts_them_and_answers_as_without(tmp_path, serve_app) -> None:
-    """`--speculative-method ngram` on the cpp backend, through the OpenAI client: the same completion as a server
-    without drafts, and /metrics counting the drafts and the accepted tokens per position."""
+@pytest.mark.parametrize(("kind", "method"), [("llama-cyclic", "ngram"), ("qwen3_5-cyclic-mtp", "mtp")])
+def test_a_server_with_drafts_counts_them_and_answers_as_without(tmp_path, serve_app, kind: str,
+                                                                  method: str) -> None:
+    """`--speculative-method ngram` (or `mtp`, the checkpoint's head) on the cpp backend, through the OpenAI
+    client: the same completion as a server without drafts, and /metrics counting the drafts and the accepted
+    tokens per position."""
     pytest.importorskip("pocketllm_cpp._native")
     import openai
 
@@ -139,9 +142,9 @@ def test_a_server_with_ngram_drafts_counts_them_and_answers_as_without(tmp_path,
     from pocketllm.testing.checkpoints import write_checkpoint
     from pocketllm_server import create_app
 
-    model = str(write_checkpoint("llama-cyclic", tmp_path))
+    model = str(write_checkpoint(kind, tmp_path))
     answers, samples = [], []
-    for spec in ({}, {"speculative_method": "ngram", "num_speculative_tokens": 4}):
+    for spec in ({}, {"speculative_method": method, "num_speculative_tokens": 4}):
         args = EngineArgs(model=model, backend="cpp", **spec)
         llm = AsyncLLM(engine_args=args)
         try:

@@ -11,7 +11,7 @@ import msgspec
 
 from pocketllm import backend_options
 from pocketllm.checkpoint import load_checkpoint
-from pocketllm.errors import ConfigError, PromptTooLongError, UnsupportedOptionError
+from pocketllm.errors import CheckpointError, ConfigError, PromptTooLongError, UnsupportedOptionError
 from pocketllm.pooling import POOLING_TYPES
 
 if TYPE_CHECKING:
@@ -144,7 +144,10 @@ def _check_draft_model(args: EngineArgs, checkpoint: Checkpoint, caps: Capabilit
     """``speculative_method="draft_model"``: a checkpoint the backend serves, whose tokens are the target's (the same
     vocabulary size: its ids are verified as the target's)."""
     assert args.draft_model is not None  # EngineArgs checks it is given
-    draft = load_checkpoint(args.draft_model)
+    try:
+        draft = load_checkpoint(args.draft_model)
+    except CheckpointError as e:  # said as the draft model's, not the model's
+        raise CheckpointError(f"draft_model: {e}") from None
     if draft.config.vocab_size != checkpoint.config.vocab_size:
         raise ConfigError("draft_model", f"{args.draft_model} has a vocabulary of {draft.config.vocab_size} tokens, "
                                          f"the model {checkpoint.config.vocab_size}: a draft model shares the model's")
