@@ -145,81 +145,18 @@ std::vector<SequenceSlice> Engine::slices_of(const ScheduledBatch& batch, std::v
     return slices;
 }
 
-void Engine::draft_with_head(ScheduledBatch& batch) {
-    if (!drafter_.uses_head()) return;
-    std::vector<size_t> active;  // the batch's sequences with drafts to fill in
-    std::vector<float> hidden;
-    for (size_t i = 0; i < batch.seqs.size(); ++i) {
-        const Sequence& seq = *batch.seqs[i];
-        if (seq.computed + batch.counts[i] > seq.size()) {
-            active.push_back(i);
-            hidden.insert(hidden.end(), seq.spec.head_state.begin(), seq.spec.head_state.end());
-        }
-    }
-    const int64_t vocab = model_->vocab_size(), width = model_->hidden_size();
-    for (int64_t j = 0; !active.empty(); ++j) {
-        if (j > 0) {  // the head on its own output and draft j - 1, one position after where it last ran
-            std::vector<int32_t> tokens;
-            std::vector<SequenceSlice> slices;
-            for (size_t i : active) {
-                const Sequence& seq = *batch.seqs[i];
-                tokens.push_back(seq.draft[static_cast<size_t>(j - 1)]);
-                slices.push_back({seq.computed - 1 + j, 1, seq.blocks, 0, Pooling::None, seq.state_slot,
-                                  static_cast<int64_t>(seq.num_prompt)});
-            }
-            hidden = model_->mtp_forward(tokens, hidden, slices);
-        }
-        const std::vector<float> logits = model_->mtp_logits(hidden);
-        std::vector<size_t> going;
-        std::vector<float> kept;
-        for (size_t k = 0; k < active.size(); ++k) {
-            const SeqPtr& seq = batch.seqs[active[k]];
-            const int32_t token = draw_draft(*seq, &logits[k * static_cast<size_t>(vocab)], j);
-            if (token < 0) {  // nothing to draw: the verification runs the drafts so far
-                batch.counts[active[k]] -= static_cast<int64_t>(seq->draft.size()) - j;
-                seq->draft.resize(static_cast<size_t>(j));
-                continue;
-            }
-            seq->draft[static_cast<size_t>(j)] = token;
-            if (static_cast<int64_t>(seq->draft.size()) > j + 1) {
-                going.push_back(active[k]);
-                kept.insert(kept.end(), hidden.begin() + static_cast<int64_t>(k) * width,
-                            hidden.begin() + static_cast<int64_t>(k + 1) * width);
-            }
-        }
-        active = std::move(going);
-        hidden = std::move(kept);
-    }
-}
-
-int32_t Engine::draw_draft(const Sequence& seq, const float* logits, int64_t j) const {
-    std::vector<int32_t> context = seq.tokens;
-    context.insert(context.end(), seq.draft.begin(), seq.draft.begin() + j);
-    std::vector<float> row(logits, logits + model_->vocab_size());
-    Rng rng(draw_seed(seq.seed, seq.num_output() + j));
-    return sample(row, seq.sampling, context, seq.num_prompt, rng, nullptr, seq.allowed);
-}
-
-void Engine::draft_with_model(ScheduledBatch& batch) {
-    if (!drafter_.uses_draft_model()) return;
+void Engine::fill_drafts(ScheduledBatch& batch, const DraftLogits& logits_of) {
     std::vector<size_t> active;  // the batch's sequences with drafts to fill in
     for (size_t i = 0; i < batch.seqs.size(); ++i) {
         if (batch.seqs[i]->computed + batch.counts[i] > batch.seqs[i]->size()) active.push_back(i);
     }
-    for (int64_t j = 0; !active.empty(); ++j) {  // its last token, then draft j - 1, one position further on
-        std::vector<int32_t> tokens;
-        std::vector<SequenceSlice> slices;
-        for (size_t i : active) {
-            Sequence& seq = *batch.seqs[i];
-            tokens.push_back(j == 0 ? seq.tokens.back() : seq.draft[static_cast<size_t>(j - 1)]);
-            slices.push_back({seq.size() - 1 + j, 1, seq.blocks, 1});
-            seq.spec.seen = seq.size();  // through its last token; the drafts' entries wait for the verification
-        }
-        const std::vector<float> logits = draft_->forward(tokens, slices);
+    const size_t vocab = static_cast<size_t>(model_->vocab_size());
+    for (int64_t j = 0; !active.empty(); ++j) {
+        const std::vector<float> logits = logits_of(j, active);
         std::vector<size_t> going;
         for (size_t k = 0; k < active.size(); ++k) {
             const SeqPtr& seq = batch.seqs[active[k]];
-            const int32_t token = draw_draft(*seq, &logits[k * static_cast<size_t>(model_->vocab_size())], j);
+            const int32_t token = draw_draft(*seq, &logits[k * vocab], j);
             if (token < 0) {  // nothing to draw: the verification runs the drafts so far
                 batch.counts[active[k]] -= static_cast<int64_t>(seq->draft.size()) - j;
                 seq->draft.resize(static_cast<size_t>(j));
@@ -230,6 +167,60 @@ void Engine::draft_with_model(ScheduledBatch& batch) {
         }
         active = std::move(going);
     }
+}
+
+void Engine::draft_with_head(ScheduledBatch& batch) {
+    if (!drafter_.uses_head()) return;
+    const size_t width = static_cast<size_t>(model_->hidden_size());
+    std::vector<size_t> last;  // the sequences of the head's last run, whose outputs `hidden` holds
+    std::vector<float> hidden;
+    fill_drafts(batch, [&](int64_t j, const std::vector<size_t>& active) {
+        if (j == 0) {  // the head's output at each sequence's last computed position
+            for (size_t i : active) {
+                const std::vector<float>& state = batch.seqs[i]->spec.head_state;
+                hidden.insert(hidden.end(), state.begin(), state.end());
+            }
+        } else {  // the head on its own output and draft j - 1, one position after where it last ran
+            std::vector<int32_t> tokens;
+            std::vector<float> rows;
+            std::vector<SequenceSlice> slices;
+            for (size_t i : active) {
+                const Sequence& seq = *batch.seqs[i];
+                const size_t k = static_cast<size_t>(std::find(last.begin(), last.end(), i) - last.begin());
+                rows.insert(rows.end(), hidden.begin() + static_cast<int64_t>(k * width),
+                            hidden.begin() + static_cast<int64_t>((k + 1) * width));
+                tokens.push_back(seq.draft[static_cast<size_t>(j - 1)]);
+                slices.push_back({seq.computed - 1 + j, 1, seq.blocks, 0, Pooling::None, seq.state_slot,
+                                  static_cast<int64_t>(seq.num_prompt)});
+            }
+            hidden = model_->mtp_forward(tokens, rows, slices);
+        }
+        last = active;
+        return model_->mtp_logits(hidden);
+    });
+}
+
+void Engine::draft_with_model(ScheduledBatch& batch) {
+    if (!drafter_.uses_draft_model()) return;
+    fill_drafts(batch, [&](int64_t j, const std::vector<size_t>& active) {
+        std::vector<int32_t> tokens;  // its last token, then draft j - 1, one position further on
+        std::vector<SequenceSlice> slices;
+        for (size_t i : active) {
+            Sequence& seq = *batch.seqs[i];
+            tokens.push_back(j == 0 ? seq.tokens.back() : seq.draft[static_cast<size_t>(j - 1)]);
+            slices.push_back({seq.size() - 1 + j, 1, seq.blocks, 1});
+            seq.spec.seen = seq.size();  // through its last token; the drafts' entries wait for the verification
+        }
+        return draft_->forward(tokens, slices);
+    });
+}
+
+int32_t Engine::draw_draft(const Sequence& seq, const float* logits, int64_t j) const {
+    std::vector<int32_t> context = seq.tokens;
+    context.insert(context.end(), seq.draft.begin(), seq.draft.begin() + j);
+    std::vector<float> row(logits, logits + model_->vocab_size());
+    Rng rng(draw_seed(seq.seed, seq.num_output() + j));
+    return sample(row, seq.sampling, context, seq.num_prompt, rng, nullptr, seq.allowed);
 }
 
 void Engine::catch_up_draft_model(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -74,6 +75,11 @@ private:
     void draft_with_model(ScheduledBatch& batch);
     void catch_up_draft_model(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,
                               const std::vector<SeqPtr>& done);
+    // The logits [active, vocab] of draft j of the batch's sequences `active` (indices, in batch order).
+    using DraftLogits = std::function<std::vector<float>(int64_t j, const std::vector<size_t>& active)>;
+    // The drafts the scheduler held room for, draft j of each sequence that has one drawn from logits_of(j, ...);
+    // a sequence for which nothing may be drawn keeps the drafts before it, and its count is cut to them.
+    void fill_drafts(ScheduledBatch& batch, const DraftLogits& logits_of);
     // Draft j of a sequence from its drafting model's logits row, drawn as verification row j will draw (drafts
     // 0..j-1 in the context, the noise of output index + j); < 0 where nothing may be drawn.
     int32_t draw_draft(const Sequence& seq, const float* logits, int64_t j) const;

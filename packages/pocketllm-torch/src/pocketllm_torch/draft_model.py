@@ -25,13 +25,11 @@ from pocketllm.checkpoint import load_checkpoint
 from pocketllm.errors import UnsupportedOptionError
 from pocketllm.kv_budget import bytes_per_block
 from pocketllm_torch import groups
-from pocketllm_torch.attention import KVCache, build_metadata
+from pocketllm_torch.attention import KVCache
 from pocketllm_torch.cache_spec import AttentionSpec
-from pocketllm_torch.context import StepContext
 from pocketllm_torch.models import model_class
 from pocketllm_torch.name import NAME
-from pocketllm_torch.sampler import choose_tokens, process_logits
-from pocketllm_torch.speculative import DraftRow
+from pocketllm_torch.speculative import fill_drafts, span_context
 
 if TYPE_CHECKING:
     from pocketllm.checkpoint import Checkpoint
@@ -88,30 +86,21 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence]) -> None:
-        """Fill in the drafts of these decoding sequences (``len(seq.draft)`` of them each, held by Drafter.propose
-        and cut to what the step has room for): the draft model on each one's last token, then on each draft."""
-        active = [seq for seq in seqs if seq.draft]
-        for j in range(max((len(seq.draft) for seq in active), default=0)):
-            position = [seq.num_tokens - 1 + j for seq in active]
+        """Fill in the drafts of these decoding sequences (see speculative.fill_drafts): the draft model on each
+        one's last token, then on each draft."""
+        def logits_of(j: int, active: list[Sequence]) -> torch.Tensor:
             tokens = [seq.token_ids[-1] if j == 0 else seq.draft[j - 1] for seq in active]
-            hidden = self._run(tokens, [(seq, p, 1) for seq, p in zip(active, position, strict=True)])
-            rows = [DraftRow(seq, j) for seq in active]
-            logits = self.model.compute_logits(hidden)
-            for seq, token in zip(active, choose_tokens(process_logits(logits, rows), rows).tolist(), strict=True):
-                seq.draft[j] = token
+            hidden = self._run(tokens, [(seq, seq.num_tokens - 1 + j, 1) for seq in active])
+            for seq in active:
                 _state(seq).seen = seq.num_tokens  # through its last token; the drafts' entries wait for verification
-            active = [seq for seq in active if len(seq.draft) > j + 1]
+            return self.model.compute_logits(hidden)
+
+        fill_drafts(seqs, logits_of)
 
     def _run(self, token_ids: list[int], spans: list[tuple[Sequence, int, int]]) -> torch.Tensor:
         assert self.kv_cache is not None  # allocated with the target's
-        tables = [seq.block_table for seq, _, _ in spans]
-        self.kv_cache.zero_new_blocks(tables)
-        lengths = [n for _, _, n in spans]
-        device = self.kv_cache.blocks.device
-        positions, meta = build_metadata([start for _, start, _ in spans], lengths, tables, self.block_size, device,
-                                         self.model.dtype)
-        ctx = StepContext(positions, meta, list(self.kv_cache.layers), lengths, None)
-        return self.model(torch.tensor(token_ids, device=device), ctx)
+        ctx = span_context(spans, self.kv_cache, list(self.kv_cache.layers), self.block_size, self.model.dtype)
+        return self.model(torch.tensor(token_ids, device=self.kv_cache.blocks.device), ctx)
 
 
 def _state(seq: Sequence) -> DraftState:

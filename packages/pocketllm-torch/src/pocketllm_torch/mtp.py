@@ -24,10 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pocketllm_torch.attention import build_metadata
-from pocketllm_torch.context import StepContext
-from pocketllm_torch.sampler import choose_tokens, process_logits
-from pocketllm_torch.speculative import DraftRow
+from pocketllm_torch.speculative import fill_drafts, span_context
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -62,31 +59,23 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence]) -> None:
-        """Fill in the drafts of these decoding sequences (``len(seq.draft)`` of them each, held by Drafter.propose
-        and cut to what the step has room for)."""
-        active = [seq for seq in seqs if seq.draft]
-        if not active:
-            return
-        hidden = torch.stack([_drafts_from(seq) for seq in active])
-        for j in range(max(len(seq.draft) for seq in active)):
-            if j:  # the head on its own output and draft j - 1, at the position after the last one it ran at
-                hidden = self._run([seq.draft[j - 1] for seq in active], hidden,
+        """Fill in the drafts of these decoding sequences (see speculative.fill_drafts)."""
+        outputs: dict[Sequence, Tensor] = {}  # the head's last output of each
+
+        def logits_of(j: int, active: list[Sequence]) -> Tensor:
+            if j == 0:
+                hidden = torch.stack([_drafts_from(seq) for seq in active])
+            else:  # the head on its own output and draft j - 1, at the position after the last one it ran at
+                hidden = self._run([seq.draft[j - 1] for seq in active], torch.stack([outputs[s] for s in active]),
                                    [(seq, seq.num_computed_tokens - 1 + j, 1) for seq in active])
-            rows = [DraftRow(seq, j) for seq in active]
-            tokens = choose_tokens(process_logits(self.head.compute_logits(hidden), rows), rows).tolist()
-            for seq, token in zip(active, tokens, strict=True):
-                seq.draft[j] = token
-            going = [i for i, seq in enumerate(active) if len(seq.draft) > j + 1]
-            active, hidden = [active[i] for i in going], hidden[going]
+            outputs.update(zip(active, hidden, strict=True))
+            return self.head.compute_logits(hidden)
+
+        fill_drafts(seqs, logits_of)
 
     def _run(self, token_ids: list[int], hidden: Tensor, spans: list[tuple[Sequence, int, int]]) -> Tensor:
         """The head over ``(sequence, first position, rows)`` spans, in the sequences' blocks."""
-        tables = [seq.block_table for seq, _, _ in spans]
-        self.kv_cache.zero_new_blocks(tables)
-        lengths = [n for _, _, n in spans]
-        positions, meta = build_metadata([start for _, start, _ in spans], lengths, tables, self.block_size,
-                                         hidden.device, self.head.target.dtype)
-        ctx = StepContext(positions, meta, [self.kv_cache.layers[-1]], lengths, None)
+        ctx = span_context(spans, self.kv_cache, [self.kv_cache.layers[-1]], self.block_size, self.head.target.dtype)
         return self.head(torch.tensor(token_ids, device=hidden.device), hidden, ctx)
 
 

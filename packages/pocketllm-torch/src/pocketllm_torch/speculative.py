@@ -24,14 +24,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pocketllm.ngram_proposer import NgramProposer
+from pocketllm_torch.attention import build_metadata
+from pocketllm_torch.context import StepContext
+from pocketllm_torch.sampler import choose_tokens, process_logits
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
     from torch import Tensor
 
     from pocketllm.args import EngineArgs
     from pocketllm.backend import BackendStats
     from pocketllm.sampling_params import SamplingParams
     from pocketllm.structured import Constraint
+    from pocketllm_torch.attention import KVCache
     from pocketllm_torch.sequence import Sequence
 
 # After this many drafts in a row with nothing accepted, a sequence pauses drafting for 2, 4, ... steps (at most
@@ -164,3 +171,28 @@ class Drafter:
         state.misses = 0 if accepted else state.misses + 1
         if state.misses >= 2:
             state.pause = min(MAX_PAUSE, 1 << (state.misses - 1))
+
+
+def fill_drafts(seqs: list[Sequence], logits_of: Callable[[int, list[Sequence]], Tensor]) -> None:
+    """The drafts of these decoding sequences that a model draws (``len(seq.draft)`` of them each, held by
+    Drafter.propose and cut to what the step has room for): draft j of each sequence still drafting from the
+    drafting model's logits ``logits_of(j, those sequences)``, drawn as verification row j will draw (DraftRow)."""
+    active = [seq for seq in seqs if seq.draft]
+    for j in range(max((len(seq.draft) for seq in active), default=0)):
+        rows = [DraftRow(seq, j) for seq in active]
+        tokens = choose_tokens(process_logits(logits_of(j, active), rows), rows).tolist()
+        for seq, token in zip(active, tokens, strict=True):
+            seq.draft[j] = token
+        active = [seq for seq in active if len(seq.draft) > j + 1]
+
+
+def span_context(spans: list[tuple[Sequence, int, int]], kv_cache: KVCache, layers: list[Tensor], block_size: int,
+                 dtype: torch.dtype) -> StepContext:
+    """A drafting model's pass over ``(sequence, first position, tokens)`` spans, its keys and values in
+    ``layers`` of ``kv_cache`` through the sequences' own block tables (blocks used for the first time zeroed)."""
+    tables = [seq.block_table for seq, _, _ in spans]
+    kv_cache.zero_new_blocks(tables)
+    lengths = [n for _, _, n in spans]
+    positions, meta = build_metadata([start for _, start, _ in spans], lengths, tables, block_size,
+                                     kv_cache.blocks.device, dtype)
+    return StepContext(positions, meta, layers, lengths, None)
