@@ -17,6 +17,7 @@ from pocketllm import AsyncLLM, EngineArgs, __version__
 from pocketllm.pooling import POOLING_TYPES
 from pocketllm.reasoning import REASONING_PARSERS
 from pocketllm_server import (
+    anthropic_messages,
     openai_chat,
     openai_completions,
     openai_embeddings,
@@ -92,6 +93,8 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
         Route("/v1/chat/completions", openai_chat.create_chat_completion, methods=["POST"]),
         Route("/v1/completions", openai_completions.create_completion, methods=["POST"]),
         Route("/v1/embeddings", openai_embeddings.create_embedding, methods=["POST"]),
+        Route("/v1/messages", anthropic_messages.create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic_messages.count_tokens, methods=["POST"]),
         Route("/tokenize", routes_tokenize.tokenize, methods=["POST"]),
         Route("/detokenize", routes_tokenize.detokenize, methods=["POST"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
@@ -113,7 +116,7 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     log_error_answer(request.scope, exc)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

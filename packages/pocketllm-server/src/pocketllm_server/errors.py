@@ -1,4 +1,5 @@
-"""OpenAI-style errors: one exception type that carries its HTTP status, and its JSON body."""
+"""Errors: one exception type that carries its HTTP status, answered in the error format of the API that was asked
+(OpenAI's for /v1, Anthropic's for /v1/messages, Ollama's for /api)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,46 @@ class APIError(Exception):
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
         self.headers = headers or {}
 
-    def response(self) -> Response:
-        return Response(msgspec.json.encode(ErrorBody(self.info)), status_code=self.status, headers=self.headers,
+    def response(self, path: str = "") -> Response:
+        """The answer in the error format of the API that ``path`` belongs to."""
+        return Response(msgspec.json.encode(error_body(path, self)), status_code=self.status, headers=self.headers,
                         media_type="application/json")
+
+
+class AnthropicErrorInfo(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(msgspec.Struct, tag_field="type", tag="error"):
+    """Anthropic's error body: ``{"type": "error", "error": {"type": ..., "message": ...}}``."""
+
+    error: AnthropicErrorInfo
+
+
+class OllamaErrorBody(msgspec.Struct):
+    error: str
+
+
+# Anthropic's error types by HTTP status (its API documents these; 529 is its "overloaded").
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+ANTHROPIC_PREFIX = "/v1/messages"
+OLLAMA_PREFIX = "/api/"
+
+
+def anthropic_error(error: APIError) -> AnthropicErrorBody:
+    kind = _ANTHROPIC_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return AnthropicErrorBody(AnthropicErrorInfo(type=kind, message=error.info.message))
+
+
+def error_body(path: str, error: APIError) -> ErrorBody | AnthropicErrorBody | OllamaErrorBody:
+    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+        return anthropic_error(error)
+    if path.startswith(OLLAMA_PREFIX):
+        return OllamaErrorBody(error.info.message)
+    return ErrorBody(error.info)
 
 
 def invalid_request(message: str, param: str | None = None) -> APIError:

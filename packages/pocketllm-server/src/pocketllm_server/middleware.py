@@ -10,7 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pocketllm_server.errors import APIError
+from pocketllm_server.errors import OLLAMA_PREFIX, APIError
 from pocketllm_server.web_ui import DEFAULTS_PATH
 
 log = logging.getLogger("pocketllm_server")
@@ -18,26 +18,33 @@ log = logging.getLogger("pocketllm_server")
 
 def _is_protected(path: str) -> bool:
     # The chat page's files stay open (they hold no secret); its defaults are API data.
-    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize", DEFAULTS_PATH)
+    return (path == "/v1" or path.startswith(("/v1/", OLLAMA_PREFIX))
+            or path in ("/tokenize", "/detokenize", DEFAULTS_PATH))
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` on the API; /health, /alive, /ready and /metrics stay open for probes."""
+    """The key on the API (/v1, Ollama's /api, /tokenize, /detokenize), as ``Authorization: Bearer <key>`` or as
+    Anthropic's clients send it, ``x-api-key: <key>``; /health, /alive, /ready and /metrics stay open for probes."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.api_key = api_key.encode()
 
+    def _accepts(self, headers: Headers) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken must not tell how much of a guessed key was right.
+        bearer = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key)
+        x_api_key = headers.get("x-api-key")
+        return bearer or (x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), self.api_key))
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _is_protected(scope["path"]):
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            # compare_digest: the time taken must not tell how much of a guessed key was right.
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
-                error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                log_error_answer(scope, error)
-                await error.response()(scope, receive, send)
-                return
+        if scope["type"] == "http" and _is_protected(scope["path"]) and not self._accepts(Headers(scope=scope)):
+            error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' or "
+                                  "'x-api-key: <key>'.", code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})
+            log_error_answer(scope, error)
+            await error.response(scope["path"])(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -69,7 +76,7 @@ class UnexpectedErrorMiddleware:
             if not started:  # once headers are out, closing the connection is all that is left
                 error = APIError(500, f"The server had an error while processing the request ({type(e).__name__}).",
                                  type="internal_server_error")
-                await error.response()(scope, receive, send)
+                await error.response(scope["path"])(scope, receive, send)
 
 
 class ClientRequestIdMiddleware:
@@ -212,6 +219,6 @@ class RequestBodyMiddleware:
             error = BodyTooLarge(self.max_body_bytes) if declared.isdigit() else APIError(
                 400, f"invalid Content-Length header {declared[:40]!r}")
             log_error_answer(scope, error)
-            await error.response()(scope, receive, closing_send)
+            await error.response(scope["path"])(scope, receive, closing_send)
             return
         await self.app(scope, counting_receive, closing_send)

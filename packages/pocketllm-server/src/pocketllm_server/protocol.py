@@ -89,6 +89,7 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier reply's reasoning, for templates that show it
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
@@ -102,7 +103,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None  # the legacy form of tools
     function_call: str | dict[str, Any] | None = None  # the legacy form of tool_choice
-    # OpenAI features this server does not have: refused when asked for (see openai_chat._check_options).
+    # OpenAI features this server does not have: refused when asked for (see chat_turn.check_options).
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None

@@ -28,6 +28,11 @@ def sse(payload: Any) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
+def sse_event(name: str, payload: Any) -> bytes:
+    """A named event (Anthropic's and the Responses API's streams name each event after its ``type``)."""
+    return b"event: " + name.encode() + b"\n" + sse(payload)
+
+
 async def _until_disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass

@@ -1,0 +1,226 @@
+"""Anthropic's Messages API (/v1/messages) through the real `anthropic` SDK against a real server: the echo backend
+for shapes (its reply replays the prompt, so a template that shows only the last message makes the reply the
+user's text), the default model on cpp for forced tool use."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+
+from pocketllm import AsyncLLM, EngineArgs
+from pocketllm_server import create_app
+from tests.server.conftest import LiveServer
+
+anthropic = pytest.importorskip("anthropic")
+
+MODEL = "tiny"
+GREEDY = {"temperature": 0}
+WEATHER = {"name": "get_weather", "description": "Weather of a city", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}
+
+
+def sdk_for(server: LiveServer, api_key: str = "unused") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=api_key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def sdk(echo_server: LiveServer) -> Iterator[anthropic.Anthropic]:
+    with sdk_for(echo_server) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def replay(tiny_with_template, live_server) -> Iterator[tuple[anthropic.Anthropic, AsyncLLM]]:
+    """An echo server whose template shows the last message's text alone: the reply is that text."""
+    llm = AsyncLLM(engine_args=EngineArgs(model=str(tiny_with_template("{{ messages[-1].content }}")),
+                                          backend="echo"))
+    server = live_server(create_app(llm.args, served_model_name=MODEL, llm=llm, reasoning_parser="qwen3"))
+    with sdk_for(server) as client:
+        yield client, llm
+    llm.shutdown()
+
+
+def test_text_reply(sdk: anthropic.Anthropic, echo_llm: AsyncLLM) -> None:
+    """system and messages render as the chat request would; the reply, usage and stop reason in Anthropic's shape."""
+    _, prompt_ids = echo_llm.render_chat([{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "hello there"}])
+    message = sdk.messages.create(model=MODEL, max_tokens=7, system="Be brief.", extra_body=GREEDY,
+                                  messages=[{"role": "user", "content": [{"type": "text", "text": "hello there"}]}])
+    assert message.type == "message" and message.role == "assistant" and message.model == MODEL
+    assert message.id.startswith("msg-")
+    [block] = message.content
+    assert block.type == "text" and block.text == echo_llm.tokenizer.decode([prompt_ids[i] for i in range(7)])
+    assert message.stop_reason == "max_tokens" and message.stop_sequence is None
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (len(prompt_ids), 7)
+
+
+def test_streamed_text_equals_the_whole_reply(sdk: anthropic.Anthropic) -> None:
+    fields = {"model": MODEL, "max_tokens": 9, "extra_body": GREEDY,
+              "messages": [{"role": "user", "content": "hi you"}]}
+    whole = sdk.messages.create(**fields)
+    with sdk.messages.stream(**fields) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-2:] == ["message_delta", "message_stop"]
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
+    assert final.content[0].text == whole.content[0].text == text
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 9
+
+
+def test_stop_sequences(replay: tuple[anthropic.Anthropic, AsyncLLM]) -> None:
+    client, _ = replay
+    for stream in (False, True):
+        fields = {"model": MODEL, "max_tokens": 50, "extra_body": GREEDY, "stop_sequences": ["three", "zzz"],
+                  "messages": [{"role": "user", "content": "one two three four"}]}
+        if stream:
+            with client.messages.stream(**fields) as s:
+                message = s.get_final_message()
+        else:
+            message = client.messages.create(**fields)
+        assert message.content[0].text == "one two " and message.stop_reason == "stop_sequence"
+        assert message.stop_sequence == "three"
+
+
+def test_thinking_blocks_with_the_reasoning_parser(replay: tuple[anthropic.Anthropic, AsyncLLM]) -> None:
+    client, llm = replay
+    text = "<think>a plan</think>The answer."
+    fields = {"model": MODEL, "max_tokens": len(llm.tokenizer.encode(text, add_special_tokens=False)),
+              "extra_body": GREEDY, "messages": [{"role": "user", "content": text}]}
+    message = client.messages.create(**fields)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content] == [
+        ("thinking", "a plan"), ("text", "The answer.")]
+    with client.messages.stream(**fields) as s:
+        streamed = s.get_final_message()
+    assert [b.model_dump(exclude={"signature"}) for b in streamed.content] == [
+        b.model_dump(exclude={"signature"}) for b in message.content]
+    # The replayed template has no thinking switch, and this server splits reasoning: the model always thinks.
+    with pytest.raises(anthropic.BadRequestError, match="no thinking switch"):
+        client.messages.create(**fields, thinking={"type": "disabled"})
+
+
+def test_thinking_on_a_model_that_does_not_think_is_refused(sdk: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError) as error:
+        sdk.messages.create(model=MODEL, max_tokens=2000, thinking={"type": "enabled", "budget_tokens": 1024},
+                            messages=[{"role": "user", "content": "hi"}])
+    assert error.value.status_code == 400 and error.value.body["type"] == "error"
+    assert error.value.body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.fixture(scope="module")
+def smol_server(live_server) -> Iterator[LiveServer]:
+    """The default model on the cpp backend (what ``auto`` picks on x86 CPUs), which has grammars."""
+    pytest.importorskip("pocketllm_cpp")
+    args = EngineArgs(model="smollm2-135m-instruct", backend="cpp")
+    llm = AsyncLLM(engine_args=args)
+    yield live_server(create_app(args, served_model_name=MODEL, llm=llm))
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_use(smol_server: LiveServer, stream: bool) -> None:
+    """tool_choice naming a tool forces one call: a tool_use block whose input follows the schema."""
+    with sdk_for(smol_server) as client:
+        for seed in range(2):
+            fields = {"model": MODEL, "max_tokens": 200, "tools": [WEATHER],
+                      "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+                      "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
+            # temperature: no longer in the SDK's signature (newer Claude models fix it), still in the API's.
+            extra = {"seed": seed, "temperature": 0.8}
+            if stream:
+                with client.messages.stream(**fields, extra_body=extra) as s:
+                    message = s.get_final_message()
+            else:
+                message = client.messages.create(**fields, extra_body=extra)
+            [call] = [b for b in message.content if b.type == "tool_use"]
+            assert call.name == "get_weather" and call.id.startswith("toolu_") and message.stop_reason == "tool_use"
+            jsonschema.validate(call.input, WEATHER["input_schema"])
+
+
+@pytest.fixture(scope="module")
+def hermes_server(tiny_hermes: Path, live_server) -> Iterator[tuple[LiveServer, AsyncLLM]]:
+    llm = AsyncLLM(engine_args=EngineArgs(model=str(tiny_hermes), backend="echo"))
+    yield live_server(create_app(llm.args, served_model_name=MODEL, llm=llm)), llm
+    llm.shutdown()
+
+
+def test_tool_result_round_trip(hermes_server: tuple[LiveServer, AsyncLLM]) -> None:
+    """A tool_use turn and its tool_result render as the OpenAI conversation with the call and the tool message;
+    the echo backend replays that prompt, so the reply shows what the model was given, and count_tokens counts it."""
+    server, llm = hermes_server
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": [
+                    {"type": "text", "text": "Let me look."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"},
+                                             {"type": "text", "text": "Thanks."}]}]
+    openai_form = [{"role": "user", "content": "Weather in Paris?"},
+                   {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                       {"id": "toolu_1", "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                   {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny"},
+                   {"role": "user", "content": "Thanks."}]
+    tools = [{"type": "function", "function": {"name": WEATHER["name"], "parameters": WEATHER["input_schema"],
+                                                "description": WEATHER["description"]}}]
+    _, ids = llm.render_chat(openai_form, tools=tools)
+    with sdk_for(server) as client:
+        counted = client.messages.count_tokens(model=MODEL, messages=messages, tools=[WEATHER])
+        assert counted.input_tokens == len(ids)
+        reply = client.messages.create(model=MODEL, max_tokens=len(ids), extra_body=GREEDY, messages=messages,
+                                       tools=[WEATHER])
+    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "messages": openai_form, "tools": tools, "max_tokens": len(ids), "temperature": 0}).json()["choices"][0]
+    # The reply replays the prompt, the earlier call included, which the hermes parser reads back as a call.
+    assert reply.content[0].text == chat["message"]["content"] and "Sunny" in reply.content[0].text
+    [call] = [(b.name, b.input) for b in reply.content if b.type == "tool_use"]
+    assert call == ("get_weather", {"city": "Paris"}) and reply.stop_reason == "max_tokens"  # the prompt's length
+
+
+def test_errors_in_anthropic_s_shape(echo_server: LiveServer, sdk: anthropic.Anthropic) -> None:
+    url = f"{echo_server.url}/v1/messages"
+    for body, status in [({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, 400),  # no max_tokens
+                         ({"model": MODEL, "max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, 400),
+                         ({"model": MODEL, "max_tokens": 5, "messages": []}, 400),
+                         ({"model": MODEL, "max_tokens": 5, "temperature": 1.5,
+                           "messages": [{"role": "user", "content": "hi"}]}, 400),
+                         ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [
+                             {"type": "image", "source": {"type": "base64", "data": "AA=="}}]}]}, 400),
+                         ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                           "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400),
+                         ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                           "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, 400),
+                         ({"model": "claude-x", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+                          404)]:
+        response = httpx.post(url, json=body, timeout=30)
+        assert response.status_code == status, (body, response.text)
+        error = response.json()
+        assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, error
+        assert error["error"]["type"] == ("invalid_request_error" if status == 400 else "not_found_error")
+    with pytest.raises(anthropic.BadRequestError, match="image blocks are not supported"):
+        sdk.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
+
+
+def test_api_key_as_x_api_key(serve_app, tiny_args, echo_llm) -> None:
+    """--api-key takes Anthropic's x-api-key header as well as Authorization: Bearer; a wrong key is a 401 in
+    Anthropic's shape."""
+    app = create_app(tiny_args, served_model_name=MODEL, llm=echo_llm, api_key="sekret")
+    with serve_app(app) as server:
+        with sdk_for(server, "sekret") as client:
+            assert client.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY,
+                                          messages=[{"role": "user", "content": "hi"}]).content
+        with sdk_for(server, "wrong") as client, pytest.raises(anthropic.AuthenticationError):
+            client.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        refused = httpx.post(f"{server.url}/v1/messages", json={}, timeout=30)
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        bearer = httpx.post(f"{server.url}/v1/messages/count_tokens", headers={"Authorization": "Bearer sekret"},
+                            json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        assert bearer.status_code == 200 and bearer.json()["input_tokens"] > 0
+        assert json.loads(httpx.get(f"{server.url}/v1/models", headers={"x-api-key": "sekret"}).text)["data"]
