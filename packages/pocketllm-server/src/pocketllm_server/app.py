@@ -22,6 +22,7 @@ from pocketllm_server import (
     openai_completions,
     openai_embeddings,
     openai_models,
+    openai_responses,
     routes_health,
     routes_tokenize,
 )
@@ -36,6 +37,11 @@ from pocketllm_server.middleware import (
     log_error_answer,
 )
 from pocketllm_server.openapi import openapi_document, openapi_json
+from pocketllm_server.response_store import (
+    DEFAULT_MAX_STORED_RESPONSE_BYTES,
+    DEFAULT_MAX_STORED_RESPONSES,
+    ResponseStore,
+)
 from pocketllm_server.tool_calls import TOOL_CALL_PARSERS
 from pocketllm_server.web_ui import routes as web_ui_routes
 
@@ -53,7 +59,9 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
                max_queue_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                generation_config: str = "auto", llm: AsyncLLM | None = None,
                reasoning_parser: str | None = None, tool_call_parser: str = "auto",
-               pooling_type: str | None = None, web_ui: bool = True) -> Starlette:
+               pooling_type: str | None = None, web_ui: bool = True,
+               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+               max_stored_response_bytes: int = DEFAULT_MAX_STORED_RESPONSE_BYTES) -> Starlette:
     """Build the server. Without ``llm`` the app loads the model itself, in the background, at startup.
 
     An ``llm`` passed in is used as it is and not shut down with the app.
@@ -71,7 +79,8 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
     if generation_config not in GENERATION_CONFIG_CHOICES:
         raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {generation_config!r}")
     state = ServerState(engine_args, served_model_name=served_model_name, max_queue_len=max_queue_len, llm=llm,
-                        generation_config=generation_config)
+                        generation_config=generation_config,
+                        responses=ResponseStore(max_stored_responses, max_stored_response_bytes))
     state.reasoning_parser = reasoning_parser
     state.tool_call_parser = tool_call_parser
     state.pooling_type = pooling_type
@@ -95,6 +104,9 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
         Route("/v1/embeddings", openai_embeddings.create_embedding, methods=["POST"]),
         Route("/v1/messages", anthropic_messages.create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_messages.count_tokens, methods=["POST"]),
+        Route("/v1/responses", openai_responses.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", openai_responses.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", openai_responses.delete_response, methods=["DELETE"]),
         Route("/tokenize", routes_tokenize.tokenize, methods=["POST"]),
         Route("/detokenize", routes_tokenize.detokenize, methods=["POST"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),

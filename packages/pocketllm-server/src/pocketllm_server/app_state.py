@@ -16,6 +16,7 @@ from pocketllm_server.engine_stream import EngineStream
 from pocketllm_server.errors import APIError, unavailable
 from pocketllm_server.metrics import ServerMetrics
 from pocketllm_server.protocol import decode
+from pocketllm_server.response_store import ResponseStore
 
 log = logging.getLogger("pocketllm_server")
 _DECODE_INLINE_BYTES = 64 * 1024
@@ -55,7 +56,8 @@ async def read_model_request(request: Request, kind: type[ModelRequest]) -> tupl
 
 class ServerState:
     def __init__(self, engine_args: EngineArgs, *, served_model_name: str, max_queue_len: int | None,
-                 llm: AsyncLLM | None, generation_config: str = "auto") -> None:
+                 llm: AsyncLLM | None, generation_config: str = "auto",
+                 responses: ResponseStore | None = None) -> None:
         self.engine_args = engine_args
         self.generation_config = generation_config
         self.served_model_name = served_model_name
@@ -63,6 +65,7 @@ class ServerState:
         self.tool_call_parser: str | None = None  # --tool-call-parser: tool calls parsed out of replies
         self.pooling_type: str | None = None  # --pooling-type: embeddings' pooling, else the checkpoint's
         self.max_queue_len = max_queue_len
+        self.responses = ResponseStore() if responses is None else responses  # the Responses API's stored ones
         self.llm = llm
         self.owns_llm = llm is None  # an engine handed in by the caller is theirs to shut down
         self.load_error: BaseException | None = None

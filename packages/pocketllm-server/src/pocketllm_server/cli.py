@@ -25,6 +25,7 @@ from pocketllm.supervisor import supervise
 from pocketllm.tensor_parallel import check_world, mark_ready, rank_info, run_worker, watch_parent
 from pocketllm_server.app import DEFAULT_MAX_REQUEST_BYTES, GENERATION_CONFIG_CHOICES, create_app
 from pocketllm_server.app_state import ServerState
+from pocketllm_server.response_store import DEFAULT_MAX_STORED_RESPONSE_BYTES, DEFAULT_MAX_STORED_RESPONSES
 from pocketllm_server.tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("pocketllm_server")
@@ -38,6 +39,13 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {number}")
+    return number
+
+
 def build_parser(prog: str = "pocketllm-server") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="Serve one model over an OpenAI-compatible HTTP API.",
@@ -46,8 +54,8 @@ def build_parser(prog: str = "pocketllm-server") -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     server.add_argument("--api-key", default=os.environ.get("POCKETLLM_API_KEY"),
-                        help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize "
-                             "(default: $POCKETLLM_API_KEY, else no key)")
+                        help="require 'Authorization: Bearer <key>' (or Anthropic's 'x-api-key: <key>') on /v1/*, "
+                             "Ollama's /api/*, /tokenize and /detokenize (default: $POCKETLLM_API_KEY, else no key)")
     server.add_argument("--served-model-name", default=None,
                         help="model name clients use (default: the last part of --model)")
     server.add_argument("--max-queue-len", type=_positive_int, default=None,
@@ -73,6 +81,13 @@ def build_parser(prog: str = "pocketllm-server") -> argparse.ArgumentParser:
     server.add_argument("--pooling-type", choices=POOLING_TYPES, default=None,
                         help="how /v1/embeddings pools a prompt's final hidden states (default: the checkpoint's "
                              "pooling config, else last)")
+    server.add_argument("--max-stored-responses", type=_non_negative_int, default=DEFAULT_MAX_STORED_RESPONSES,
+                        help="the Responses API keeps this many recent responses (store: true) in memory, for "
+                             "previous_response_id and GET /v1/responses/{id}; the least recently used go first "
+                             "(0: keep none; default: %(default)s)")
+    server.add_argument("--max-stored-response-bytes", type=_non_negative_int,
+                        default=DEFAULT_MAX_STORED_RESPONSE_BYTES,
+                        help="and at most this many bytes of them, conversations included (default: %(default)s)")
     server.add_argument("--no-web-ui", action="store_true",
                         help="do not serve the chat page at / (an API-only deployment)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -127,7 +142,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "pocketllm-server") -> i
                      max_queue_len=ns.max_queue_len, max_request_bytes=ns.max_request_bytes,
                      generation_config=ns.generation_config, reasoning_parser=ns.reasoning_parser,
                      tool_call_parser=ns.tool_call_parser, pooling_type=ns.pooling_type,
-                     web_ui=not ns.no_web_ui)
+                     web_ui=not ns.no_web_ui, max_stored_responses=ns.max_stored_responses,
+                     max_stored_response_bytes=ns.max_stored_response_bytes)
     config = Config()
     address = f"[{ns.host}]:{ns.port}" if ":" in ns.host else f"{ns.host}:{ns.port}"
     config.bind = [address]
