@@ -96,6 +96,21 @@ def test_transformers_template_extensions(tiny_tokenizer: Tokenizer, skip_system
     assert info.value.field == "messages"
 
 
+@requires_default_model
+def test_continue_final_message_matches_transformers(smollm_tokenizer: Tokenizer) -> None:
+    """A final assistant message is continued (Anthropic's prefill, vLLM's continue_final_message): the text ends
+    with its content, as transformers' flag of that name renders it."""
+    messages = [*CONVERSATIONS[1], {"role": "assistant", "content": "The answer is"}]
+    expected = _reference(smollm_tokenizer).apply_chat_template(messages, tokenize=False,
+                                                                continue_final_message=True)
+    builder = ChatPromptBuilder(smollm_tokenizer)
+    assert builder.render(messages, add_generation_prompt=False, continue_final_message=True) == expected
+    assert expected.endswith("<|im_start|>assistant\nThe answer is")
+    with pytest.raises(ConfigError, match="can only be continued"):
+        builder.render([*CONVERSATIONS[0], {"role": "assistant", "content": ""}], add_generation_prompt=False,
+                       continue_final_message=True)
+
+
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 

@@ -183,6 +183,26 @@ def test_tool_result_round_trip(hermes_server: tuple[LiveServer, AsyncLLM]) -> N
     assert call == ("get_weather", {"city": "Paris"}) and reply.stop_reason == "max_tokens"  # the prompt's length
 
 
+def test_a_final_assistant_message_is_continued(sdk: anthropic.Anthropic, echo_server: LiveServer,
+                                                echo_llm: AsyncLLM) -> None:
+    """Anthropic's prefill: the reply continues the assistant's last words (no end of turn, no new generation
+    prompt), on /v1/messages as on chat completions' continue_final_message."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    text, ids = echo_llm.render_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("The answer is")
+    assert sdk.messages.count_tokens(model=MODEL, messages=messages).input_tokens == len(ids)
+    reply = sdk.messages.create(model=MODEL, max_tokens=3, extra_body=GREEDY, messages=messages)
+    assert reply.usage.input_tokens == len(ids)
+    chat = httpx.post(f"{echo_server.url}/v1/chat/completions", timeout=30, json={
+        "messages": messages, "max_tokens": 3, "add_generation_prompt": False, "continue_final_message": True,
+        **GREEDY}).json()
+    assert chat["usage"]["prompt_tokens"] == len(ids) and chat["choices"][0]["message"]["content"] == \
+        reply.content[0].text
+    both = httpx.post(f"{echo_server.url}/v1/chat/completions", timeout=30, json={
+        "messages": messages, "continue_final_message": True, **GREEDY})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
 def test_errors_in_anthropic_s_shape(echo_server: LiveServer, sdk: anthropic.Anthropic) -> None:
     url = f"{echo_server.url}/v1/messages"
     for body, status in [({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, 400),  # no max_tokens

@@ -122,7 +122,6 @@ def test_bad_values_are_400s_naming_the_field(client: httpx.Client, path: str, b
     (CHAT, chat(prediction={"type": "content", "content": "x"}), "prediction"),
     (COMPLETIONS, completion(suffix="x"), "suffix"),
     (COMPLETIONS, completion(best_of=3), "best_of"),
-    (COMPLETIONS, completion(echo=True, logprobs=1), "echo"),
 ])
 def test_unsupported_features_are_400s(client: httpx.Client, path: str, body: dict[str, Any], param: str) -> None:
     assert_error(client.post(path, json=body), 400, param, code="unsupported_option")
@@ -134,6 +133,8 @@ def test_unsupported_features_are_400s(client: httpx.Client, path: str, body: di
     (COMPLETIONS, {"model": MODEL, "prompt": "hello", "max_tokens": 4}, "temperature"),  # OpenAI's default is 1
     (CHAT, chat(logprobs=True), "logprobs"),
     (COMPLETIONS, completion(logprobs=1), "logprobs"),
+    (COMPLETIONS, completion(prompt_logprobs=1), "prompt_logprobs"),
+    (COMPLETIONS, completion(max_tokens=0, echo=True), "prompt_logprobs"),  # scoring a prompt is prompt logprobs
 ])
 def test_options_the_backend_lacks_are_400s_naming_them(client: httpx.Client, path: str, body: dict[str, Any],
                                                          param: str) -> None:

@@ -1,7 +1,7 @@
 """Schemathesis against /openapi.json on a real server (torch backend, tiny model): no input gets a 5xx, and
-every 4xx has an OpenAI error body. Bounded to a few dozen cases per route so that it fits CI. Grammar fields get
-grammar-shaped text (regex, Lark and GBNF pieces, chains of rules) and JSON schemas of every shape (references,
-cycles, chains), not only what the document's types allow."""
+every 4xx has the error body of its API (OpenAI's, Anthropic's, Ollama's). Bounded to a few dozen cases per route
+so that it fits CI. Grammar fields get grammar-shaped text (regex, Lark and GBNF pieces, chains of rules) and JSON
+schemas of every shape (references, cycles, chains), not only what the document's types allow."""
 
 from __future__ import annotations
 
@@ -85,18 +85,26 @@ def fuzz_server(live_server, pocketllm_tiny_llama) -> LiveServer:
     llm.shutdown()
 
 
-def openai_error_body(ctx, response, case) -> None:
-    """A 4xx carries ``{"error": {"message": str, "type": str, ...}}``."""
-    if 400 <= response.status_code < 500:
-        error = response.json()["error"]
-        assert isinstance(error["message"], str) and isinstance(error["type"], str), response.text
+def api_error_body(ctx, response, case) -> None:
+    """A 4xx carries the error body of the API asked: OpenAI's ``{"error": {"message": str, "type": str, ...}}``,
+    Anthropic's ``{"type": "error", "error": {"type": str, "message": str}}`` on /v1/messages, Ollama's
+    ``{"error": str}`` on /api."""
+    if not 400 <= response.status_code < 500:
+        return
+    body = response.json()
+    if case.path.startswith("/api/"):
+        assert isinstance(body["error"], str), response.text
+        return
+    if case.path.startswith("/v1/messages"):
+        assert body["type"] == "error", response.text
+    assert isinstance(body["error"]["message"], str) and isinstance(body["error"]["type"], str), response.text
 
 
 @schema.parametrize()
 @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
-def test_no_5xx_and_openai_errors(case, fuzz_server: LiveServer) -> None:
-    case.call_and_validate(base_url=fuzz_server.url, checks=[not_a_server_error, openai_error_body], timeout=60)
+def test_no_5xx_and_api_errors(case, fuzz_server: LiveServer) -> None:
+    case.call_and_validate(base_url=fuzz_server.url, checks=[not_a_server_error, api_error_body], timeout=60)
 
 
 @given(spec=st.one_of(SCHEMAS.map(lambda s: ("response_format", {"type": "json_schema",

@@ -46,7 +46,9 @@ void bind_sampling(nb::module_& m) {
         .def_rw("stop_ids", &SamplingConfig::stop_ids, "EOS (unless ignored) and the request's stop token ids")
         .def_rw("request_stop_ids", &SamplingConfig::request_stop_ids, "the request's own (reported as stop_token_id)")
         .def_rw("logit_bias", &SamplingConfig::logit_bias)
-        .def_rw("logprobs", &SamplingConfig::logprobs, "-1: none; else how many top alternatives");
+        .def_rw("logprobs", &SamplingConfig::logprobs, "-1: none; else how many top alternatives")
+        .def_rw("prompt_logprobs", &SamplingConfig::prompt_logprobs,
+                "-1: none; else the prompt is scored, with this many top alternatives (no cached prefix is reused)");
     nb::class_<Alternative>(m, "Alternative", "One of the most likely tokens at a position.")
         .def_ro("token", &Alternative::token)
         .def_ro("logprob", &Alternative::logprob);
@@ -79,6 +81,8 @@ void bind_outputs(nb::module_& m) {
                      [](const Delta& d) { return d.stop_token_id < 0 ? std::nullopt : std::optional<int32_t>(d.stop_token_id); },
                      "the requested stop token that ended it, if one did")
         .def_ro("logprobs", &Delta::logprobs, "one per new token, where the request asked for them")
+        .def_ro("prompt_logprobs", &Delta::prompt_logprobs,
+                "prompt tokens 1 .. P-1 each given those before it, on the first delta with a token, where asked for")
         .def_prop_ro("embedding",
                      [](const Delta& d) { return d.embedding.empty() ? std::nullopt : std::optional(d.embedding); },
                      "an embedding request's result");

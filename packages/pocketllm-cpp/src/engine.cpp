@@ -137,7 +137,9 @@ std::vector<SequenceSlice> Engine::slices_of(const ScheduledBatch& batch, std::v
         tokens.insert(tokens.end(), first, first + own);
         tokens.insert(tokens.end(), seq.draft.begin(), seq.draft.begin() + drafted);
         const bool samples = seq.computed + own == seq.size() && seq.pool == Pooling::None;
-        slices.push_back({seq.computed, batch.counts[i], seq.blocks, samples ? 1 + drafted : 0, seq.pool,
+        // Scored prompt rows run up to the prompt's last token, whose row samples: together they are the last rows.
+        const int64_t logits = seq.scored_rows(seq.computed, own) + (samples ? 1 + drafted : 0);
+        slices.push_back({seq.computed, batch.counts[i], seq.blocks, logits, seq.pool,
                           seq.state_slot, static_cast<int64_t>(seq.num_prompt),
                           // the head runs over every generation's rows: its blocks may be reused by one that drafts
                           drafter_.uses_head() && seq.pool == Pooling::None});
@@ -317,11 +319,16 @@ std::vector<Delta> Engine::deltas_of(ScheduledBatch& batch, const std::vector<Se
         }
         if (slices[i].num_logits == 0) continue;  // a prompt chunk that does not reach the end yet
         Stopwatch sampling(profile_.sample);
+        const int64_t scored = seq->scored_rows(slices[i].start, slices[i].num_tokens);
+        score_prompt(*seq, &logits[static_cast<size_t>(row * vocab)], scored);
+        row += scored;
+        const int64_t rows = slices[i].num_logits - scored;  // the sampled rows
+        if (rows == 0) continue;
         int64_t kept = 0;
-        deltas.push_back(sample_rows(seq, &logits[static_cast<size_t>(row * vocab)], slices[i].num_logits, kept));
-        if (slices[i].num_logits > 1) batch.counts[i] = kept;
+        deltas.push_back(sample_rows(seq, &logits[static_cast<size_t>(row * vocab)], rows, kept));
+        if (rows > 1) batch.counts[i] = kept;
         if (deltas.back().finish != Finish::None) done.push_back(seq);
-        row += slices[i].num_logits;
+        row += rows;
     }
     return deltas;
 }
@@ -361,7 +368,20 @@ Delta Engine::sample_rows(const SeqPtr& seq, const float* logits, int64_t rows, 
     }
     drafter_.verified(seq->spec, static_cast<int64_t>(drafts.size()), accepted);
     kept = 1 + accepted;
+    if (seq->sampling.prompt_logprobs >= 0 && seq->num_output() == static_cast<int64_t>(delta.tokens.size())) {
+        delta.prompt_logprobs = std::move(seq->prompt_logprobs);  // the first token's delta carries them
+        seq->prompt_logprobs.clear();
+    }
     return delta;
+}
+
+void Engine::score_prompt(Sequence& seq, const float* logits, int64_t rows) const {
+    const int64_t vocab = model_->vocab_size();
+    for (int64_t r = 0; r < rows; ++r, ++seq.num_scored) {
+        const std::vector<double> raw = log_softmax(std::vector<float>(logits + r * vocab, logits + (r + 1) * vocab));
+        seq.prompt_logprobs.push_back(logprobs_of(raw, seq.tokens[static_cast<size_t>(seq.num_scored + 1)],
+                                                  seq.sampling.prompt_logprobs));
+    }
 }
 
 void Engine::commit_states(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices) {
@@ -369,7 +389,7 @@ void Engine::commit_states(const ScheduledBatch& batch, const std::vector<Sequen
     const size_t floats = static_cast<size_t>(model_->state_bytes() / 4);
     size_t at = 0;  // the captures of slice i follow those of the slices before it (captures_of)
     for (size_t i = 0; i < slices.size(); ++i) {
-        const int64_t rows = slices[i].num_logits;
+        const int64_t rows = slices[i].num_logits - batch.seqs[i]->scored_rows(slices[i].start, slices[i].num_tokens);
         if (rows > 1 && batch.counts[i] < rows && batch.seqs[i]->state_slot >= 0) {
             model_->load_state(batch.seqs[i]->state_slot, &verify_states_[(at + static_cast<size_t>(batch.counts[i] - 1)) * floats]);
         }

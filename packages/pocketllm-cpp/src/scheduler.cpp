@@ -144,9 +144,11 @@ bool Scheduler::reserve(const SeqPtr& seq, int64_t tokens, const std::vector<Seq
 // preempts) and, for a model with state layers, a state slot is free; `count` is then the tokens it computes now.
 bool Scheduler::admit(const SeqPtr& seq, int64_t budget, int64_t& count) {
     if (stateful_ && free_slots_.empty()) return false;
-    // Pooling every prompt token (or the first) needs their hidden states: no cached prefix stands in for them.
+    // Pooling every prompt token (or the first) needs their hidden states, and scoring the prompt its logits: no
+    // cached prefix stands in for them.
     const bool pools_all = seq->pool == Pooling::Mean || seq->pool == Pooling::Cls;
-    std::vector<int32_t> cached = pools_all ? std::vector<int32_t>{} : blocks_.match(seq->tokens);
+    const bool uncached = pools_all || seq->sampling.prompt_logprobs >= 0;
+    std::vector<int32_t> cached = uncached ? std::vector<int32_t>{} : blocks_.match(seq->tokens);
     // State layers resume only where their state was kept.
     while (stateful_ && !cached.empty() && !snapshots_.contains(blocks_.hash(cached.back()))) cached.pop_back();
     const int64_t start = static_cast<int64_t>(cached.size()) * model_.block_size();

@@ -73,6 +73,17 @@ stop string found among them ends the request at that token, the tokens after
 it are dropped (never streamed), and the core aborts the request if the engine
 had not finished it.
 
+Prompt logprobs (contract 3.1)
+------------------------------
+A backend that lists ``"prompt_logprobs"`` in ``Capabilities.sampling_options`` scores the prompt of a request
+with ``params.prompt_logprobs`` set: for each prompt token after the first, the log-softmax of the raw model
+logits (no temperature, penalty, bias or grammar) at the position before it, as a :class:`SampledLogprobs` of
+that token with ``params.prompt_logprobs`` top alternatives. They come together, in prompt order, on the
+request's first delta with a token (P-1 entries for a P-token prompt), however the prompt was chunked. A cached
+prefix has no logits: such a request does not reuse the prefix cache (it may still fill it). The core sends
+``max_tokens`` of at least 1; a request that only scores its prompt (``max_tokens=0``) has its one token dropped
+by the core.
+
 Speculative decoding (contract 3)
 ---------------------------------
 A backend lists the methods it runs in ``Capabilities.speculative_methods``
@@ -128,13 +139,14 @@ if TYPE_CHECKING:
     from pocketllm.structured import Constraint
 
 # 2.1: BackendStats snapshot counters; 2.2: TensorParallelBackend; 2.3: structured outputs; 2.4: EmbeddingEngine;
-# 3.0: steps of several tokens, the speculative-decoding contract, typed backend options, Capabilities.storage_types
-API_VERSION = (3, 0)
+# 3.0: steps of several tokens, the speculative-decoding contract, typed backend options, Capabilities.storage_types;
+# 3.1: prompt logprobs
+API_VERSION = (3, 1)
 """``(major, minor)`` of this contract. A backend built for the same major and an older or equal minor loads;
 the minor grows with additions a backend may ignore, the major with changes it may not."""
 
 SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "logit_bias", "seed", "min_tokens", "logprobs")
+                    "repetition_penalty", "logit_bias", "seed", "min_tokens", "logprobs", "prompt_logprobs")
 """SamplingParams fields a backend may leave unimplemented, by name. Greedy decoding, ``max_tokens``, EOS,
 ``ignore_eos`` and ``stop_token_ids`` are part of every engine; ``n`` and stop strings are the core's."""
 
@@ -208,6 +220,9 @@ class RequestDelta(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=
     request_id: str
     new_token_ids: list[int]
     logprobs: list[SampledLogprobs] | None = None
+    prompt_logprobs: list[SampledLogprobs] | None = None
+    """With ``params.prompt_logprobs`` (contract 3.1), on the request's first delta with a token: prompt tokens
+    1 .. P-1 each given the tokens before it (see "Prompt logprobs" above)."""
     finish_reason: str | None = None
     stop_token_id: int | None = None
     error: str | None = None

@@ -68,6 +68,7 @@ def sampling_options_in_use(params: SamplingParams) -> list[str]:
         "logit_bias": bool(params.logit_bias),
         "min_tokens": params.min_tokens > 0,
         "logprobs": params.logprobs is not None,
+        "prompt_logprobs": params.prompt_logprobs is not None,
     }
     return [name for name, on in used.items() if on]
 
@@ -92,12 +93,15 @@ def check_request(backend: str, caps: Capabilities, prompt_ids: list[int], param
             raise UnsupportedOptionError(option, backend)
     if params.structured_outputs is not None and not caps.structured_outputs:
         raise UnsupportedOptionError("structured_outputs", backend, "it has no grammar-constrained decoding")
-    if params.logprobs is not None and params.logprobs > caps.max_logprobs:
-        raise UnsupportedOptionError("logprobs", backend, f"at most {caps.max_logprobs} alternatives")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > caps.max_logprobs:
+            raise UnsupportedOptionError(name, backend, f"at most {caps.max_logprobs} alternatives")
     if params.n > caps.max_n:
         raise UnsupportedOptionError("n", backend, f"at most {caps.max_n} choices")
     room = max_model_len - len(prompt_ids)
-    return msgspec.structs.replace(params, max_tokens=min(params.max_tokens or room, room))
+    return msgspec.structs.replace(params, max_tokens=room if params.max_tokens is None else min(params.max_tokens,
+                                                                                                 room))
 
 
 def check_embedding_request(backend: str, caps: Capabilities, prompt_ids: list[int], params: PoolingParams, *,

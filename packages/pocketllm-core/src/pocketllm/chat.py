@@ -90,8 +90,16 @@ class ChatPromptBuilder:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
-        """The prompt text for ``messages``; raises ConfigError for bad messages or a failing template."""
+        """The prompt text for ``messages``; raises ConfigError for bad messages or a failing template.
+
+        ``continue_final_message``: the reply continues the last message (an assistant's "prefill"), as
+        transformers' flag of that name does: the text ends where that message's content ends, without the
+        template's end of turn or a new generation prompt."""
+        if continue_final_message:
+            return _continued(self.render(messages, add_generation_prompt=False, tools=tools,
+                                          chat_template_kwargs=chat_template_kwargs), messages)
         messages = validate_messages(messages)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ConfigError("tools", "must be a list of objects")
@@ -140,6 +148,16 @@ class ChatPromptBuilder:
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
         })
+
+
+def _continued(text: str, messages: list[dict[str, Any]]) -> str:
+    """``text`` cut where the final message's content ends (the last place the template wrote it)."""
+    content = validate_messages(messages)[-1]["content"].rstrip()
+    end = text.rfind(content) if content else -1
+    if end < 0:
+        raise ConfigError("messages", "the final message can only be continued when it has text that the chat "
+                                      "template writes out")
+    return text[:end + len(content)]
 
 
 def validate_messages(messages: object) -> list[dict[str, Any]]:

@@ -122,10 +122,13 @@ class EngineClient:
 
     def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
-        """Render a conversation with the checkpoint's chat template and tokenize it (the template adds BOS)."""
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    continue_final_message: bool = False) -> tuple[str, list[int]]:
+        """Render a conversation with the checkpoint's chat template and tokenize it (the template adds BOS);
+        ``continue_final_message``: the reply continues the last message (see ``ChatPromptBuilder.render``)."""
         text = self.chat_builder.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                        chat_template_kwargs=chat_template_kwargs)
+                                        chat_template_kwargs=chat_template_kwargs,
+                                        continue_final_message=continue_final_message)
         self.check_text_length(text)
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -195,6 +198,8 @@ class OutputCollector:
     def add(self, event: StreamEvent) -> bool:
         """Fold one event in; True once the whole request finished."""
         choice = self.output.outputs[event.index]
+        if event.prompt_logprobs is not None:
+            self.output.prompt_logprobs = event.prompt_logprobs
         choice.text += event.text
         choice.token_ids.extend(event.token_ids)
         if event.logprobs is not None:  # extended in place: a long reply comes in as many events

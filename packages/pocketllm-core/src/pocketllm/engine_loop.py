@@ -172,7 +172,9 @@ class EngineLoop:
             self.engine.add_embedding_request(choice.backend_id, request.prompt_ids, request.pooling)
             return
         seed = request.params.seed  # the core fans out n choices with seeds seed + index
-        params = msgspec.structs.replace(request.params, n=1,
+        # Every engine request generates at least one token (the core drops it from a request that only scores its
+        # prompt: see OutputProcessor). Each choice scores the prompt it asks for: the events of each then carry it.
+        params = msgspec.structs.replace(request.params, n=1, max_tokens=max(1, request.params.max_tokens or 0),
                                          seed=None if seed is None else _wrap_int64(seed + choice.index))
         if choice.constraint is None:
             self.engine.add_request(choice.backend_id, request.prompt_ids, params)

@@ -49,6 +49,8 @@ class ChoiceState:
     streamed: ReasoningSplitter | None = None
     answer: str = ""
     num_reasoning_tokens: int = 0  # tokens up to the one that closed the section
+    # With SamplingParams.prompt_logprobs: the prompt's, once the engine scored it, until an event carries them.
+    prompt_logprobs: list[SampledLogprobs | None] | None = None
 
     @property
     def reasoning_tokens(self) -> int | None:
@@ -120,6 +122,8 @@ class OutputProcessor:
                 if not self._emit_embedding(request, choice, delta):
                     to_abort.append(choice.backend_id)
             else:
+                if delta.prompt_logprobs is not None:
+                    choice.prompt_logprobs = [None, *delta.prompt_logprobs]
                 kept = self._take(request, choice, delta)
                 if choice.finish_reason is not None and delta.finish_reason is None:
                     to_abort.append(choice.backend_id)  # it ended in the core: the engine must drop it
@@ -141,6 +145,9 @@ class OutputProcessor:
     def _take(self, request: RequestState, choice: ChoiceState, delta: RequestDelta) -> int:
         """Take a delta's tokens in turn, until the choice ends; returns how many were kept."""
         tokens, params = delta.new_token_ids, request.params
+        if params.max_tokens == 0 and tokens:  # it only scores its prompt: the engine's one token is dropped
+            choice.finish_reason = "length"
+            return 0
         if not tokens and delta.finish_reason is not None:  # an end between tokens: what was held back is out
             piece = choice.detok.flush()
             choice.text += piece
@@ -202,10 +209,12 @@ class OutputProcessor:
             if request.finished:
                 usage = request.usage()
                 self._forget(request)
+        prompt_logprobs, choice.prompt_logprobs = choice.prompt_logprobs, None
         event = StreamEvent(request_id=request.request_id, index=choice.index, text=text, token_ids=list(token_ids),
                             logprobs=logprobs, finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
                             reasoning=reasoning, answer=answer,
-                            reasoning_tokens=choice.reasoning_tokens if done else None, usage=usage)
+                            reasoning_tokens=choice.reasoning_tokens if done else None, usage=usage,
+                            prompt_logprobs=prompt_logprobs)
         try:
             request.sink(event)
         except Exception:  # the consumer went away (e.g. its event loop closed): stop generating for it

@@ -51,6 +51,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     usage: Usage
+    prompt_logprobs: list[SampledLogprobs | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: one entry per prompt token, None for the first (nothing comes
+    before it), each the token's logprob given the tokens before it and its top alternatives."""
 
     @property
     def finished(self) -> bool:
@@ -79,3 +82,6 @@ class StreamEvent(msgspec.Struct, kw_only=True):
     """On a choice's last event, with ``SamplingParams.reasoning``: its tokens in the section."""
     usage: Usage | None = None
     """Set on the final event of the whole request (after every choice finished)."""
+    prompt_logprobs: list[SampledLogprobs | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: the prompt's logprobs (as ``RequestOutput.prompt_logprobs``), on
+    each choice's first event."""

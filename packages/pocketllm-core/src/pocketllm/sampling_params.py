@@ -48,6 +48,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives; 0 = chosen token only
+    prompt_logprobs: int | None = None
+    """The prompt's tokens' logprobs (each given the tokens before it; the first has none), with this many top
+    alternatives, from the raw model logits: ``RequestOutput.prompt_logprobs``. With ``max_tokens=0`` the request
+    only scores its prompt."""
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -66,7 +70,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         # with a string, a bool, NaN or an integer no native type holds.
         for name in ("n", "min_tokens", "top_k"):
             _check(_is_int(getattr(self, name)), name, f"must be an integer, got {getattr(self, name)!r}")
-        for name in ("max_tokens", "seed", "logprobs"):
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or _is_int(value), name, f"must be an integer or None, got {value!r}")
         for name in _FLOATS:
@@ -75,8 +79,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "stop_in_reasoning"):
             _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         _check(1 <= self.n <= MAX_N, "n", f"must be between 1 and {MAX_N}, got {self.n}")
-        _check(self.max_tokens is None or 1 <= self.max_tokens <= INT64_MAX, "max_tokens",
-               f"must be at least 1, got {self.max_tokens}")
+        _check(self.max_tokens is None or 1 <= self.max_tokens <= INT64_MAX
+               or (self.max_tokens == 0 and self.prompt_logprobs is not None), "max_tokens",
+               f"must be at least 1 (0 only to score the prompt, with prompt_logprobs), got {self.max_tokens}")
         _check(0 <= self.min_tokens <= INT64_MAX, "min_tokens", f"must be non-negative, got {self.min_tokens}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
@@ -92,8 +97,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
                f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
         _check(self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed", "must fit in a signed 64-bit integer")
-        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-               f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or 0 <= value <= MAX_LOGPROBS, name,
+                   f"must be between 0 and {MAX_LOGPROBS}, got {value}")
         _check(isinstance(self.stop, list) and len(self.stop) <= MAX_STOP_STRINGS, "stop",
                f"must be a string or a list of at most {MAX_STOP_STRINGS} strings")
         _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",

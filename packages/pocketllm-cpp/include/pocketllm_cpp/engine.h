@@ -27,6 +27,9 @@ struct Delta {
     int32_t stop_token_id = -1;  // -1 unless a requested stop token ended the request
     std::vector<TokenLogprobs> logprobs;
     std::vector<float> embedding;  // an embedding request's result (it has no token)
+    // With SamplingConfig::prompt_logprobs, on its first delta with a token: prompt tokens 1 .. P-1, each given the
+    // tokens before it
+    std::vector<TokenLogprobs> prompt_logprobs{};
 };
 
 struct EngineStats {
@@ -98,6 +101,8 @@ private:
     Delta sample_rows(const SeqPtr& seq, const float* logits, int64_t rows, int64_t& kept);
     // After a verification that kept fewer rows than it ran: its state layers take the state after the last kept.
     void commit_states(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices);
+    // Scores `rows` prompt tokens of a sequence from their positions' logits (see Sequence::scored_rows).
+    void score_prompt(Sequence& seq, const float* logits, int64_t rows) const;
     // Folds in the pooling of a prompt chunk [start, end); true, with `delta` set, once its prompt is done.
     bool pool_chunk(const SeqPtr& seq, int64_t start, int64_t end, const float* part, Delta& delta);
 

@@ -20,6 +20,9 @@ struct SamplingConfig {
     std::vector<int32_t> request_stop_ids;  // the request's own: reported as stop_token_id
     std::map<int32_t, float> logit_bias;
     int logprobs = -1;  // -1: none; else the number of top alternatives
+    // -1: none; else the prompt's tokens are scored (each given those before it, from the raw logits) with this
+    // many top alternatives, and the cached prefix is not reused (it has no logits)
+    int prompt_logprobs = -1;
     bool greedy() const { return temperature < 1e-5f; }
 };
 

@@ -111,6 +111,7 @@ class SamplingConfig:
     request_stop_ids: list[int]
     logit_bias: dict[int, float]
     logprobs: int
+    prompt_logprobs: int
     def __init__(self) -> None: ...
 
 class Alternative:
@@ -147,6 +148,8 @@ class Delta:
     def stop_token_id(self) -> int | None: ...
     @property
     def logprobs(self) -> list[TokenLogprobs]: ...
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs]: ...
     @property
     def embedding(self) -> list[float] | None: ...
 

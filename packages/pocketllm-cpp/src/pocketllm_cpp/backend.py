@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from pocketllm.pooling import PoolingParams
     from pocketllm.sampling_params import SamplingParams
     from pocketllm.structured import Constraint
+    from pocketllm_cpp._native import TokenLogprobs
 
 # KV-cache element types and their bytes; "auto" is float16, half the bytes attention reads per position.
 KV_CACHE_DTYPES = {"float16": 2, "float32": 4}
@@ -163,6 +164,7 @@ class CppEngine:
         sampling.stop_ids = list(dict.fromkeys([*params.stop_token_ids, *(() if params.ignore_eos else self.eos)]))
         sampling.request_stop_ids = list(params.stop_token_ids)
         sampling.logprobs = -1 if params.logprobs is None else params.logprobs
+        sampling.prompt_logprobs = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         # A grammar's mask follows each token, set between steps: its requests do not draft.
         self.engine.add_request(request_id, prompt_token_ids, sampling, constraint is None)
         if constraint is not None:
@@ -202,10 +204,9 @@ class CppEngine:
                     continue
                 if reason is not None:
                     del self.constraints[request_id]
-            sampled = [SampledLogprobs(lp.token, lp.logprob, lp.rank, [TokenLogprob(a.token, a.logprob)
-                                                                        for a in lp.top])
-                       for lp in delta.logprobs] or None
-            deltas.append(RequestDelta(request_id=request_id, new_token_ids=list(delta.tokens), logprobs=sampled,
+            deltas.append(RequestDelta(request_id=request_id, new_token_ids=list(delta.tokens),
+                                       logprobs=_sampled(delta.logprobs) or None,
+                                       prompt_logprobs=_sampled(delta.prompt_logprobs) or None,
                                        finish_reason=reason, stop_token_id=delta.stop_token_id))
         # Each grammar moved on by its token: the masks for the next ones, in one parallel fill.
         self._set_masks([d.request_id for d in deltas if d.finish_reason is None and d.request_id in self.constraints])
@@ -247,3 +248,8 @@ class CppEngine:
 
     def shutdown(self) -> None:
         del self.engine, self.model  # the KV pool and the worker threads go with them
+
+
+def _sampled(entries: list[TokenLogprobs]) -> list[SampledLogprobs]:
+    return [SampledLogprobs(lp.token, lp.logprob, lp.rank, [TokenLogprob(a.token, a.logprob) for a in lp.top])
+            for lp in entries]

@@ -70,8 +70,11 @@ _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 async def create_message(request: Request) -> Response:
     state, req, llm = await read_model_request(request, MessagesRequest)
+    messages = _messages(req.system, req.messages)
+    prefill = _prefilled(messages)
     chat = ChatCompletionRequest(
-        messages=_messages(req.system, req.messages), max_tokens=req.max_tokens, temperature=req.temperature,
+        messages=messages, add_generation_prompt=not prefill, continue_final_message=prefill,
+        max_tokens=req.max_tokens, temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop_sequences, stream=req.stream,
         tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice, req.tools),
         parallel_tool_calls=None if req.tool_choice is None else not req.tool_choice.disable_parallel_tool_use,
@@ -102,13 +105,23 @@ async def count_tokens(request: Request) -> Response:
     state, req, llm = await read_model_request(request, CountTokensRequest)
     tools = _tools(req.tools)
     _tool_choice(req.tool_choice, req.tools)  # checked as /v1/messages checks it
-    messages = [msgspec.to_builtins(m) for m in _messages(req.system, req.messages)]
+    messages = _messages(req.system, req.messages)
+    prefill = _prefilled(messages)
     kwargs = _thinking(llm, state, req)
     try:  # off the event loop: rendering and tokenizing grow with the conversation
-        _, ids = await asyncio.to_thread(llm.render_chat, messages, tools=tools, chat_template_kwargs=kwargs)
+        _, ids = await asyncio.to_thread(llm.render_chat, [msgspec.to_builtins(m) for m in messages], tools=tools,
+                                         chat_template_kwargs=kwargs, add_generation_prompt=not prefill,
+                                         continue_final_message=prefill)
     except PocketLLMError as e:
         raise from_engine_error(e, fields={"prompt": "messages"}) from None
     return json_response(CountTokensResponse(input_tokens=len(ids)))
+
+
+def _prefilled(messages: list[ChatMessage]) -> bool:
+    """Whether the conversation ends with the assistant's own words, which the reply then continues (Anthropic's
+    prefill); a final assistant turn of tool calls alone is a turn like any other."""
+    last = messages[-1]
+    return last.role == "assistant" and bool(last.content) and not last.tool_calls
 
 
 def _response_format(config: OutputConfig | None) -> ResponseFormat | None:
@@ -220,6 +233,8 @@ def _tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
 def _tool_choice(choice: ToolChoice | None, tools: list[Tool] | None) -> str | dict[str, Any] | None:
     if choice is None:
         return None
+    if choice.type in ("any", "tool") and not tools:
+        raise invalid_request(f"tool_choice {choice.type!r} needs tools", "tool_choice")
     if choice.type == "tool":
         if choice.name is None:
             raise invalid_request("tool_choice.name: Field required when type is tool", "tool_choice.name")
@@ -277,6 +292,8 @@ async def _events(turn: Turn, model: str, stop_sequences: list[str],
         yield event(MessageStop())
     except APIError as e:
         yield sse_event("error", anthropic_error(e))
+    finally:  # a client that left before the first piece: its request stops too
+        await turn.aclose()
 
 
 class _Blocks:

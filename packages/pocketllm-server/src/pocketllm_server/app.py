@@ -18,6 +18,8 @@ from pocketllm.pooling import POOLING_TYPES
 from pocketllm.reasoning import REASONING_PARSERS
 from pocketllm_server import (
     anthropic_messages,
+    ollama_api,
+    ollama_models,
     openai_chat,
     openai_completions,
     openai_embeddings,
@@ -104,11 +106,18 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
         Route("/v1/embeddings", openai_embeddings.create_embedding, methods=["POST"]),
         Route("/v1/messages", anthropic_messages.create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_messages.count_tokens, methods=["POST"]),
+        Route("/api/chat", ollama_api.chat, methods=["POST"]),
+        Route("/api/generate", ollama_api.generate, methods=["POST"]),
+        Route("/api/embed", ollama_api.embed, methods=["POST"]),
+        Route("/api/tags", ollama_models.tags, methods=["GET"]),
+        Route("/api/show", ollama_models.show, methods=["POST"]),
+        Route("/api/version", ollama_models.version, methods=["GET"]),
         Route("/v1/responses", openai_responses.create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", openai_responses.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", openai_responses.delete_response, methods=["DELETE"]),
         Route("/tokenize", routes_tokenize.tokenize, methods=["POST"]),
         Route("/detokenize", routes_tokenize.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", routes_tokenize.tokenizer_info, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
         *(web_ui_routes() if web_ui else []),
     ]

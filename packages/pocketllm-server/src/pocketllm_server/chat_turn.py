@@ -236,6 +236,9 @@ def check_options(req: ChatCompletionRequest) -> None:
                        code="unsupported_option")
     if req.functions is not None and req.tools is not None:
         raise invalid_request("give tools or the legacy functions, not both", "functions")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise invalid_request("continue_final_message needs add_generation_prompt false: the reply continues the "
+                              "last message, it does not start a new one", "continue_final_message")
 
 
 def _render(llm: AsyncLLM, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
@@ -246,7 +249,8 @@ def _render(llm: AsyncLLM, req: ChatCompletionRequest, tools: list[dict[str, Any
         tools = None
     messages = [msgspec.to_builtins(m) for m in req.messages]
     return llm.render_chat(messages, add_generation_prompt=req.add_generation_prompt, tools=tools,
-                           chat_template_kwargs=req.chat_template_kwargs)[1]
+                           chat_template_kwargs=req.chat_template_kwargs,
+                           continue_final_message=req.continue_final_message)[1]
 
 
 def _reply_parser(parser: str, llm: AsyncLLM) -> str | None:

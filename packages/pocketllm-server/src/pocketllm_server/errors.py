@@ -75,10 +75,20 @@ def anthropic_error(error: APIError) -> AnthropicErrorBody:
     return AnthropicErrorBody(AnthropicErrorInfo(type=kind, message=error.info.message))
 
 
-def error_body(path: str, error: APIError) -> ErrorBody | AnthropicErrorBody | OllamaErrorBody:
+def error_body_type(path: str) -> type[ErrorBody | AnthropicErrorBody | OllamaErrorBody]:
+    """The error format of the API that ``path`` belongs to."""
     if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
-        return anthropic_error(error)
+        return AnthropicErrorBody
     if path.startswith(OLLAMA_PREFIX):
+        return OllamaErrorBody
+    return ErrorBody
+
+
+def error_body(path: str, error: APIError) -> ErrorBody | AnthropicErrorBody | OllamaErrorBody:
+    kind = error_body_type(path)
+    if kind is AnthropicErrorBody:
+        return anthropic_error(error)
+    if kind is OllamaErrorBody:
         return OllamaErrorBody(error.info.message)
     return ErrorBody(error.info)
 

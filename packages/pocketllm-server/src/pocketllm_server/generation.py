@@ -65,7 +65,7 @@ def resolve_max_tokens(requested: int | None, default: int | None, *, prompt_len
 
 
 def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None, fields: dict[str, str],
-                    defaults: dict[str, Any]) -> SamplingParams:
+                    defaults: dict[str, Any], prompt_logprobs: int | None = None) -> SamplingParams:
     """Build and validate the engine's parameters: the request's, else the model's recommended ``defaults``
     (see ``--generation-config``); ``fields`` names request fields in errors."""
     values = {name: defaults[name] for name in _PASSTHROUGH if name in defaults}
@@ -79,6 +79,7 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=_logit_bias(req.logit_bias), skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output, **values)
     except ConfigError as e:

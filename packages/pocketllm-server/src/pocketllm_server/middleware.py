@@ -19,7 +19,7 @@ log = logging.getLogger("pocketllm_server")
 def _is_protected(path: str) -> bool:
     # The chat page's files stay open (they hold no secret); its defaults are API data.
     return (path == "/v1" or path.startswith(("/v1/", OLLAMA_PREFIX))
-            or path in ("/tokenize", "/detokenize", DEFAULTS_PATH))
+            or path in ("/tokenize", "/detokenize", "/tokenizer_info", DEFAULTS_PATH))
 
 
 class ApiKeyMiddleware:

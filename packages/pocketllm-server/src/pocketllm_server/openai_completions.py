@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pocketllm import AsyncLLM, PocketLLMError, RequestOutput, SamplingParams
+from pocketllm import AsyncLLM, PocketLLMError, RequestOutput, SampledLogprobs, SamplingParams
 from pocketllm_server.app_state import read_model_request
 from pocketllm_server.engine_stream import EngineStream
 from pocketllm_server.errors import APIError, ErrorBody, from_engine_error, invalid_request
@@ -26,12 +26,14 @@ from pocketllm_server.generation import (
     start_all,
     usage_info,
 )
-from pocketllm_server.logprobs import TokenTexts, completion_logprobs
+from pocketllm_server.logprobs import TokenTexts, completion_logprobs, echoed_logprobs, vllm_prompt_logprobs
 from pocketllm_server.protocol import (
     MAX_PROMPTS,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
+    PromptLogprob,
     UsageInfo,
     json_response,
 )
@@ -75,15 +77,41 @@ def _response(req: CompletionRequest, requests: Sequence[PromptRequest], outputs
     choices = []
     for i, (prompt, output) in enumerate(zip(requests, outputs, strict=True)):
         echo = _echo(prompt, text_of) if req.echo else ""
+        scored = _scored(req, prompt, output.prompt_logprobs, text_of)
         for c in output.outputs:
             logprobs = None
-            if req.logprobs is not None and c.logprobs is not None:
-                logprobs = completion_logprobs(c.logprobs, text_of, 0)
+            if req.logprobs is not None:
+                logprobs = _joined(scored, completion_logprobs(c.logprobs or [], text_of, len(echo)))
             choices.append(CompletionChoice(index=i * req.n + c.index, text=echo + c.text, logprobs=logprobs,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                            prompt_logprobs=_vllm_scored(req, output.prompt_logprobs, text_of)))
     usage = usage_info(sum(o.usage.prompt_tokens for o in outputs), sum(o.usage.completion_tokens for o in outputs))
     return json_response(Completion(id=rid, created=created, model=model, choices=choices, usage=usage),
                          headers={"X-Request-Id": rid})
+
+
+def _scored(req: CompletionRequest, prompt: PromptRequest, entries: list[SampledLogprobs | None] | None,
+            text_of: TokenTexts) -> CompletionLogprobs | None:
+    """The echoed prompt's part of ``logprobs``, where echo and logprobs are both asked for."""
+    if not req.echo or req.logprobs is None or entries is None:
+        return None
+    return echoed_logprobs(prompt.ids, entries, text_of, req.logprobs)
+
+
+def _vllm_scored(req: CompletionRequest, entries: list[SampledLogprobs | None] | None,
+                 text_of: TokenTexts) -> list[dict[str, PromptLogprob] | None] | None:
+    if req.prompt_logprobs is None or entries is None:
+        return None
+    return vllm_prompt_logprobs(entries, text_of, req.prompt_logprobs)
+
+
+def _joined(prompt: CompletionLogprobs | None, completion: CompletionLogprobs) -> CompletionLogprobs:
+    if prompt is None:
+        return completion
+    return CompletionLogprobs(tokens=prompt.tokens + completion.tokens,
+                              token_logprobs=prompt.token_logprobs + completion.token_logprobs,
+                              top_logprobs=prompt.top_logprobs + completion.top_logprobs,
+                              text_offset=prompt.text_offset + completion.text_offset)
 
 
 def _echo(prompt: PromptRequest, text_of: TokenTexts) -> str:
@@ -100,10 +128,8 @@ def _check_options(req: CompletionRequest) -> None:
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (it may only equal n)", param="best_of",
                        code="unsupported_option")
-    if req.echo and req.logprobs is not None:
-        # OpenAI then returns logprobs for the prompt tokens too, which the engine does not compute.
-        raise APIError(400, "echo together with logprobs is not supported: prompt logprobs are not computed",
-                       param="echo", code="unsupported_option")
+    if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
+        raise invalid_request("max_tokens 0 scores the prompt alone: it needs echo or prompt_logprobs", "max_tokens")
 
 
 def _count_prompts(prompt: str | list[str | int | list[int]]) -> int:
@@ -129,10 +155,21 @@ def _prompt_requests(req: CompletionRequest, llm: AsyncLLM, defaults: dict[str, 
         params = params_for.get(max_tokens)
         if params is None:
             params = params_for[max_tokens] = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                                              fields=fields, defaults=defaults)
+                                                              fields=fields, defaults=defaults,
+                                                              prompt_logprobs=_prompt_logprobs(req, max_tokens))
         requests.append(PromptRequest(text=text, ids=ids, params=params,
                                       request_id=rid if len(prompts) == 1 else f"{rid}-{i}"))
     return requests
+
+
+def _prompt_logprobs(req: CompletionRequest, max_tokens: int) -> int | None:
+    """The alternatives the engine scores the prompt with: for echo with logprobs (OpenAI's prompt logprobs) and for
+    vLLM's prompt_logprobs; a request that only echoes (max_tokens 0) is scored too, as the engine's way to run
+    a prompt without a reply."""
+    wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    if wanted:
+        return max(wanted)
+    return 0 if max_tokens == 0 else None
 
 
 def _prompts(prompt: str | list[str | int | list[int]], llm: AsyncLLM) -> list[tuple[str | None, list[int]]]:
@@ -170,17 +207,20 @@ async def _chunks(streams: Sequence[EngineStream], requests: Sequence[PromptRequ
                 yield DONE
                 return
             index = i * req.n + event.index
-            text = event.text
-            if req.echo and index not in offsets:
-                text = echoes[i] + text
-            offset = offsets.setdefault(index, 0)
+            text, scored = event.text, None
+            if index not in offsets:  # the choice's first event: the echo, and the prompt's logprobs
+                offsets[index] = len(echoes[i]) if req.echo else 0
+                text = (echoes[i] if req.echo else "") + text
+                scored = _scored(req, requests[i], event.prompt_logprobs, text_of)
             logprobs = None
-            if req.logprobs is not None and event.logprobs:
-                logprobs = completion_logprobs(event.logprobs, text_of, offset)
-                offsets[index] = offset + sum(len(t) for t in logprobs.tokens)
-            if text or event.finish_reason is not None or logprobs is not None:
+            if req.logprobs is not None and (event.logprobs or scored is not None):
+                logprobs = _joined(scored, completion_logprobs(event.logprobs or [], text_of, offsets[index]))
+                offsets[index] += sum(len(t) for t in logprobs.tokens[len(scored.tokens) if scored else 0:])
+            prompt_logprobs = _vllm_scored(req, event.prompt_logprobs, text_of)
+            if text or event.finish_reason is not None or logprobs is not None or prompt_logprobs is not None:
                 yield chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                              finish_reason=event.finish_reason, stop_reason=event.stop_reason)])
+                                              finish_reason=event.finish_reason, stop_reason=event.stop_reason,
+                                              prompt_logprobs=prompt_logprobs)])
             if event.usage is not None:
                 prompt_tokens += event.usage.prompt_tokens
                 completion_tokens += event.usage.completion_tokens

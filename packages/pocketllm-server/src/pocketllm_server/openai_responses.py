@@ -427,6 +427,16 @@ class _Items:
 
 async def _events(turn: Turn, state: ServerState, asked: _Request,
                   text_of: TokenTexts | None) -> AsyncGenerator[bytes, None]:
+    """The stream's frames (``_frames``); the engine request stops however the stream ends."""
+    try:
+        async for frame in _frames(turn, state, asked, text_of):
+            yield frame
+    finally:  # a client that left before the first piece: its request stops too
+        await turn.aclose()
+
+
+async def _frames(turn: Turn, state: ServerState, asked: _Request,
+                  text_of: TokenTexts | None) -> AsyncGenerator[bytes, None]:
     """response.created and .in_progress; each item's added, deltas and done; then response.completed (or
     .incomplete), or an error event and response.failed if the engine fails once the stream started."""
     def event(payload: Any) -> bytes:

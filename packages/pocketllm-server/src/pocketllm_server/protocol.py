@@ -109,6 +109,8 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the reply continues the last (assistant) message, as Anthropic's prefill does; no generation prompt.
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     stop_in_reasoning: bool = False  # with --reasoning-parser: stop strings also end the reasoning section
 
@@ -116,8 +118,12 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
 class CompletionRequest(SamplingRequest, kw_only=True):
     # Token ids and lists of prompts are told apart after decoding: msgspec unions allow one array type only.
     prompt: str | list[str | int | list[int]]
+    # 0: score the prompt alone (with echo and logprobs, or prompt_logprobs), as evaluation harnesses do.
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
     echo: bool = False
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's: each choice's prompt_logprobs, the prompt tokens' logprobs with this many alternatives.
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -264,10 +270,19 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True, tag_
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    # With echo, the prompt's tokens first: the first one's logprob and alternatives are null (nothing precedes it).
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's ``prompt_logprobs`` entry: one token (the prompt's own, then its alternatives) at a position."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -276,6 +291,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    # With the request's prompt_logprobs: per prompt token (null for the first), token id -> its logprob.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Completion(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="object", tag="text_completion"):
@@ -308,6 +325,17 @@ class TokenizeResponse(msgspec.Struct, kw_only=True):
 
 class DetokenizeResponse(msgspec.Struct, kw_only=True):
     prompt: str
+
+
+class TokenizerInfo(msgspec.Struct, kw_only=True):
+    """vLLM's GET /tokenizer_info: what a client needs to tokenize through /tokenize and /detokenize."""
+
+    eos_token: str | None
+    bos_token: str | None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
+    pad_token: str | None = None  # the engine pads nothing
 
 
 class HealthResponse(msgspec.Struct, kw_only=True):

@@ -1,4 +1,5 @@
-"""vLLM's POST /tokenize and /detokenize."""
+"""vLLM's POST /tokenize and /detokenize, and GET /tokenizer_info (what remote-tokenizer clients, such as
+lm-evaluation-harness's, read to tokenize through the server)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pocketllm import AsyncLLM, PocketLLMError
-from pocketllm_server.app_state import read_model_request
+from pocketllm_server.app_state import read_model_request, state_of
 from pocketllm_server.errors import from_engine_error, invalid_request
 from pocketllm_server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
     json_response,
 )
 
@@ -56,3 +58,11 @@ def _detokenize(tokens: list[int], llm: AsyncLLM) -> str:
         raise invalid_request(f"token id {bad} is not in [0, {vocab_size})", "tokens")
     # Special tokens are kept so that tokenize -> detokenize gives back the text that was tokenized.
     return llm.tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+async def tokenizer_info(request: Request) -> Response:
+    llm = state_of(request).require_llm()
+    tokenizer = llm.tokenizer
+    return json_response(TokenizerInfo(eos_token=tokenizer.eos_token, bos_token=tokenizer.bos_token,
+                                       chat_template=tokenizer.chat_template, model_max_length=llm.max_model_len,
+                                       vocab_size=tokenizer.vocab_size))

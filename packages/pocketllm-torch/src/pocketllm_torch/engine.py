@@ -195,10 +195,12 @@ class TorchEngine:
         if reason == "error":
             return RequestDelta(request_id=seq.request_id, new_token_ids=[], finish_reason="error", error=error)
         last = tokens[-1] if tokens else None
+        first = bool(tokens) and seq.num_output_tokens == len(tokens)
         return RequestDelta(
             request_id=seq.request_id,
             new_token_ids=tokens,
             logprobs=logprobs if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None,
             finish_reason=reason,
             # Only an explicit stop token is reported; EOS speaks for itself.
             stop_token_id=last if reason == "stop" and last in seq.params.stop_token_ids else None,

@@ -16,7 +16,7 @@ from pocketllm_torch.draft_model import ModelDrafter, open_draft_model
 from pocketllm_torch.linear import uses_int4, uses_int8
 from pocketllm_torch.models import model_class, mtp_class
 from pocketllm_torch.mtp import MTPDrafter
-from pocketllm_torch.sampler import Outcome, sample_each
+from pocketllm_torch.sampler import Outcome, compute_logprobs, sample_each
 from pocketllm_torch.speculative import DraftRow
 from pocketllm_torch.state_cache import StateCache
 from pocketllm_torch.state_snapshots import StateSnapshots
@@ -177,8 +177,9 @@ class ModelRunner:
                 last_rows += range(len(token_ids) - 1 - drafted, len(token_ids))
                 rows += [DraftRow(seq, j) for j in range(drafted + 1)]
                 samplers.append((i, drafted + 1))
+        scored = self._prompt_rows(batch, starts)
         step = Step(token_ids, starts, list(batch.num_new_tokens), [seq.block_table for seq in batch.seqs],
-                    last_rows)
+                    last_rows + [row for _, row, _ in scored])
         self._ran = list(zip(starts, batch.num_new_tokens, strict=True))  # before verifications keep fewer rows
         if self.state_cache is not None:
             step.state_slots = [seq.state_slot for seq in batch.seqs]
@@ -206,10 +207,32 @@ class ModelRunner:
             results[i] = self._pool(batch.seqs[i], hidden[row:row + batch.num_new_tokens[i]])
         if logits is None:
             return results
-        outcomes = iter(sample_each(logits, rows))
+        if scored:
+            self._score_prompts(logits[len(last_rows):], scored)
+        outcomes = iter(sample_each(logits[:len(last_rows)], rows) if rows else [])
         for i, count in samplers:
             results[i] = [next(outcomes) for _ in range(count)]
         return results
+
+    @staticmethod
+    def _prompt_rows(batch: ScheduledBatch, starts: list[int]) -> list[tuple[Sequence, int, int]]:
+        """The rows whose logits score a prompt token (see pocketllm.backend, "Prompt logprobs"): (sequence, row,
+        the prompt token it scores), for the prompt positions this step runs that are not scored yet."""
+        scored, first_row = [], 0
+        for seq, start, n in zip(batch.seqs, starts, batch.num_new_tokens, strict=True):
+            if seq.params.prompt_logprobs is not None and seq.pooling is None:
+                for position in range(max(start, len(seq.prompt_logprobs)), min(start + n, seq.num_prompt_tokens - 1)):
+                    scored.append((seq, first_row + position - start, seq.token_ids[position + 1]))
+            first_row += n
+        return scored
+
+    @staticmethod
+    def _score_prompts(logits: torch.Tensor, scored: list[tuple[Sequence, int, int]]) -> None:
+        """Each scored row's prompt token, by the raw logits (no sampling parameter applies), in prompt order."""
+        targets = torch.tensor([token for _, _, token in scored], device=logits.device)
+        ks = [seq.params.prompt_logprobs or 0 for seq, _, _ in scored]
+        for (seq, _, _), lp in zip(scored, compute_logprobs(logits.float(), targets, ks), strict=True):
+            seq.prompt_logprobs.append(lp)
 
     def commit_states(self, batch: ScheduledBatch) -> None:
         """After a step's verifications were accepted (``batch.num_new_tokens`` shrunk to the rows kept): each
@@ -295,8 +318,10 @@ class ModelRunner:
         self._kept = ctx.kept
         if not step.last_rows:
             return None, hidden, ctx
-        # Only the last token of a sequence needs logits: the lm_head is the largest matrix in small models.
-        last = hidden[torch.tensor(step.last_rows, device=self.device)] if len(step.last_rows) < len(hidden) else hidden
+        # Only the last token of a sequence (and scored prompt rows) needs logits: the lm_head is the largest matrix
+        # in small models.
+        every_row = len(step.last_rows) == len(hidden) and step.last_rows == list(range(len(hidden)))
+        last = hidden if every_row else hidden[torch.tensor(step.last_rows, device=self.device)]
         logits = self.model.compute_logits(last)
         return (logits if self.tp is None or self.tp.rank == 0 else None), hidden, ctx
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from pocketllm.backend import SampledLogprobs
     from pocketllm.pooling import PoolingParams
     from pocketllm.sampling_params import SamplingParams
     from pocketllm.structured import Constraint
@@ -44,10 +45,15 @@ class Sequence:
     # (None: it does not draft).
     draft: list[int] = field(default_factory=list)
     spec: DraftState | None = None
+    # params.prompt_logprobs: those of prompt tokens 1, 2, ... scored so far (a preempted prompt is not rescored).
+    prompt_logprobs: list[SampledLogprobs] = field(default_factory=list)
 
     @property
     def reuses_prefix(self) -> bool:
-        """Whether cached blocks may stand in for its first tokens: not when their hidden states are pooled."""
+        """Whether cached blocks may stand in for its first tokens: not when their hidden states are pooled, nor
+        when its prompt is scored (cached blocks have no logits)."""
+        if self.params.prompt_logprobs is not None:
+            return False
         return self.pooling is None or self.pooling.pooling_type == "last"
 
     @property

@@ -45,6 +45,7 @@ _OPTION_VALUES: dict[str, dict[str, Any]] = {
     "logit_bias": {"logit_bias": {5: 3.0}},
     "min_tokens": {"min_tokens": 2},
     "logprobs": {"logprobs": 2},
+    "prompt_logprobs": {"prompt_logprobs": 2},
 }
 assert set(_OPTION_VALUES) == set(SAMPLING_OPTIONS)
 
@@ -348,6 +349,44 @@ class ProtocolConformance(CheckpointKit):
             assert len(lp.top) == 3
             assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
             assert lp.top[0].token_id == token_id and abs(lp.top[0].logprob - lp.logprob) < 1e-5
+
+    def test_prompt_logprobs(self, llm: Any, model_path: Path) -> None:
+        """The prompt's logprobs (None for its first token) are what generating each prefix's next token with
+        logprobs says of it; the same chunked, with prefix caching on (the cache is bypassed), and for a request
+        that only scores its prompt (max_tokens=0)."""
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+        if "prompt_logprobs" not in self.caps(llm).sampling_options:
+            self.assert_refused(llm, params, "prompt_logprobs")
+            return
+        ids = llm.tokenizer.encode(LONG_PROMPT)[:24]
+        [out] = llm.generate([ids], params)
+        scored = out.prompt_logprobs
+        assert scored is not None and len(scored) == len(ids) and scored[0] is None
+        for i in (1, 5, len(ids) - 1):
+            entry = scored[i]
+            assert entry is not None and entry.token_id == ids[i] and len(entry.top) == 3
+            [next_token] = llm.generate([ids[:i]], SamplingParams(temperature=0.0, max_tokens=1, logprobs=3))
+            [generated] = next_token.outputs[0].logprobs
+            assert [t.token_id for t in entry.top] == [t.token_id for t in generated.top]
+            assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(entry.top, generated.top, strict=True))
+            top_ids = [t.token_id for t in entry.top]
+            assert entry.rank == (1 + top_ids.index(ids[i]) if ids[i] in top_ids else entry.rank) >= 1
+        scoring = SamplingParams(max_tokens=0, prompt_logprobs=0)
+        [only] = llm.generate([ids], scoring)
+        assert only.outputs[0].token_ids == [] and only.outputs[0].finish_reason == "length"
+        assert [e.logprob for e in only.prompt_logprobs[1:]] == pytest.approx([e.logprob for e in scored[1:]],
+                                                                            abs=1e-3)
+        other = self.make_llm(model_path, prefill_chunk_size=7, max_num_batched_tokens=16,
+                              enable_prefix_caching=self.caps(llm).prefix_caching)
+        try:
+            for _ in range(2):  # the second run's prompt is in the prefix cache, where there is one
+                [again] = other.generate([ids], params)
+                assert [e.token_id for e in again.prompt_logprobs[1:]] == ids[1:]
+                assert [e.logprob for e in again.prompt_logprobs[1:]] == pytest.approx(
+                    [e.logprob for e in scored[1:]], abs=1e-3)
+            self.wait_idle(other)
+        finally:
+            other.shutdown()
 
     # -- scheduling -----------------------------------------------------------------------------------------------
 
