@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from pocketllm import AsyncLLM, EngineArgs
+from pocketllm.testing import StepGate
 from pocketllm_server import create_app
 from tests.server.conftest import LiveServer
 
@@ -244,3 +245,23 @@ def test_api_key_as_x_api_key(serve_app, tiny_args, echo_llm) -> None:
                             json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
         assert bearer.status_code == 200 and bearer.json()["input_tokens"] > 0
         assert json.loads(httpx.get(f"{server.url}/v1/models", headers={"x-api-key": "sekret"}).text)["data"]
+
+
+def test_a_stream_cut_by_the_server_ends_with_an_error_event(gated_server: LiveServer, gated_llm: AsyncLLM,
+                                                              gate: StepGate, wait_for) -> None:
+    """An abort the client did not ask for (only a shutdown does that) ends the stream with Anthropic's error event;
+    a client that leaves mid-stream frees its request."""
+    gate.hold()
+    gate.release(4)
+    body = {"model": MODEL, "max_tokens": 400, "stream": True, **GREEDY,
+            "messages": [{"role": "user", "content": "hello there"}]}
+    with httpx.stream("POST", f"{gated_server.url}/v1/messages", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines) == "event: message_start"
+        gated_llm.abort(response.headers["x-request-id"])
+        *_, name, data = [line for line in lines if line]
+    assert name == "event: error" and json.loads(data.removeprefix("data: "))["error"]["type"] == "overloaded_error"
+    gate.release(8)
+    with httpx.stream("POST", f"{gated_server.url}/v1/messages", json=body) as response:
+        assert next(response.iter_lines()) == "event: message_start"
+    assert wait_for(lambda: gated_llm.stats().num_running == gated_llm.stats().num_waiting == 0, timeout=2)

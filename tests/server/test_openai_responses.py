@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from pocketllm import AsyncLLM, EngineArgs
+from pocketllm.testing import StepGate
 from pocketllm_server import create_app
 from tests.server.conftest import LiveServer
 
@@ -246,3 +247,26 @@ def test_an_agent_with_one_function_tool(smol_server: LiveServer) -> None:
                          tool_use_behavior="stop_on_first_tool")
     result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=2))
     assert len(asked) == 1 and result.final_output == f"Sunny in {asked[0]}"
+
+
+def test_a_stream_cut_by_the_server_ends_with_an_error_and_a_failed_response(gated_server: LiveServer,
+                                                                              gated_llm: AsyncLLM,
+                                                                              gate: StepGate, wait_for) -> None:
+    """An abort the client did not ask for (only a shutdown does that) ends the stream with an error event and
+    response.failed; a client that leaves mid-stream frees its request."""
+    gate.hold()
+    gate.release(4)
+    with sdk_for(gated_server) as client:
+        stream = client.responses.create(model=MODEL, input="hello there", max_output_tokens=400, stream=True,
+                                         **GREEDY)
+        events = iter(stream)
+        assert next(events).type == "response.created"
+        gated_llm.abort(stream.response.headers["x-request-id"])
+        *_, error, failed = list(events)
+        stream.close()
+    assert error.type == "error" and error.code == "request_aborted"
+    assert failed.type == "response.failed" and failed.response.status == "failed"
+    gate.release(8)
+    with sdk_for(gated_server) as client:
+        next(iter(client.responses.create(model=MODEL, input="hi", max_output_tokens=400, stream=True, **GREEDY)))
+    assert wait_for(lambda: gated_llm.stats().num_running == gated_llm.stats().num_waiting == 0, timeout=2)

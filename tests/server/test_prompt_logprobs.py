@@ -1,25 +1,37 @@
 """Prompt logprobs over HTTP: /v1/completions with echo and logprobs (OpenAI's legacy API, as evaluation harnesses
-use it), vLLM's prompt_logprobs, and scoring requests (max_tokens 0), on the torch backend's tiny model; they equal
+use it), vLLM's prompt_logprobs, and scoring requests (max_tokens 0), on the tiny model on each backend; they equal
 the library's SamplingParams.prompt_logprobs."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from pocketllm import AsyncLLM, SamplingParams
+from pocketllm import AsyncLLM, EngineArgs, SamplingParams
+from pocketllm_server import create_app
 from tests.server.conftest import LiveServer
 
 MODEL = "tiny"
 
 
+@pytest.fixture(scope="module", params=["torch", "cpp"])
+def scorer(request: pytest.FixtureRequest, live_server, pocketllm_tiny_llama: Path) -> Iterator[
+        tuple[LiveServer, AsyncLLM]]:
+    """A server on the tiny model on each backend, and its engine."""
+    pytest.importorskip(f"pocketllm_{request.param}")
+    llm = AsyncLLM(engine_args=EngineArgs(model=str(pocketllm_tiny_llama), backend=request.param))
+    yield live_server(create_app(llm.args, served_model_name=MODEL, llm=llm)), llm
+    llm.shutdown()
+
+
 @pytest.fixture(scope="module")
-def sdk(torch_server: LiveServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{torch_server.url}/v1", api_key="unused", max_retries=0) as client:
+def sdk(scorer: tuple[LiveServer, AsyncLLM]) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{scorer[0].url}/v1", api_key="unused", max_retries=0) as client:
         yield client
 
 
@@ -28,12 +40,13 @@ def library_scores(llm: AsyncLLM, ids: list[int], k: int) -> list:
     return asyncio.run(llm.complete(ids, SamplingParams(max_tokens=0, prompt_logprobs=k))).prompt_logprobs
 
 
-def test_echo_with_logprobs_scores_the_prompt(sdk: openai.OpenAI, torch_llm: AsyncLLM) -> None:
-    ids = torch_llm.tokenizer.encode("the cat sat on the mat", add_special_tokens=False)
-    scored = library_scores(torch_llm, ids, 2)
+def test_echo_with_logprobs_scores_the_prompt(sdk: openai.OpenAI, scorer: tuple[LiveServer, AsyncLLM]) -> None:
+    llm = scorer[1]
+    ids = llm.tokenizer.encode("the cat sat on the mat", add_special_tokens=False)
+    scored = library_scores(llm, ids, 2)
     whole = sdk.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=2, max_tokens=0, temperature=0)
     [choice] = whole.choices
-    assert choice.text == torch_llm.tokenizer.decode(ids, skip_special_tokens=False)
+    assert choice.text == llm.tokenizer.decode(ids, skip_special_tokens=False)
     assert choice.finish_reason == "length" and whole.usage.completion_tokens == 0
     lp = choice.logprobs
     assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
@@ -54,13 +67,14 @@ def test_echo_with_logprobs_scores_the_prompt(sdk: openai.OpenAI, torch_llm: Asy
     assert "".join(c.text for chunk in streamed for c in chunk.choices) == more.choices[0].text
 
 
-def test_vllm_prompt_logprobs(torch_server: LiveServer, torch_llm: AsyncLLM) -> None:
-    ids = torch_llm.tokenizer.encode("1 2 3 4", add_special_tokens=False)
-    scored = library_scores(torch_llm, ids, 3)
+def test_vllm_prompt_logprobs(scorer: tuple[LiveServer, AsyncLLM]) -> None:
+    server, llm = scorer
+    ids = llm.tokenizer.encode("1 2 3 4", add_special_tokens=False)
+    scored = library_scores(llm, ids, 3)
     for stream in (False, True):
         body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3,
                 "stream": stream}
-        response = httpx.post(f"{torch_server.url}/v1/completions", json=body, timeout=30)
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
         if stream:
             chunks = [httpx.Response(200, content=line[6:]).json() for line in response.text.splitlines()
                       if line.startswith("data: {")]
@@ -74,10 +88,11 @@ def test_vllm_prompt_logprobs(torch_server: LiveServer, torch_llm: AsyncLLM) -> 
             assert position[str(token)]["rank"] == entry.rank and 3 <= len(position) <= 4
 
 
-def test_scoring_needs_echo_or_prompt_logprobs(torch_server: LiveServer) -> None:
-    response = httpx.post(f"{torch_server.url}/v1/completions", timeout=30,
+def test_scoring_needs_echo_or_prompt_logprobs(scorer: tuple[LiveServer, AsyncLLM]) -> None:
+    server = scorer[0]
+    response = httpx.post(f"{server.url}/v1/completions", timeout=30,
                           json={"model": MODEL, "prompt": "hi", "max_tokens": 0})
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
-    echo_only = httpx.post(f"{torch_server.url}/v1/completions", timeout=30,
+    echo_only = httpx.post(f"{server.url}/v1/completions", timeout=30,
                            json={"model": MODEL, "prompt": "hi", "max_tokens": 0, "echo": True}).json()
     assert echo_only["choices"][0]["text"] == "hi" and echo_only["usage"]["completion_tokens"] == 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,10 +157,13 @@ def _finish(reason: str, called: bool) -> str:
 
 
 async def start_turn(request: Request, state: ServerState, llm: AsyncLLM, req: ChatCompletionRequest, *,
-                     id_prefix: str, fields: dict[str, str] | None = None) -> Turn:
+                     id_prefix: str, fields: dict[str, str] | None = None,
+                     budget: Callable[[int], int] | None = None) -> Turn:
     """Render the conversation, check every parameter and start the engine request; its errors are raised here,
     before any response starts. ``fields`` names the request's own fields in errors, by chat completions' names
-    (``messages``, ``max_tokens``, ``tool_choice``, ``response_format``, ...)."""
+    (``messages``, ``max_tokens``, ``tool_choice``, ``response_format``, ...). ``budget``, given the prompt's
+    length, says the reply's max_tokens where an API bounds it by the context (Ollama's num_ctx); else
+    ``req.max_tokens`` or the model's default, within max_model_len."""
     names = {"prompt": "messages", "max_tokens": "max_tokens", "tool_choice": "tool_choice",
              "response_format": "response_format", **(fields or {})}
     check_options(req)
@@ -174,7 +177,7 @@ async def start_turn(request: Request, state: ServerState, llm: AsyncLLM, req: C
     budget_field = "max_completion_tokens" if req.max_completion_tokens is not None else names["max_tokens"]
     # Engine field names as this request spells them, for error messages' ``param``.
     errors = {**names, "max_tokens": budget_field}
-    max_tokens = resolve_max_tokens(
+    max_tokens = budget(len(prompt_ids)) if budget is not None else resolve_max_tokens(
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
         state.sampling_defaults.get("max_tokens"), prompt_len=len(prompt_ids), max_model_len=llm.max_model_len,
         param=budget_field, prompt_param=names["prompt"])

@@ -188,24 +188,12 @@ class _Run(Protocol):
 
 async def _start_chat(request: Request, state: ServerState, llm: AsyncLLM, chat_request: ChatCompletionRequest,
                       opts: Options, *, prompt_field: str) -> _Run:
-    """Start the turn. Options that bound the reply by the prompt's length (num_predict, a num_ctx below
-    max_model_len) need that length before the turn starts: the conversation is rendered to count it."""
-    if opts.num_predict is not None or context_size(opts, llm.max_model_len) < llm.max_model_len:
-        try:  # off the event loop: rendering and tokenizing grow with the conversation
-            prompt_len = await asyncio.to_thread(_chat_length, llm, chat_request)
-        except PocketLLMError as e:
-            raise from_engine_error(e, fields={"prompt": prompt_field}) from None
-        chat_request.max_tokens = reply_budget(opts, prompt_len, llm.max_model_len,
-                                          state.sampling_defaults.get("max_tokens"), prompt_field)
-    # Otherwise the turn's own budget is Ollama's default num_predict (-1): the recommended one, else the rest.
+    """Start the turn, its reply bounded by num_predict and num_ctx once the prompt's length is known."""
+    default = state.sampling_defaults.get("max_tokens")
     return await start_turn(request, state, llm, chat_request, id_prefix="ollama",
-                            fields={**OPTION_FIELDS, "prompt": prompt_field})
-
-
-def _chat_length(llm: AsyncLLM, chat_request: ChatCompletionRequest) -> int:
-    messages = [msgspec.to_builtins(m) for m in chat_request.messages]
-    return len(llm.render_chat(messages, tools=chat_request.tools,
-                               chat_template_kwargs=chat_request.chat_template_kwargs)[1])
+                            fields={**OPTION_FIELDS, "prompt": prompt_field},
+                            budget=lambda prompt_len: reply_budget(opts, prompt_len, llm.max_model_len, default,
+                                                                   prompt_field))
 
 
 async def _start_raw(request: Request, state: ServerState, llm: AsyncLLM, prompt: str, opts: Options,
