@@ -21,7 +21,9 @@ import pytest
 
 # llama-quantize's type names (Q4_K is its alias of Q4_K_M) -> llama.cpp's file types.
 QUANT_TYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
-               "Q4_K": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+               "Q4_K": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+               "Q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0", "Q5_1": "LLAMA_FTYPE_MOSTLY_Q5_1",
+               "IQ4_NL": "LLAMA_FTYPE_MOSTLY_IQ4_NL"}
 THREADS = 2
 CONTEXT = 1024  # positions of each llama.cpp context: the tests' prompts and continuations fit
 
@@ -38,14 +40,16 @@ def llama_cpp() -> ModuleType:
     return llama_cpp
 
 
-def llama_quantize(src: Path, dst: Path, quant_type: str) -> Path:
+def llama_quantize(src: Path, dst: Path, quant_type: str, *, requantize: bool = False) -> Path:
     """``src`` (a float GGUF) quantized to ``dst`` as ``llama-quantize src dst quant_type 2`` writes it: tensors whose
     rows do not divide into the type's blocks fall back per tensor (Q4_K -> Q5_0, Q6_K -> Q8_0 where rows are not a
-    multiple of 256), as the tool does."""
+    multiple of 256), as the tool does. ``requantize``: ``src`` may be quantized already (the tool's
+    ``--allow-requantize``)."""
     lib = llama_cpp()
     params = lib.llama_model_quantize_default_params()
     params.ftype = getattr(lib, QUANT_TYPES[quant_type])
     params.nthread = THREADS
+    params.allow_requantize = requantize
     status = lib.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if status != 0:
         raise AssertionError(f"llama_model_quantize({src}, {quant_type}) returned {status}")
@@ -74,6 +78,27 @@ def llama_cpp_greedy(gguf_path: Path, prompt_ids: list[int], n: int) -> list[int
         tokens = [int(logits.argmax())]
         out += tokens
     return out
+
+
+def llama_cpp_reference(gguf_path: Path, prompt_ids: list[int], n: int) -> Reference:
+    """llama.cpp's greedy continuation of ``prompt_ids`` on ``gguf_path`` and its own top-2 logit margins: the
+    reference where the file is quantized (no float model holds its exact weights)."""
+    if len(prompt_ids) + n > CONTEXT:
+        raise ValueError(f"{len(prompt_ids)} + {n} positions exceed the context of {CONTEXT}")
+    lib, model = llama_cpp(), _model(str(gguf_path))
+    model.reset()
+    vocab = model.n_vocab()
+    ids: list[int] = []
+    margins: list[float] = []
+    tokens = list(prompt_ids)
+    while len(ids) < n:
+        model.eval(tokens)
+        logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(model.ctx, -1), shape=(vocab,))
+        top2 = np.sort(logits)[-2:]
+        tokens = [int(logits.argmax())]
+        ids += tokens
+        margins.append(float(top2[1] - top2[0]))
+    return Reference(list(prompt_ids), ids, margins)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 kernels = pytest.importorskip("pocketllm_cpp.kernels")
 
 from pocketllm.checkpoint import load_checkpoint  # noqa: E402
-from tests.cpp.weights import QUANTIZED_TYPES, random_weight, reference_activations  # noqa: E402
+from tests.cpp.weights import BLOCK32_TYPES, QUANTIZED_TYPES, random_weight, reference_activations  # noqa: E402
 
 ISAS = kernels.available_isas().split()  # scalar always, and each SIMD path this CPU runs
 
@@ -51,7 +51,7 @@ def test_matmul_matches_numpy(isa: str, storage_type: str, n: int) -> None:
     assert np.all(np.abs(y - expected) <= 1e-5 * scale + 1e-6)
 
 
-@pytest.mark.parametrize("storage_type", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("storage_type", BLOCK32_TYPES)
 @pytest.mark.parametrize("n", [1, 2, 5])
 def test_matmul_rows_ending_in_a_partial_group_of_blocks(isa: str, storage_type: str, n: int) -> None:
     # 19 blocks of 32 per row: two groups of 8 and a last group of 3, the default model's 576 columns' shape.
@@ -64,7 +64,7 @@ def test_matmul_rows_ending_in_a_partial_group_of_blocks(isa: str, storage_type:
 
 
 @pytest.mark.parametrize(("storage_type", "cols"), [(q, 512) for q in ("F32", "F16", "BF16", *QUANTIZED_TYPES)]
-                         + [(q, 608) for q in ("Q4_0", "Q4_1", "Q8_0")])  # 608: a last, partial group of blocks
+                         + [(q, 608) for q in BLOCK32_TYPES])  # 608: a last, partial group of blocks
 def test_a_row_is_the_same_bits_alone_and_in_any_batch(isa: str, storage_type: str, cols: int) -> None:
     # One row is the decode path, 2 and more the batched tiles (2, 4, their remainders): a row's products must
     # not depend on the rows beside it, or a seeded request samples differently when others share its step.

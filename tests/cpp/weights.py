@@ -6,8 +6,11 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+BLOCK32_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")  # blocks of 32 values
+# MXFP4 exponents: the subnormal scales (e < 2), the smallest normal ones, and those of weights near 1.
+MXFP4_EXPONENTS = np.array([0, 1, 2, 3, 120, 124, 126, 127, 128, 129], dtype=np.uint8)
 
 
 def random_weight(storage_type: str, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -21,6 +24,8 @@ def random_weight(storage_type: str, rows: int, cols: int, seed: int = 0) -> tup
     t = gguf.GGMLQuantizationType[storage_type]
     if storage_type in K_TYPES:  # gguf has no K-quant quantizer: random blocks with sane super-block scales
         return random_k_blocks(storage_type, rows, cols, seed)
+    if storage_type in ("IQ4_NL", "MXFP4"):  # every codebook index, and every kind of scale
+        return random_codebook_blocks(storage_type, rows, cols, seed)
     blocks = gguf.quants.quantize(w, t)
     return np.ascontiguousarray(blocks).reshape(-1), gguf.quants.dequantize(blocks, t).astype(np.float64)
 
@@ -35,6 +40,18 @@ def random_k_blocks(storage_type: str, rows: int, cols: int, seed: int) -> tuple
         blocks[:, -2:] = scales[:, :2]  # d comes last
     else:
         blocks[:, :4] = scales  # d, dmin first
+    return blocks.reshape(-1), gguf.quants.dequantize(blocks, t).reshape(rows, cols).astype(np.float64)
+
+
+def random_codebook_blocks(storage_type: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    t = gguf.GGMLQuantizationType[storage_type]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
+    if storage_type == "MXFP4":
+        blocks[:, 0] = rng.choice(MXFP4_EXPONENTS, len(blocks))
+    else:
+        blocks[:, :2] = (rng.random((len(blocks), 1)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
     return blocks.reshape(-1), gguf.quants.dequantize(blocks, t).reshape(rows, cols).astype(np.float64)
 
 

@@ -229,6 +229,17 @@ def torch_server(live_server: Callable[..., LiveServer], torch_llm: AsyncLLM) ->
     return live_server(create_app(torch_llm.args, served_model_name=MODEL_NAME, llm=torch_llm))
 
 
+@pytest.fixture(scope="session")
+def smol_server(live_server: Callable[..., LiveServer]) -> Iterator[LiveServer]:
+    """The default model on the cpp backend (what ``auto`` picks on x86 CPUs), which has grammars, served as
+    ``tiny``: the client-library tests' real model."""
+    pytest.importorskip("pocketllm_cpp")
+    args = EngineArgs(model="smollm2-135m-instruct", backend="cpp")
+    llm = AsyncLLM(engine_args=args)
+    yield live_server(create_app(args, served_model_name=MODEL_NAME, llm=llm))
+    llm.shutdown()
+
+
 @pytest.fixture
 def client(echo_server: LiveServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=echo_server.url, timeout=30) as client:

@@ -55,7 +55,7 @@ def test_text_reply(sdk: anthropic.Anthropic, echo_llm: AsyncLLM) -> None:
     message = sdk.messages.create(model=MODEL, max_tokens=7, system="Be brief.", extra_body=GREEDY,
                                   messages=[{"role": "user", "content": [{"type": "text", "text": "hello there"}]}])
     assert message.type == "message" and message.role == "assistant" and message.model == MODEL
-    assert message.id.startswith("msg-")
+    assert message.id.startswith("msg_")
     [block] = message.content
     assert block.type == "text" and block.text == echo_llm.tokenizer.decode([prompt_ids[i] for i in range(7)])
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None
@@ -115,16 +115,6 @@ def test_thinking_on_a_model_that_does_not_think_is_refused(sdk: anthropic.Anthr
     assert error.value.body["error"]["type"] == "invalid_request_error"
 
 
-@pytest.fixture(scope="module")
-def smol_server(live_server) -> Iterator[LiveServer]:
-    """The default model on the cpp backend (what ``auto`` picks on x86 CPUs), which has grammars."""
-    pytest.importorskip("pocketllm_cpp")
-    args = EngineArgs(model="smollm2-135m-instruct", backend="cpp")
-    llm = AsyncLLM(engine_args=args)
-    yield live_server(create_app(args, served_model_name=MODEL, llm=llm))
-    llm.shutdown()
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_tool_use(smol_server: LiveServer, stream: bool) -> None:
     """tool_choice naming a tool forces one call: a tool_use block whose input follows the schema."""
@@ -143,6 +133,21 @@ def test_forced_tool_use(smol_server: LiveServer, stream: bool) -> None:
             [call] = [b for b in message.content if b.type == "tool_use"]
             assert call.name == "get_weather" and call.id.startswith("toolu_") and message.stop_reason == "tool_use"
             jsonschema.validate(call.input, WEATHER["input_schema"])
+
+
+def test_a_forced_call_cut_short_leaves_no_text(smol_server: LiveServer) -> None:
+    """A forced call that max_tokens cut off is no call, and its unfinished text (the call format's) is no content
+    either: nothing of the server's own format reaches the client."""
+    with sdk_for(smol_server) as client:
+        for stream in (False, True):
+            fields = {"model": MODEL, "max_tokens": 5, "tools": [WEATHER], "tool_choice": {"type": "any"},
+                      "messages": [{"role": "user", "content": "What is the weather in Paris?"}], "extra_body": GREEDY}
+            if stream:
+                with client.messages.stream(**fields) as s:
+                    message = s.get_final_message()
+            else:
+                message = client.messages.create(**fields)
+            assert message.stop_reason == "max_tokens" and message.content == [], message
 
 
 @pytest.fixture(scope="module")

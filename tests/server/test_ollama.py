@@ -224,6 +224,11 @@ def test_refusals_are_in_ollama_s_shape(echo_server: LiveServer, client: ollama.
     response = httpx.post(f"{echo_server.url}/api/generate", json={"model": MODEL_NAME, "prompt": "hi",
                                                                    "format": "yaml"})
     assert response.status_code == 400 and "format" in response.json()["error"]
+    for body in ({"options": {"num_predict": 2**63}}, {"tools": [{"type": "function"}]}):  # past int64; no function
+        response = httpx.post(f"{echo_server.url}/api/chat", json={"model": MODEL_NAME, "stream": False,
+                                                                   "messages": [{"role": "user", "content": "hi"}],
+                                                                   **body})
+        assert response.status_code == 400 and list(response.json()) == ["error"], response.text
     assert "pool" in refusal(lambda: client.embed(model=MODEL_NAME, input="hi"))  # the echo backend has no pooling
     with pytest.raises(ollama.ResponseError) as info:
         client.chat(model="llama3.2", messages=[{"role": "user", "content": "hi"}])

@@ -176,6 +176,8 @@ def test_errors_in_openai_s_shape(echo_server: LiveServer) -> None:
                          "input[0].type"),
                         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
                         ({"input": "hi", "include": ["file_search_call.results"]}, "include"),
+                        ({"input": "hi", "text": {"verbosity": "low"}}, "text.verbosity"),
+                        ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata"),
                         ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
                         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
                          "text.format.schema"),
@@ -184,16 +186,6 @@ def test_errors_in_openai_s_shape(echo_server: LiveServer) -> None:
         response = httpx.post(url, json={"model": MODEL, **GREEDY, **body}, timeout=30)
         assert response.status_code == 400, (body, response.text)
         assert response.json()["error"]["param"] == param, (body, response.json())
-
-
-@pytest.fixture(scope="module")
-def smol_server(live_server) -> Iterator[LiveServer]:
-    """The default model on the cpp backend (what ``auto`` picks on x86 CPUs), which has grammars."""
-    pytest.importorskip("pocketllm_cpp")
-    args = EngineArgs(model="smollm2-135m-instruct", backend="cpp")
-    llm = AsyncLLM(engine_args=args)
-    yield live_server(create_app(args, served_model_name=MODEL, llm=llm))
-    llm.shutdown()
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -270,3 +262,31 @@ def test_a_stream_cut_by_the_server_ends_with_an_error_and_a_failed_response(gat
     with sdk_for(gated_server) as client:
         next(iter(client.responses.create(model=MODEL, input="hi", max_output_tokens=400, stream=True, **GREEDY)))
     assert wait_for(lambda: gated_llm.stats().num_running == gated_llm.stats().num_waiting == 0, timeout=2)
+
+
+@pytest.fixture(scope="module")
+def replay(tiny_with_template, live_server) -> Iterator[tuple[LiveServer, AsyncLLM]]:
+    """An echo server whose template shows the last message's text alone (the reply is that text), splitting
+    reasoning as Qwen3's replies open it."""
+    llm = AsyncLLM(engine_args=EngineArgs(model=str(tiny_with_template("{{ messages[-1].content }}")),
+                                          backend="echo"))
+    yield live_server(create_app(llm.args, served_model_name=MODEL, llm=llm, reasoning_parser="qwen3")), llm
+    llm.shutdown()
+
+
+def test_reasoning_items(replay: tuple[LiveServer, AsyncLLM]) -> None:
+    """With --reasoning-parser the reply's section is a reasoning item before the message, whole and streamed, and
+    usage counts its tokens."""
+    server, llm = replay
+    text = "<think>a plan</think>The answer."
+    fields = {"model": MODEL, "input": text, **GREEDY,
+              "max_output_tokens": len(llm.tokenizer.encode(text, add_special_tokens=False))}
+    with sdk_for(server) as client:
+        whole = client.responses.create(**fields)
+        events = list(client.responses.create(**fields, stream=True))
+    reasoning, message = whole.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "a plan"
+    assert message.type == "message" and whole.output_text == "The answer."
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "a plan"
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]

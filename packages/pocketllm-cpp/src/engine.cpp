@@ -290,12 +290,17 @@ std::vector<StateCapture> Engine::captures_of(const ScheduledBatch& batch, const
     std::vector<StateCapture> captures = batch.captures;
     if (model_->num_state_slots() == 0) return captures;
     const size_t floats = static_cast<size_t>(model_->state_bytes() / 4);
+    // Each slice's sampled rows: its scored prompt rows (which never come with drafts) keep no states.
+    verify_rows_.assign(slices.size(), 0);
     size_t rows = 0;
-    for (const SequenceSlice& slice : slices) rows += static_cast<size_t>(std::max<int64_t>(slice.num_logits - 1, 0));
+    for (size_t i = 0; i < slices.size(); ++i) {
+        verify_rows_[i] = slices[i].num_logits - batch.seqs[i]->scored_rows(slices[i].start, slices[i].num_tokens);
+        rows += static_cast<size_t>(std::max<int64_t>(verify_rows_[i] - 1, 0));
+    }
     verify_states_.resize(rows * floats);
     size_t at = 0;
     for (size_t i = 0; i < slices.size(); ++i) {
-        for (int64_t t = 1; t < slices[i].num_logits; ++t, ++at) captures.push_back({i, t, &verify_states_[at * floats]});
+        for (int64_t t = 1; t < verify_rows_[i]; ++t, ++at) captures.push_back({i, t, &verify_states_[at * floats]});
     }
     return captures;
 }
@@ -389,7 +394,7 @@ void Engine::commit_states(const ScheduledBatch& batch, const std::vector<Sequen
     const size_t floats = static_cast<size_t>(model_->state_bytes() / 4);
     size_t at = 0;  // the captures of slice i follow those of the slices before it (captures_of)
     for (size_t i = 0; i < slices.size(); ++i) {
-        const int64_t rows = slices[i].num_logits - batch.seqs[i]->scored_rows(slices[i].start, slices[i].num_tokens);
+        const int64_t rows = verify_rows_[i];
         if (rows > 1 && batch.counts[i] < rows && batch.seqs[i]->state_slot >= 0) {
             model_->load_state(batch.seqs[i]->state_slot, &verify_states_[(at + static_cast<size_t>(batch.counts[i] - 1)) * floats]);
         }

@@ -32,8 +32,9 @@ inline __m256i bits(__m256i v, int shift, int mask) {
     return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
 }
 
+// Codes are int8 (the codebook types' values too), and no offset term.
 template <StorageType T>
-constexpr bool kSigned = T == StorageType::Q8_0;  // codes are int8, and no offset term
+constexpr bool kSigned = T == StorageType::Q8_0 || T == StorageType::IQ4_NL || T == StorageType::MXFP4;
 template <StorageType T>
 constexpr bool kOffset = !kSigned<T>;
 
@@ -51,11 +52,54 @@ inline __m256i nibbles(const uint8_t* qs) {
     return _mm256_and_si256(_mm256_blend_epi32(both, _mm256_srli_epi16(both, 4), 0xF0), _mm256_set1_epi8(0x0F));
 }
 
+// Each bit of 4 bytes (little-endian) as a byte of 0x10 where it is set: Q5_0/Q5_1's 5th bits in element order.
+inline __m256i fifth_bits(const uint8_t* qh) {
+    uint32_t bits32;
+    std::memcpy(&bits32, qh, 4);
+    // Byte i of the result takes byte i / 8 of the word; its bit i % 8 is then tested by or-ing all other bits in.
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits32)),
+                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                  0x0303030303030303));
+    const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// A codebook type's 32 values in element order, each nibble looked up in the 16-entry table.
+inline __m256i looked_up(const uint8_t* qs, const int8_t (&values)[16]) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values)));
+    return _mm256_shuffle_epi8(table, nibbles(qs));
+}
+
 template <StorageType T>
 inline Sub decode(const uint8_t* row, int64_t b) {
     Sub s;
     s.mw = 0.0f;
-    if constexpr (T == StorageType::Q4_0) {
+    if constexpr (T == StorageType::Q5_0 || T == StorageType::Q5_1) {
+        // Unsigned codes 0..31 with the offset term: Q5_0's (q - 16) d = q d - 16 d.
+        const uint8_t* blk = row + b * static_cast<int64_t>(T == StorageType::Q5_0 ? sizeof(BlockQ5_0)
+                                                                                     : sizeof(BlockQ5_1));
+        const int head = T == StorageType::Q5_0 ? 2 : 4;
+        s.codes = _mm256_or_si256(nibbles(blk + head + 4), fifth_bits(blk + head));
+        uint16_t d;
+        std::memcpy(&d, blk, 2);
+        s.dw = half(d);
+        if constexpr (T == StorageType::Q5_0) {
+            s.mw = -16.0f * s.dw;
+        } else {
+            uint16_t m;
+            std::memcpy(&m, blk + 2, 2);
+            s.mw = half(m);
+        }
+    } else if constexpr (T == StorageType::IQ4_NL) {
+        const BlockIQ4_NL& blk = reinterpret_cast<const BlockIQ4_NL*>(row)[b];
+        s.codes = looked_up(blk.qs, kIQ4NLValues);
+        s.dw = half(blk.d);
+    } else if constexpr (T == StorageType::MXFP4) {
+        const BlockMXFP4& blk = reinterpret_cast<const BlockMXFP4*>(row)[b];
+        s.codes = looked_up(blk.qs, kMXFP4Values);
+        s.dw = mxfp4_scale(blk.e);
+    } else if constexpr (T == StorageType::Q4_0) {
         const BlockQ4_0& blk = reinterpret_cast<const BlockQ4_0*>(row)[b];
         s.codes = nibbles(blk.qs);  // unsigned, with the offset term: (q - 8) d = q d - 8 d
         s.dw = half(blk.d);
@@ -80,20 +124,35 @@ inline Sub decode(const uint8_t* row, int64_t b) {
 constexpr int64_t kPrefetchBytes = 1024;
 
 template <StorageType T>
-constexpr int64_t kStorageBytes = T == StorageType::Q4_0   ? sizeof(BlockQ4_0)
-                                  : T == StorageType::Q4_1 ? sizeof(BlockQ4_1)
-                                                           : sizeof(BlockQ8_0);
+constexpr int64_t kStorageBytes = T == StorageType::Q4_0     ? sizeof(BlockQ4_0)
+                                  : T == StorageType::Q4_1   ? sizeof(BlockQ4_1)
+                                  : T == StorageType::Q5_0   ? sizeof(BlockQ5_0)
+                                  : T == StorageType::Q5_1   ? sizeof(BlockQ5_1)
+                                  : T == StorageType::IQ4_NL ? sizeof(BlockIQ4_NL)
+                                  : T == StorageType::MXFP4  ? sizeof(BlockMXFP4)
+                                                             : sizeof(BlockQ8_0);
 
 template <StorageType T>
-constexpr bool kBlock32 = T == StorageType::Q4_0 || T == StorageType::Q4_1 || T == StorageType::Q8_0;
+constexpr bool kBlock32 = T == StorageType::Q4_0 || T == StorageType::Q4_1 || T == StorageType::Q8_0 ||
+                          T == StorageType::Q5_0 || T == StorageType::Q5_1 || T == StorageType::IQ4_NL ||
+                          T == StorageType::MXFP4;
 
-// The fp16 scales of 8 consecutive 32-value blocks (each block's first 4 bytes: d, and m for Q4_1) as two float
-// vectors in one gather and two conversions, instead of two scalar conversions per block.
+// The fp16 scales of 8 consecutive 32-value blocks (each block's first 4 bytes: d, and m for Q4_1 and Q5_1; MXFP4's
+// first byte is its E8M0 exponent) as two float vectors in one gather and two conversions, instead of two scalar
+// conversions per block.
 template <StorageType T>
 inline void scales8(const uint8_t* row, int64_t b0, float* dw, float* mw) {
     const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                                _mm256_set1_epi32(static_cast<int>(kStorageBytes<T>)));
     const __m256i heads = _mm256_i32gather_epi32(reinterpret_cast<const int*>(row + b0 * kStorageBytes<T>), offsets, 1);
+    if constexpr (T == StorageType::MXFP4) {  // mxfp4_scale of each exponent: 2^(e - 128), subnormal below e = 2
+        const __m256i e = _mm256_and_si256(heads, _mm256_set1_epi32(0xFF));
+        const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+        const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+        const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+        _mm256_store_ps(dw, _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, small)));
+        return;
+    }
     // Each 32-bit head's low (d) or high (m) 16 bits, packed into 8 halves in order.
     auto halves = [&](int high) {
         const __m256i pick = _mm256_setr_epi8(0 + high, 1 + high, 4 + high, 5 + high, 8 + high, 9 + high, 12 + high, 13 + high,
@@ -104,8 +163,9 @@ inline void scales8(const uint8_t* row, int64_t b0, float* dw, float* mw) {
     };
     const __m256 d = halves(0);
     _mm256_store_ps(dw, d);
-    if constexpr (T == StorageType::Q4_1) _mm256_store_ps(mw, halves(2));
+    if constexpr (T == StorageType::Q4_1 || T == StorageType::Q5_1) _mm256_store_ps(mw, halves(2));
     if constexpr (T == StorageType::Q4_0) _mm256_store_ps(mw, _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)));  // (q - 8) d
+    if constexpr (T == StorageType::Q5_0) _mm256_store_ps(mw, _mm256_mul_ps(d, _mm256_set1_ps(-16.0f)));
 }
 
 template <StorageType T>
@@ -865,6 +925,10 @@ void PLLM_GEMM(const WeightView& w, int64_t row_begin, int64_t row_end, const Qu
         case StorageType::Q4_K: return gemm_blocks<StorageType::Q4_K>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::Q5_K: return gemm_blocks<StorageType::Q5_K>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::Q6_K: return gemm_q6_k(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::Q5_0: return gemm_blocks<StorageType::Q5_0>(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::Q5_1: return gemm_blocks<StorageType::Q5_1>(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::IQ4_NL: return gemm_blocks<StorageType::IQ4_NL>(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::MXFP4: return gemm_blocks<StorageType::MXFP4>(w, row_begin, row_end, act, n, y, y_stride);
     }
 }
 

@@ -8,12 +8,15 @@ StorageType parse_storage_type(const std::string& name) {
     static const std::pair<const char*, StorageType> names[] = {
         {"F32", StorageType::F32},   {"F16", StorageType::F16},   {"BF16", StorageType::BF16},
         {"Q4_0", StorageType::Q4_0}, {"Q4_1", StorageType::Q4_1}, {"Q8_0", StorageType::Q8_0},
-        {"Q4_K", StorageType::Q4_K}, {"Q5_K", StorageType::Q5_K}, {"Q6_K", StorageType::Q6_K}};
+        {"Q4_K", StorageType::Q4_K}, {"Q5_K", StorageType::Q5_K}, {"Q6_K", StorageType::Q6_K},
+        {"Q5_0", StorageType::Q5_0}, {"Q5_1", StorageType::Q5_1}, {"IQ4_NL", StorageType::IQ4_NL},
+        {"MXFP4", StorageType::MXFP4}};
     for (const auto& [text, type] : names) {
         if (name == text) return type;
     }
     throw std::invalid_argument("storage type '" + name +
-                                "' is not one of F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K");
+                                "' is not one of F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, "
+                                "IQ4_NL, MXFP4");
 }
 
 bool is_quantized(StorageType type) {
@@ -23,7 +26,8 @@ bool is_quantized(StorageType type) {
 int64_t block_values(StorageType type) {
     switch (type) {
         case StorageType::F32: case StorageType::F16: case StorageType::BF16: return 1;
-        case StorageType::Q4_0: case StorageType::Q4_1: case StorageType::Q8_0: return kBlock;
+        case StorageType::Q4_0: case StorageType::Q4_1: case StorageType::Q8_0: case StorageType::Q5_0:
+        case StorageType::Q5_1: case StorageType::IQ4_NL: case StorageType::MXFP4: return kBlock;
         case StorageType::Q4_K: case StorageType::Q5_K: case StorageType::Q6_K: return kSuper;
     }
     return 1;
@@ -40,6 +44,10 @@ size_t row_bytes(StorageType type, int64_t cols) {
         case StorageType::Q4_K: return blocks * sizeof(BlockQ4_K);
         case StorageType::Q5_K: return blocks * sizeof(BlockQ5_K);
         case StorageType::Q6_K: return blocks * sizeof(BlockQ6_K);
+        case StorageType::Q5_0: return blocks * sizeof(BlockQ5_0);
+        case StorageType::Q5_1: return blocks * sizeof(BlockQ5_1);
+        case StorageType::IQ4_NL: return blocks * sizeof(BlockIQ4_NL);
+        case StorageType::MXFP4: return blocks * sizeof(BlockMXFP4);
     }
     return 0;
 }
@@ -111,6 +119,41 @@ void decode_sub_block(StorageType type, const uint8_t* row, int64_t b, SubBlock&
             out.mul[0] = blk.scales[8 * half + 2 * part];
             out.mul[1] = blk.scales[8 * half + 2 * part + 1];
             out.dw = fp16_to_fp32(blk.d);
+            out.is_signed = true;
+            return;
+        }
+        case StorageType::Q5_0: case StorageType::Q5_1: {
+            const bool offset = type == StorageType::Q5_1;
+            const uint8_t* blk = row + b * (offset ? sizeof(BlockQ5_1) : sizeof(BlockQ5_0));
+            uint16_t d, m;
+            uint32_t qh;
+            std::memcpy(&d, blk, 2);
+            std::memcpy(&qh, blk + (offset ? 4 : 2), 4);
+            const uint8_t* qs = blk + (offset ? 8 : 6);
+            const int bias = offset ? 0 : 16;  // Q5_0's codes are signed: q - 16
+            for (int j = 0; j < 16; ++j) {
+                out.code[j] = static_cast<uint8_t>(((qs[j] & 0x0F) | (((qh >> j) & 1) << 4)) - bias);
+                out.code[j + 16] = static_cast<uint8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - bias);
+            }
+            out.dw = fp16_to_fp32(d);
+            if (offset) {
+                std::memcpy(&m, blk + 2, 2);
+                out.mw = fp16_to_fp32(m);
+            }
+            out.is_signed = !offset;
+            return;
+        }
+        case StorageType::IQ4_NL: case StorageType::MXFP4: {
+            const bool mx = type == StorageType::MXFP4;
+            const uint8_t* qs = mx ? reinterpret_cast<const BlockMXFP4*>(row)[b].qs
+                                   : reinterpret_cast<const BlockIQ4_NL*>(row)[b].qs;
+            const int8_t* values = mx ? kMXFP4Values : kIQ4NLValues;
+            for (int j = 0; j < 16; ++j) {
+                out.code[j] = static_cast<uint8_t>(values[qs[j] & 0x0F]);
+                out.code[j + 16] = static_cast<uint8_t>(values[qs[j] >> 4]);
+            }
+            out.dw = mx ? mxfp4_scale(reinterpret_cast<const BlockMXFP4*>(row)[b].e)
+                        : fp16_to_fp32(reinterpret_cast<const BlockIQ4_NL*>(row)[b].d);
             out.is_signed = true;
             return;
         }

@@ -377,7 +377,7 @@ int main() {
         if (available_isas().substr(at, end - at) != "scalar") isas.push_back(available_isas().substr(at, end - at));
         at = end + 1;
     }
-    for (const char* name : {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}) {
+    for (const char* name : {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4"}) {
         const StorageType type = parse_storage_type(name);
         for (const int64_t kcols : {512, 608}) {
             if (kcols % block_values(type) != 0) continue;
@@ -386,8 +386,12 @@ int main() {
             const size_t block_bytes = row_bytes(type, block_values(type));
             for (size_t at = 0; at < raw.size(); at += block_bytes) {  // the fp16 scales: small positive halves
                 const size_t offset = type == StorageType::Q6_K ? block_bytes - 2 : 0;
+                if (type == StorageType::MXFP4) {  // its scale: an E8M0 exponent, here of weights near 1
+                    raw[at] = static_cast<uint8_t>(122 + byte(rng) % 8);
+                    continue;
+                }
                 const bool with_min = type == StorageType::Q4_1 || type == StorageType::Q4_K ||
-                                      type == StorageType::Q5_K;  // a second fp16 field: the min
+                                      type == StorageType::Q5_K || type == StorageType::Q5_1;  // a second fp16: the min
                 const int fields = with_min ? 2 : 1;
                 for (int f = 0; f < fields; ++f) {
                     const uint16_t half = static_cast<uint16_t>(0x1C00 + byte(rng));

@@ -12,18 +12,40 @@ namespace pocketllm {
 constexpr int kBlock = 32;   // values per activation block, and per sub-block of every quantized storage type
 constexpr int kSuper = 256;  // values per K-quant super-block
 
-enum class StorageType { F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K };
+enum class StorageType { F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, MXFP4 };
 
 // One block as stored in a GGUF file (little-endian, packed); see llama.cpp's ggml-common.h.
 struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };              // w = (q - 8) * d
 struct BlockQ4_1 { uint16_t d; uint16_t m; uint8_t qs[16]; };  // w = q * d + m
 struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };               // w = q * d
+// Value i's 5th bit is bit i of qh (little-endian): w = (q - 16) * d, and q * d + m for Q5_1.
+struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };
+struct BlockQ5_1 { uint16_t d; uint16_t m; uint8_t qh[4]; uint8_t qs[16]; };
+// 4-bit indexes into a 16-value codebook (kIQ4NLValues, kMXFP4Values): w = d * value[q]. MXFP4's scale is a power of
+// two, E8M0 (mxfp4_scale).
+struct BlockIQ4_NL { uint16_t d; uint8_t qs[16]; };
+struct BlockMXFP4 { uint8_t e; uint8_t qs[16]; };
 // 8 sub-blocks of 32, each with a 6-bit scale and min (packed in `scales`): w = d * sc * q - dmin * m.
 struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
 struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };  // q has a 5th bit
 // 16 sub-blocks of 16 with 8-bit scales: w = d * sc * (q - 32), q of 6 bits (4 in ql, 2 in qh).
 struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "GGUF block sizes");
+static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24 && sizeof(BlockIQ4_NL) == 18 &&
+              sizeof(BlockMXFP4) == 17, "GGUF block sizes");
+
+// The codebooks of the non-linear 4-bit types (ggml-common.h): IQ4_NL's, and MXFP4's E2M1 values doubled (its scale
+// is halved to match).
+constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// An MXFP4 block's scale, 2^(e - 127), halved for the doubled codebook: 2^(e - 128) exactly, subnormal below e = 2.
+inline float mxfp4_scale(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+    float value;
+    std::memcpy(&value, &bits, sizeof value);
+    return value;
+}
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "K-quant sizes");
 
 // Activation rows quantized per block of 32 (x ~= q * d), stored as planes so that SIMD loads are contiguous:

@@ -24,8 +24,6 @@ from pocketllm_server.anthropic_protocol import (
     ContentBlockStop,
     CountTokensRequest,
     CountTokensResponse,
-    DocumentBlock,
-    ImageBlock,
     InputJsonDelta,
     Message,
     MessageDelta,
@@ -79,7 +77,7 @@ async def create_message(request: Request) -> Response:
         tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice, req.tools),
         parallel_tool_calls=None if req.tool_choice is None else not req.tool_choice.disable_parallel_tool_use,
         response_format=_response_format(req.output_config), chat_template_kwargs=_thinking(llm, state, req))
-    turn = await start_turn(request, state, llm, chat, id_prefix="msg", fields=_FIELDS)
+    turn = await start_turn(request, state, llm, chat, id_prefix="msg", id_separator="_", fields=_FIELDS)
     omit_thinking = req.thinking is not None and req.thinking.display == "omitted"
     stop_sequences = req.stop_sequences or []
     if req.stream:
@@ -208,7 +206,7 @@ def _result_text(block: ToolResultBlock, path: str) -> str:
 
 
 def _unsupported_block(block: object, path: str, where: str) -> APIError:
-    kind = {ImageBlock: "image", DocumentBlock: "document"}.get(type(block), type(block).__name__)
+    kind = block.__struct_config__.tag  # its "type", as the client wrote it
     return APIError(400, f"{path}: {kind} blocks are not supported in {where} (this server's models read text)",
                     param=path, code="unsupported_option")
 

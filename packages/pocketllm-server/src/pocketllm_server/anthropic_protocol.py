@@ -108,7 +108,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     stop_sequences: Annotated[list[str], msgspec.Meta(max_length=MAX_STOP_SEQUENCES)] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None  # 0: off
     stream: bool = False
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None

@@ -81,7 +81,7 @@ class Turn:
     """A started turn: its engine request is running. Read it once, whole (``replies``) or as ``pieces``."""
 
     def __init__(self, request: Request, *, rid: str, llm: AsyncLLM, prompt: PromptRequest, stream: EngineStream,
-                 fields: dict[str, str], tool_parser: str | None, parallel_tool_calls: bool) -> None:
+                 fields: dict[str, str], tool_parser: str | None, parallel_tool_calls: bool, forced: bool) -> None:
         self.request = request
         self.rid = rid
         self.llm = llm
@@ -90,6 +90,9 @@ class Turn:
         self.fields = fields
         self.tool_parser = tool_parser
         self.parallel_tool_calls = parallel_tool_calls
+        # A grammar forces the reply to be calls: what is left of one that was cut short (max_tokens) is the call
+        # format's unfinished text, not content.
+        self.forced = forced
 
     @property
     def n(self) -> int:
@@ -110,6 +113,7 @@ class Turn:
             if self.tool_parser is not None:
                 answer, calls = parse_tool_calls(self.tool_parser, answer)
                 calls = calls if self.parallel_tool_calls else calls[:1]
+                answer = "" if self.forced and not calls else answer
             replies.append(Reply(index=c.index, content=answer, reasoning=c.reasoning, calls=calls,
                                  finish_reason=_finish(c.finish_reason or "stop", bool(calls)),
                                  stop_reason=c.stop_reason, logprobs=c.logprobs))
@@ -140,7 +144,7 @@ class Turn:
             answer = tool_streams[event.index].feed(answer)
             if event.finish_reason is not None:
                 rest, calls = tool_streams[event.index].finish()
-                answer += rest
+                answer += "" if self.forced and not calls else rest
                 calls = calls if self.parallel_tool_calls else calls[:1]
         usage = None if event.usage is None else TurnUsage(event.usage.prompt_tokens, event.usage.completion_tokens,
                                                            event.usage.reasoning_tokens)
@@ -157,7 +161,7 @@ def _finish(reason: str, called: bool) -> str:
 
 
 async def start_turn(request: Request, state: ServerState, llm: AsyncLLM, req: ChatCompletionRequest, *,
-                     id_prefix: str, fields: dict[str, str] | None = None,
+                     id_prefix: str, id_separator: str = "-", fields: dict[str, str] | None = None,
                      budget: Callable[[int], int] | None = None) -> Turn:
     """Render the conversation, check every parameter and start the engine request; its errors are raised here,
     before any response starts. ``fields`` names the request's own fields in errors, by chat completions' names
@@ -200,11 +204,11 @@ async def start_turn(request: Request, state: ServerState, llm: AsyncLLM, req: C
     if state.reasoning_parser is not None:  # grammars and stop strings apply after the reasoning section
         params = msgspec.structs.replace(params, reasoning=state.reasoning_parser,
                                          stop_in_reasoning=req.stop_in_reasoning)
-    rid = request_id(request, id_prefix)
+    rid = request_id(request, id_prefix, id_separator)
     prompt = PromptRequest(text=None, ids=prompt_ids, params=params, request_id=rid)
     [stream] = await start_all(request, [prompt], errors)
     return Turn(request, rid=rid, llm=llm, prompt=prompt, stream=stream, fields=errors, tool_parser=tool_parser,
-                parallel_tool_calls=parallel)
+                parallel_tool_calls=parallel, forced=forced is not None)
 
 
 def thinking_kwargs(llm: AsyncLLM, state: ServerState, enabled: bool | None, param: str) -> dict[str, Any] | None:
@@ -239,6 +243,13 @@ def check_options(req: ChatCompletionRequest) -> None:
                        code="unsupported_option")
     if req.functions is not None and req.tools is not None:
         raise invalid_request("give tools or the legacy functions, not both", "functions")
+    tools, _ = tools_of(req)
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if tool.get("type") != "function" or not isinstance(name, str) or not name:
+            raise invalid_request(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                                  "'parameters': ...}}}", "tools")
     if req.continue_final_message and req.add_generation_prompt:
         raise invalid_request("continue_final_message needs add_generation_prompt false: the reply continues the "
                               "last message, it does not start a new one", "continue_final_message")

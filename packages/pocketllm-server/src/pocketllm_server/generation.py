@@ -35,14 +35,14 @@ class PromptRequest:
     request_id: str
 
 
-def request_id(request: Request, prefix: str) -> str:
+def request_id(request: Request, prefix: str, separator: str = "-") -> str:
     """A new id, unique on this server: the response's ``id`` and the key of its engine requests.
 
     Never the client's X-Request-Id: clients choose theirs independently, and two in flight at once (or one's
     ``x`` beside the ``x-1`` a batch derives from another's) would refuse each other. Theirs comes back in the
     X-Request-Id header (see ``middleware.ClientRequestIdMiddleware``), and log lines name both.
     """
-    rid = request.state.request_id = f"{prefix}-{uuid.uuid4().hex}"  # see middleware.describe
+    rid = request.state.request_id = f"{prefix}{separator}{uuid.uuid4().hex}"  # see middleware.describe
     return rid
 
 

@@ -64,6 +64,7 @@ from pocketllm_server.ollama_protocol import (
     ReplyToolCall,
     timestamp,
 )
+from pocketllm_server.openai_embeddings import EMBEDDING_FIELDS, embed_all
 from pocketllm_server.protocol import (
     MAX_PROMPTS,
     ChatCompletionRequest,
@@ -72,7 +73,7 @@ from pocketllm_server.protocol import (
     SamplingRequest,
     json_response,
 )
-from pocketllm_server.streaming import EventStreamResponse, all_or_nothing, cancel_on_disconnect
+from pocketllm_server.streaming import EventStreamResponse
 from pocketllm_server.tool_calls import ToolCall
 
 _NS = 1_000_000_000
@@ -150,20 +151,14 @@ async def embed(request: Request) -> Response:
         raise invalid_request("input must not contain an empty string", "input")
     if not texts:  # Ollama's way to load the model
         return json_response(EmbedResponse(model=state.served_model_name, embeddings=[]))
-    fields = {"prompt": "input", "embeddings": "model", "pooling_type": "model"}
     rid = request_id(request, "ollama")
     params = PoolingParams(pooling_type=state.pooling_type, normalize=True, dimensions=req.dimensions)
-    try:
-        # Off the event loop: tokenizing grows with the inputs.
+    try:  # off the event loop: tokenizing grows with the inputs
         prompts = await asyncio.to_thread(_embedding_inputs, llm, texts, context, req.truncate)
-        state.check_queue(len(prompts), "input")  # each input is an engine request
-        outputs = await cancel_on_disconnect(request.receive, all_or_nothing([
-            llm.embed_ids(ids, params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}")
-            for i, ids in enumerate(prompts)]))
     except PocketLLMError as e:
-        raise from_engine_error(e, fields=fields) from None
+        raise from_engine_error(e, fields=EMBEDDING_FIELDS) from None
+    outputs = await embed_all(request, state, llm, prompts, params, rid)
     num_tokens = sum(len(ids) for ids in prompts)
-    state.metrics.prompt_tokens.inc(num_tokens)
     return json_response(EmbedResponse(model=state.served_model_name, embeddings=[o.embedding for o in outputs],
                                        total_duration=_ns(time.monotonic() - started), load_duration=0,
                                        prompt_eval_count=num_tokens), headers={"X-Request-Id": rid})

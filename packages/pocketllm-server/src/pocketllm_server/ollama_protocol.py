@@ -24,6 +24,9 @@ def timestamp(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
+# Every integer a request gives fits the engine's 64-bit fields (Go's int, as Ollama decodes them).
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+
 # keep_alive: how long Ollama keeps a model loaded after a request (a duration such as "5m", or seconds). This
 # server loads its one model at start and keeps it until it stops, so the field is accepted and has nothing to set.
 KeepAlive = str | float | None
@@ -35,11 +38,11 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     # -1 (Ollama's "infinite") and -2 ("fill the context") both run until the context ends: this server does not
     # shift the context to go on past it.
-    num_predict: int | None = None
-    num_ctx: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    num_predict: Int64 | None = None
+    num_ctx: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     seed: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)] | None = None  # -1: a random seed
     stop: list[str] | None = None
@@ -48,22 +51,22 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # The repeat penalty's window: the engine's penalty covers the whole context (-1).
-    repeat_last_n: int | None = None
+    repeat_last_n: Int64 | None = None
     # Sampling methods the engine does not have: only the values that turn them off are accepted.
     typical_p: float | None = None
     tfs_z: float | None = None
-    mirostat: int | None = None
+    mirostat: Int64 | None = None
     mirostat_tau: float | None = None  # only read by mirostat, which must be off
     mirostat_eta: float | None = None
     penalize_newline: bool | None = None
     # Options that take effect when Ollama loads a model (and num_keep, for its context shifting, which this
     # server does not do): here the model is loaded once, as the server's own flags say, so there is nothing
     # for them to change.
-    num_keep: int | None = None
-    num_batch: int | None = None
-    num_gpu: int | None = None
-    main_gpu: int | None = None
-    num_thread: int | None = None
+    num_keep: Int64 | None = None
+    num_batch: Int64 | None = None
+    num_gpu: Int64 | None = None
+    main_gpu: Int64 | None = None
+    num_thread: Int64 | None = None
     numa: bool | None = None
     low_vram: bool | None = None
     f16_kv: bool | None = None

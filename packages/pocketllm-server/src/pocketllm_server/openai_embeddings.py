@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pocketllm import AsyncLLM, EmbeddingOutput, PocketLLMError, PoolingParams
-from pocketllm_server.app_state import read_model_request
+from pocketllm_server.app_state import ServerState, read_model_request
 from pocketllm_server.errors import from_engine_error, invalid_request
 from pocketllm_server.generation import request_id
 from pocketllm_server.protocol import (
@@ -24,8 +24,8 @@ from pocketllm_server.protocol import (
 )
 from pocketllm_server.streaming import all_or_nothing, cancel_on_disconnect
 
-# Engine fields by the request field a client sees in an error.
-_FIELDS = {"prompt": "input", "embeddings": "model", "pooling_type": "model"}
+# Engine fields by the request field a client sees in an error (Ollama's /api/embed names them alike).
+EMBEDDING_FIELDS = {"prompt": "input", "embeddings": "model", "pooling_type": "model"}
 
 
 async def create_embedding(request: Request) -> Response:
@@ -34,20 +34,31 @@ async def create_embedding(request: Request) -> Response:
     params = PoolingParams(pooling_type=state.pooling_type, normalize=req.normalize, dimensions=req.dimensions)
     try:
         prompts = await asyncio.to_thread(_inputs, req.input, llm)  # tokenizing grows with the input
-        if req.truncate_prompt_tokens is not None:  # as vLLM: the last tokens are kept
-            prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
-        state.check_queue(len(prompts), "input")  # each input is an engine request
-        outputs = await cancel_on_disconnect(request.receive, all_or_nothing([
-            llm.embed_ids(ids, params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}")
-            for i, ids in enumerate(prompts)]))
     except PocketLLMError as e:
-        raise from_engine_error(e, fields=_FIELDS) from None
+        raise from_engine_error(e, fields=EMBEDDING_FIELDS) from None
+    if req.truncate_prompt_tokens is not None:  # as vLLM: the last tokens are kept
+        prompts = [ids[-req.truncate_prompt_tokens:] for ids in prompts]
+    outputs = await embed_all(request, state, llm, prompts, params, rid)
     num_tokens = sum(len(ids) for ids in prompts)
-    state.metrics.prompt_tokens.inc(num_tokens)
     usage = EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
     # Off the event loop: encoding grows with inputs times dimensions (2,048 of them make megabytes).
     return await asyncio.to_thread(_response, outputs, req.encoding_format, usage, rid=rid,
                                    model=state.served_model_name)
+
+
+async def embed_all(request: Request, state: ServerState, llm: AsyncLLM, prompts: list[list[int]],
+                    params: PoolingParams, rid: str) -> list[EmbeddingOutput]:
+    """Each tokenized input's embedding, batched in the engine beside generation (also Ollama's /api/embed): each
+    input is an engine request, admitted together, cancelled if the client leaves."""
+    try:
+        state.check_queue(len(prompts), "input")
+        outputs = await cancel_on_disconnect(request.receive, all_or_nothing([
+            llm.embed_ids(ids, params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}")
+            for i, ids in enumerate(prompts)]))
+    except PocketLLMError as e:
+        raise from_engine_error(e, fields=EMBEDDING_FIELDS) from None
+    state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
+    return outputs
 
 
 def _response(outputs: list[EmbeddingOutput], encoding_format: str, usage: EmbeddingUsage, *, rid: str,

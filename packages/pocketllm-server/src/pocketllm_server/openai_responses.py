@@ -111,7 +111,7 @@ async def create_response(request: Request) -> Response:
         tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
         response_format=_response_format(req.text), logprobs=logprobs, top_logprobs=req.top_logprobs,
         chat_template_kwargs=thinking_kwargs(llm, state, _thinking(req), "reasoning.effort"))
-    turn = await start_turn(request, state, llm, chat, id_prefix="resp", fields=_FIELDS)
+    turn = await start_turn(request, state, llm, chat, id_prefix="resp", id_separator="_", fields=_FIELDS)
     asked = _Request(req, tools, history)
     text_of = TokenTexts(llm.tokenizer) if logprobs else None
     if req.stream:
@@ -154,6 +154,9 @@ def _check_refused(req: ResponsesRequest) -> None:
     for value in req.include or []:
         if value not in _INCLUDES:
             raise _unsupported("include", f"include {value!r} is not supported (only {sorted(_INCLUDES)})")
+    if req.text is not None and req.text.verbosity not in (None, "medium"):
+        raise _unsupported("text.verbosity", f"text.verbosity {req.text.verbosity!r} is not supported: a local model "
+                                             "writes as it writes (medium)")
     if req.top_logprobs and LOGPROBS_INCLUDE not in (req.include or []):
         raise invalid_request(f"top_logprobs needs include [{LOGPROBS_INCLUDE!r}]", "top_logprobs")
 

@@ -350,7 +350,7 @@ class HealthResponse(msgspec.Struct, kw_only=True):
 
 # -- decoding ------------------------------------------------------------------------------------------------------
 
-_AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_AT_PATH = re.compile(r" - at (?:`key` in )?`\$\.?(?P<path>[^`]*)`$")  # a bad key names its object
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
 
 

@@ -29,8 +29,9 @@ class TextFormat(msgspec.Struct, kw_only=True):
 
 class TextConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     format: TextFormat | None = None
-    # How long a reply the model should write: a local model has no such control, so only the default is taken.
-    verbosity: Literal["medium"] | None = None
+    # How long a reply the model should write: a local model has no such control; "low" and "high" are refused by
+    # name (openai_responses), "medium" (the default) taken.
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class ReasoningConfig(msgspec.Struct, kw_only=True):
@@ -66,7 +67,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     include: list[str] | None = None
     stream: bool = False
-    metadata: Annotated[dict[str, Annotated[str, msgspec.Meta(max_length=512)]],
+    metadata: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
                         msgspec.Meta(max_length=MAX_METADATA_KEYS)] | None = None
     store: bool = True
     previous_response_id: str | None = None
