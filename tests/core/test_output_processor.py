@@ -142,3 +142,23 @@ def test_a_delta_that_ends_a_choice_without_a_token_ends_it() -> None:
     assert processor.process([RequestDelta(request_id="r", new_token_ids=[], finish_reason="length")]) == []
     assert sink[-1].finish_reason == "length" and sink[-1].usage is not None and "r" not in processor.choices
     assert "".join(e.text for e in sink) == "Hello"
+
+
+@pytest.mark.parametrize(("sent", "fails"), [(None, True), ([], True), ([SampledLogprobs(7, -1.0, 1, [])] * 2, False),
+                                             ([SampledLogprobs(7, -1.0, 1, [])] * 3, True)])
+def test_a_backend_that_declares_prompt_logprobs_but_sends_the_wrong_number_fails_the_request(
+        sent: list[SampledLogprobs] | None, fails: bool) -> None:
+    """A 3-token prompt scored with its first tokens: two entries (the first token has none) and the prompt's
+    logprobs lead with None; anything else is a broken contract, and the request fails rather than come back
+    silently unscored."""
+    sampling = SamplingParams(max_tokens=4, prompt_logprobs=0)
+    sink: list[Any] = []
+    choice = new_choice(0, "r", IncrementalDetokenizer(ScriptedTokenizer(), [0, 1, 2], True), sampling)  # type: ignore[arg-type]
+    request = RequestState("r", [0, 1, 2], sampling, sink.append, StopMatcher([], False), [choice])
+    processor = OutputProcessor(lambda r, c: None, lambda r: None)
+    processor.choices["r"] = (request, choice)
+    processor.process([RequestDelta(request_id="r", new_token_ids=[5], prompt_logprobs=sent)])
+    if fails:
+        assert isinstance(sink[-1], Exception) and "prompt logprobs" in str(sink[-1])
+    else:
+        assert sink[-1].prompt_logprobs == [None, *sent]

@@ -337,6 +337,9 @@ def test_list_show_and_version(client: ollama.Client, echo_server: LiveServer, e
     with pytest.raises(ollama.ResponseError) as info:
         client.show("llama3.2")
     assert info.value.status_code == 404
+    assert client.show(f"{MODEL_NAME}:latest").details == listed.details  # an untagged name's tag, to Ollama
+    with pytest.raises(ollama.ResponseError):
+        client.show(f"{MODEL_NAME}:7b")
     assert httpx.get(f"{echo_server.url}/api/version").json() == {"version": "0.12.0"}
 
 

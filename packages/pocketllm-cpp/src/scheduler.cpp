@@ -1,6 +1,7 @@
 #include "pocketllm_cpp/scheduler.h"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 #include <stdexcept>
 
@@ -9,6 +10,7 @@ namespace pocketllm {
 Scheduler::Scheduler(Model& model, const SchedulerConfig& config)
     : model_(model), config_(config), blocks_(model.num_blocks(), model.block_size(), config.prefix_caching),
       stateful_(model.num_state_slots() > 0), snapshot_(stateful_ && config.prefix_caching),
+      score_rows_(std::max(kMinScoredRows, kScoredLogitsBytes / (4 * std::max<int64_t>(model.vocab_size(), 1)))),
       snapshots_(snapshot_ ? config.snapshot_bytes : 0, model.state_bytes()) {
     if (config.max_num_seqs <= 0 || config.max_num_batched_tokens <= 0 || config.prefill_chunk_size <= 0) {
         throw std::invalid_argument("max_num_seqs, max_num_batched_tokens and prefill_chunk_size must be positive");
@@ -34,13 +36,15 @@ ScheduledBatch Scheduler::schedule() {
     int64_t budget = config_.max_num_batched_tokens;
     // Verified rows whose states this step may copy (unbounded for a model without state layers).
     int64_t state_rows = stateful_ ? kVerifyStateBytes / std::max<int64_t>(model_.state_bytes(), 1) : budget;
+    int64_t score_budget = score_rows_;
     for (const SeqPtr& seq : std::vector<SeqPtr>(running_)) {
         if (budget == 0) break;
         if (std::find(running_.begin(), running_.end(), seq) == running_.end()) continue;  // preempted just now
-        int64_t n = chunk(*seq, seq->computed,
-                                std::min({seq->size() - seq->computed, config_.prefill_chunk_size, budget}));
+        int64_t n = chunk(*seq, seq->computed, std::min({seq->size() - seq->computed, config_.prefill_chunk_size,
+                                                         budget, scoring_room(*seq, seq->computed, score_budget)}));
         if (n == 0) continue;
         if (reserve(seq, seq->computed + n, batch.seqs)) {
+            score_budget -= seq->scored_rows(seq->computed, n);
             if (seq->computed + n == seq->size()) {
                 const int64_t drafted = draft_room(*seq, std::min(budget - n, state_rows));
                 state_rows -= drafted;
@@ -54,7 +58,7 @@ ScheduledBatch Scheduler::schedule() {
     while (!waiting_.empty() && budget > 0 && static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
         const SeqPtr seq = waiting_.front();
         int64_t n = 0;
-        if (!admit(seq, budget, n)) break;
+        if (!admit(seq, budget, score_budget, n)) break;
         waiting_.pop_front();
         running_.push_back(seq);
         batch.seqs.push_back(seq);
@@ -105,6 +109,12 @@ int64_t Scheduler::draft_room(Sequence& seq, int64_t budget) {
     return static_cast<int64_t>(seq.draft.size());
 }
 
+int64_t Scheduler::scoring_room(const Sequence& seq, int64_t start, int64_t score_budget) {
+    const int64_t first = std::max(start, seq.num_scored), last = static_cast<int64_t>(seq.num_prompt) - 1;
+    if (seq.sampling.prompt_logprobs < 0 || first >= last) return std::numeric_limits<int64_t>::max();
+    return first - start + std::max<int64_t>(score_budget, 0);
+}
+
 int64_t Scheduler::chunk(const Sequence& seq, int64_t start, int64_t n) const {
     const int64_t end = start + n, size = model_.block_size();
     if (snapshot_) {
@@ -142,7 +152,7 @@ bool Scheduler::reserve(const SeqPtr& seq, int64_t tokens, const std::vector<Seq
 
 // Moves a waiting sequence to running if its cached prefix and first chunk fit the free blocks (admission never
 // preempts) and, for a model with state layers, a state slot is free; `count` is then the tokens it computes now.
-bool Scheduler::admit(const SeqPtr& seq, int64_t budget, int64_t& count) {
+bool Scheduler::admit(const SeqPtr& seq, int64_t budget, int64_t& score_budget, int64_t& count) {
     if (stateful_ && free_slots_.empty()) return false;
     // Pooling every prompt token (or the first) needs their hidden states, and scoring the prompt its logits: no
     // cached prefix stands in for them.
@@ -152,7 +162,8 @@ bool Scheduler::admit(const SeqPtr& seq, int64_t budget, int64_t& count) {
     // State layers resume only where their state was kept.
     while (stateful_ && !cached.empty() && !snapshots_.contains(blocks_.hash(cached.back()))) cached.pop_back();
     const int64_t start = static_cast<int64_t>(cached.size()) * model_.block_size();
-    count = chunk(*seq, start, std::min({seq->size() - start, config_.prefill_chunk_size, budget}));
+    count = chunk(*seq, start, std::min({seq->size() - start, config_.prefill_chunk_size, budget,
+                                         scoring_room(*seq, start, score_budget)}));
     if (count == 0) return false;
     const int64_t fresh = (start + count + model_.block_size() - 1) / model_.block_size() -
                           static_cast<int64_t>(cached.size());
@@ -160,6 +171,7 @@ bool Scheduler::admit(const SeqPtr& seq, int64_t budget, int64_t& count) {
     seq->chain = blocks_.share(cached, seq->size());
     seq->blocks = cached;
     seq->computed = start;
+    score_budget -= seq->scored_rows(start, count);
     for (int64_t i = 0; i < fresh; ++i) seq->blocks.push_back(blocks_.allocate());
     if (stateful_) {
         seq->state_slot = free_slots_.back();

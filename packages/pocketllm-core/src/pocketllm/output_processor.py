@@ -121,9 +121,11 @@ class OutputProcessor:
             elif request.pooling is not None:
                 if not self._emit_embedding(request, choice, delta):
                     to_abort.append(choice.backend_id)
+            elif (broken := _unscored(request, choice, delta)) is not None:
+                to_abort += self.fail(request, broken)
             else:
-                if delta.prompt_logprobs is not None:
-                    choice.prompt_logprobs = [None, *delta.prompt_logprobs]
+                if request.params.prompt_logprobs is not None and not choice.token_ids and delta.new_token_ids:
+                    choice.prompt_logprobs = [None, *(delta.prompt_logprobs or [])]
                 kept = self._take(request, choice, delta)
                 if choice.finish_reason is not None and delta.finish_reason is None:
                     to_abort.append(choice.backend_id)  # it ended in the core: the engine must drop it
@@ -255,6 +257,18 @@ class OutputProcessor:
         except Exception:
             log.warning("could not tell request %s that it failed", request.request_id)
         return others
+
+
+def _unscored(request: RequestState, choice: ChoiceState, delta: RequestDelta) -> str | None:
+    """Why a choice's first tokens break the prompt-logprobs contract (a backend that declares the option must send
+    one entry per prompt token after the first with them), or None: a request is failed, never silently unscored."""
+    if request.params.prompt_logprobs is None or choice.token_ids or not delta.new_token_ids:
+        return None
+    got = len(delta.prompt_logprobs or [])  # a one-token prompt has none to send
+    if got == len(request.prompt_ids) - 1:
+        return None
+    return (f"the engine sent {got or 'no'} prompt logprobs with the first token of a {len(request.prompt_ids)}-token "
+            "prompt, whose prompt_logprobs it declares")
 
 
 def _failure(request: RequestState, message: str) -> RequestFailedError:

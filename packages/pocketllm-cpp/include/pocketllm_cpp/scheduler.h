@@ -24,6 +24,11 @@ constexpr int64_t kCaptureEvery = 64;
 // state after each verified row but the last: engine.h's captures_of). Drafts past it wait for a later step:
 // 64 sequences drafting 16 tokens each of a state of 19 MB (Qwen3.5-0.8B) would otherwise ask for 19 GB.
 constexpr int64_t kVerifyStateBytes = int64_t{256} << 20;
+// The most memory one step's scored prompt rows (SamplingConfig::prompt_logprobs) may take in logits: a row is a
+// whole vocabulary of floats (1 MB for Qwen3.5's 248k), and 2,048 of them a step would be 2 GB. Prompt chunks past
+// it wait; at least kMinScoredRows a step, so that every chunk alignment fits.
+constexpr int64_t kScoredLogitsBytes = int64_t{256} << 20;
+constexpr int64_t kMinScoredRows = 256;
 
 struct SchedulerConfig {
     int64_t max_num_seqs, max_num_batched_tokens, prefill_chunk_size;
@@ -67,7 +72,9 @@ public:
 
 private:
     bool reserve(const SeqPtr& seq, int64_t tokens, const std::vector<SeqPtr>& scheduled);
-    bool admit(const SeqPtr& seq, int64_t budget, int64_t& count);
+    bool admit(const SeqPtr& seq, int64_t budget, int64_t& score_budget, int64_t& count);
+    // The most tokens from `start` a sequence may run with `score_budget` scored prompt rows left this step.
+    static int64_t scoring_room(const Sequence& seq, int64_t start, int64_t score_budget);
     // How many of a decoding sequence's drafts run with it: as many as the budget and the free blocks allow,
     // without preempting anyone (a draft is worth less than another sequence's progress); its drafts are cut to
     // those.
@@ -87,6 +94,7 @@ private:
     BlockManager blocks_;
     bool stateful_;   // the model keeps a state per request
     bool snapshot_;   // and prefix caching keeps snapshots of it
+    int64_t score_rows_;  // scored prompt rows a step may hold (kScoredLogitsBytes of logits)
     StateSnapshots snapshots_;
     std::vector<int32_t> free_slots_;
     std::deque<SeqPtr> waiting_;

@@ -139,7 +139,8 @@ class ServerState:
         return self.llm.grammar_cache_stats() if self.llm is not None else None
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        # Ollama's clients name a model with its tag; ":latest" is what an untagged name means to them.
+        if model is not None and model not in (self.served_model_name, f"{self.served_model_name}:latest"):
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
                            param="model", code="model_not_found")
 

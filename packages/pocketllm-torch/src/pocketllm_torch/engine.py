@@ -80,7 +80,7 @@ class TorchEngine:
         self.state_slots = StateSlots(self.config.max_num_seqs) if self.runner.state_cache is not None else None
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.prefill_chunk_size, self.state_slots, self.runner.snapshots,
-                                   self.runner.verify_state_rows)
+                                   self.runner.verify_state_rows, self.runner.scored_rows_per_step)
         self.seqs: dict[str, Sequence] = {}
         self.drafter = (Drafter(args, self.config.speculative_max_batch) if args.speculative_method is not None
                         else None)

@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 # The most memory one step's verifications may hold in kept states (a 19 MB state of Qwen3.5-0.8B, 64 sequences
 # drafting 16 tokens: 19 GB otherwise); drafts past it wait for a later step.
 VERIFY_STATE_BYTES = 256 << 20
+# The most memory one step's scored prompt rows (prompt_logprobs) may take in logits: a row is a whole vocabulary
+# (1 MB of float32 for Qwen3.5's 248k), and 2,048 a step would be 2 GB; prompt chunks past it wait. At least
+# MIN_SCORED_ROWS a step.
+SCORED_LOGITS_BYTES = 256 << 20
+MIN_SCORED_ROWS = 256
 
 
 class ModelRunner:
@@ -42,6 +47,8 @@ class ModelRunner:
         self.device = config.device
         self.block_size = config.block_size
         self.tp = tp
+        # Scored prompt rows one step may hold: SCORED_LOGITS_BYTES of float32 logits.
+        self.scored_rows_per_step = max(MIN_SCORED_ROWS, SCORED_LOGITS_BYTES // (4 * config.model.vocab_size))
         int4, int8 = uses_int4(config.device, config.dtype), uses_int8(config.device)
         weights = ((t.name, groups.load(t, int4=int4, int8=int8)) for t in checkpoint.tensors())
         model_config = config.model
@@ -220,9 +227,9 @@ class ModelRunner:
         the prompt token it scores), for the prompt positions this step runs that are not scored yet."""
         scored, first_row = [], 0
         for seq, start, n in zip(batch.seqs, starts, batch.num_new_tokens, strict=True):
-            if seq.params.prompt_logprobs is not None and seq.pooling is None:
-                for position in range(max(start, len(seq.prompt_logprobs)), min(start + n, seq.num_prompt_tokens - 1)):
-                    scored.append((seq, first_row + position - start, seq.token_ids[position + 1]))
+            first = max(start, len(seq.prompt_logprobs))
+            for position in range(first, first + seq.scored_rows(start, n)):
+                scored.append((seq, first_row + position - start, seq.token_ids[position + 1]))
             first_row += n
         return scored
 

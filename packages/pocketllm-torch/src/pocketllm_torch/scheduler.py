@@ -31,7 +31,8 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  prefill_chunk_size: int, state_slots: StateSlots | None = None,
-                 snapshots: StateSnapshots | None = None, verify_state_rows: int | None = None) -> None:
+                 snapshots: StateSnapshots | None = None, verify_state_rows: int | None = None,
+                 scored_rows: int | None = None) -> None:
         self.block_manager = block_manager
         self.state_slots = state_slots  # a model with state layers: a slot per running sequence
         self.snapshots = snapshots  # and with prefix caching, its states at cached block boundaries
@@ -40,6 +41,9 @@ class Scheduler:
         self.prefill_chunk_size = prefill_chunk_size
         # A model with state layers keeps its state after each verified draft row: at most this many per step.
         self.verify_state_rows = verify_state_rows
+        # Scored prompt rows (prompt_logprobs) a step may hold: each is a vocabulary of logits. None: no bound.
+        self.scored_rows = scored_rows
+        self._score_budget = 0  # this step's, left
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the first to be preempted
         self.num_preemptions = 0
@@ -51,6 +55,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
+        self._score_budget = self.max_num_batched_tokens if self.scored_rows is None else self.scored_rows
         batch = self._schedule_prefill()
         if not batch.seqs:
             batch = self._schedule_running(prefill=False)
@@ -84,9 +89,11 @@ class Scheduler:
                 while prefix and prefix[-1] not in self.snapshots:
                     prefix.pop()
             num_cached = len(prefix) * self.block_manager.block_size
-            n = self._chunk(seq, num_cached, min(seq.num_tokens - num_cached, self.prefill_chunk_size, budget))
-            if not self.block_manager.can_admit(seq, prefix, num_cached + n):
+            n = self._chunk(seq, num_cached, min(seq.num_tokens - num_cached, self.prefill_chunk_size, budget,
+                                                 seq.scoring_room(num_cached, self._score_budget)))
+            if n == 0 or not self.block_manager.can_admit(seq, prefix, num_cached + n):
                 break
+            self._score_budget -= seq.scored_rows(num_cached, n)
             self.block_manager.admit(seq, prefix, num_cached + n)
             self.waiting.popleft()
             if self.state_slots is not None:
@@ -107,8 +114,13 @@ class Scheduler:
         for seq in [s for s in self.running if (s.num_pending_tokens > 1) == prefill]:
             if budget == 0:
                 break
-            n = self._chunk(seq, seq.num_computed_tokens, min(seq.num_pending_tokens, self.prefill_chunk_size, budget))
+            n = self._chunk(seq, seq.num_computed_tokens, min(seq.num_pending_tokens, self.prefill_chunk_size, budget,
+                                                              seq.scoring_room(seq.num_computed_tokens,
+                                                                               self._score_budget)))
+            if n == 0:
+                continue
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, n, batch.seqs):
+                self._score_budget -= seq.scored_rows(seq.num_computed_tokens, n)
                 if not prefill:
                     drafted = self._draft_room(seq, min(budget - n, state_rows))
                     state_rows -= drafted

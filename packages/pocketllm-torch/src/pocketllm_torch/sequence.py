@@ -56,6 +56,20 @@ class Sequence:
             return False
         return self.pooling is None or self.pooling.pooling_type == "last"
 
+    def scored_rows(self, start: int, count: int) -> int:
+        """Of ``count`` tokens from ``start``, how many score a prompt token not scored yet (the rows of the
+        positions before prompt tokens 1 .. P-1; none unless its prompt is scored)."""
+        if self.params.prompt_logprobs is None:
+            return 0
+        return max(0, min(start + count, self.num_prompt_tokens - 1) - max(start, len(self.prompt_logprobs)))
+
+    def scoring_room(self, start: int, budget: int) -> int:
+        """The most tokens from ``start`` it may run with ``budget`` scored rows left in a step."""
+        first = max(start, len(self.prompt_logprobs))
+        if self.params.prompt_logprobs is None or first >= self.num_prompt_tokens - 1:
+            return self.num_tokens
+        return first - start + max(budget, 0)
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
