@@ -1,4 +1,4 @@
-"""The storage types added to the native engine (Q5_0, Q5_1, IQ4_NL; MXFP4's kernels are in test_kernels.py, as
+"""The storage types added to the native engine (Q5_0, Q5_1, IQ4_NL, IQ4_XS; MXFP4's kernels are in test_kernels.py, as
 llama-quantize writes MXFP4 only for the experts of mixture-of-experts models): the default model re-quantized by
 llama.cpp's own llama-quantize loads on the cpp backend, in place, and its greedy ids equal llama.cpp's on the same
 file wherever llama.cpp's own top-2 logit margin is clear."""
@@ -31,7 +31,7 @@ def default_gguf() -> Path:
     return Path(load_checkpoint(DEFAULT_MODEL).path)
 
 
-@pytest.mark.parametrize("storage_type", ["Q5_0", "Q5_1", "IQ4_NL"])
+@pytest.mark.parametrize("storage_type", ["Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"])
 def test_requantized_default_model_equals_llama_cpp(default_gguf: Path, tmp_path: Path, storage_type: str) -> None:
     """At each step of llama.cpp's greedy continuation where its top-2 margin is clear, the cpp engine's next token
     after the same ids is llama.cpp's (each step judged on its own: a near-tie elsewhere changes nothing)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "IQ4_XS")
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 BLOCK32_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")  # blocks of 32 values
 # MXFP4 exponents: the subnormal scales (e < 2), the smallest normal ones, and those of weights near 1.
@@ -24,7 +24,7 @@ def random_weight(storage_type: str, rows: int, cols: int, seed: int = 0) -> tup
     t = gguf.GGMLQuantizationType[storage_type]
     if storage_type in K_TYPES:  # gguf has no K-quant quantizer: random blocks with sane super-block scales
         return random_k_blocks(storage_type, rows, cols, seed)
-    if storage_type in ("IQ4_NL", "MXFP4"):  # every codebook index, and every kind of scale
+    if storage_type in ("IQ4_NL", "MXFP4", "IQ4_XS"):  # every codebook index, and every kind of scale
         return random_codebook_blocks(storage_type, rows, cols, seed)
     blocks = gguf.quants.quantize(w, t)
     return np.ascontiguousarray(blocks).reshape(-1), gguf.quants.dequantize(blocks, t).astype(np.float64)

@@ -34,7 +34,8 @@ inline __m256i bits(__m256i v, int shift, int mask) {
 
 // Codes are int8 (the codebook types' values too), and no offset term.
 template <StorageType T>
-constexpr bool kSigned = T == StorageType::Q8_0 || T == StorageType::IQ4_NL || T == StorageType::MXFP4;
+constexpr bool kSigned = T == StorageType::Q8_0 || T == StorageType::IQ4_NL || T == StorageType::MXFP4 ||
+                        T == StorageType::IQ4_XS;
 template <StorageType T>
 constexpr bool kOffset = !kSigned<T>;
 
@@ -302,10 +303,12 @@ inline void k_scales8(const uint8_t* q, __m256& scales, __m256& mins) {
 }
 
 template <StorageType T>
-using KBlock = std::conditional_t<T == StorageType::Q4_K, BlockQ4_K, BlockQ5_K>;
+using KBlock = std::conditional_t<T == StorageType::Q4_K, BlockQ4_K,
+                                  std::conditional_t<T == StorageType::Q5_K, BlockQ5_K, BlockIQ4_XS>>;
 
-// A Q4_K/Q5_K block's 8 sub-blocks of unsigned codes, its nibbles unpacked with one mask and one shift per 64
-// values, and its scales dw and offsets mw (w = dw * code + mw, decode_sub_block's form) as 8 float lanes.
+// A 256-value block's 8 sub-blocks of codes (Q4_K/Q5_K: unsigned, its nibbles unpacked with one mask and one shift
+// per 64 values; IQ4_XS: the codebook's signed values) and their scales dw and offsets mw (w = dw * code + mw,
+// decode_sub_block's form) as 8 float lanes.
 template <StorageType T>
 inline void k_block(const KBlock<T>& blk, __m256i (&codes)[8], __m256& dw, __m256& mw) {
     const char* ahead = reinterpret_cast<const char*>(&blk) + kPrefetchBytes;
@@ -329,6 +332,21 @@ inline void k_block(const KBlock<T>& blk, __m256i (&codes)[8], __m256& dw, __m25
     mw = _mm256_mul_ps(_mm256_set1_ps(-half(blk.dmin)), mins);
 }
 
+template <>
+inline void k_block<StorageType::IQ4_XS>(const BlockIQ4_XS& blk, __m256i (&codes)[8], __m256& dw, __m256& mw) {
+    const char* ahead = reinterpret_cast<const char*>(&blk) + kPrefetchBytes;
+    for (size_t at = 0; at < sizeof(blk); at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+    alignas(32) float scales[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+        codes[j] = looked_up(blk.qs + 16 * j, kIQ4NLValues);
+        scales[j] = static_cast<float>(iq4_xs_scale(blk, j));
+    }
+    // d * (s - 32) rounded once per sub-block, as decode_sub_block (and gguf) compute it.
+    dw = _mm256_mul_ps(_mm256_set1_ps(half(blk.d)), _mm256_load_ps(scales));
+    mw = _mm256_setzero_ps();
+}
+
 // Decode (one activation row) for Q4_K and Q5_K: C weight rows a 256-value block at a time (k_block), rather
 // than sub-block by sub-block. The arithmetic is tile<T, 1, C>'s groups of 8 blocks (a block is one group), so
 // the results are those of the batched path's packed_tile bit for bit.
@@ -348,7 +366,11 @@ void k_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows
             __m256 dw, mw;
             k_block<T>(reinterpret_cast<const KBlock<T>*>(base + c * stride)[k], codes, dw, mw);
 #pragma GCC unroll 8
-            for (int j = 0; j < 8; ++j) sums[j] = udot(codes[j], load(x + j * kBlock));
+            for (int j = 0; j < 8; ++j) {
+                const __m256i xj = load(x + j * kBlock);
+                sums[j] = kSigned<T> ? udot(_mm256_sign_epi8(codes[j], codes[j]), _mm256_sign_epi8(xj, codes[j]))
+                                     : udot(codes[j], xj);
+            }
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(sums)), _mm256_mul_ps(dw, dx), acc[c]);
             acc[c] = _mm256_fmadd_ps(mw, sx, acc[c]);
         }
@@ -382,6 +404,10 @@ void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* gro
                 k_block<T>(reinterpret_cast<const KBlock<T>*>(row)[b0 / 8], codes, dw, mw);
                 _mm256_store_ps(p.dw[c], dw);
                 _mm256_store_ps(p.mw[c], mw);
+                for (int k = 0; k < 8; ++k) {  // the integer dot takes |w|, its signs apart
+                    signs[k] = codes[k];
+                    if constexpr (kSigned<T>) codes[k] = _mm256_sign_epi8(codes[k], codes[k]);
+                }
             } else {
                 // The gather reads 8 blocks' heads: only where all 8 are in the row.
                 if (count == 8) scales8<T>(row, b0, p.dw[c], p.mw[c]);
@@ -854,7 +880,7 @@ void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const 
     const size_t stride = row_bytes(w.type, w.cols);
     int64_t row = row_begin;
     if (n == 1) {  // decode: 4 weight rows in flight, whose blocks stream from memory
-        if constexpr (T == StorageType::Q4_K || T == StorageType::Q5_K) {
+        if constexpr (!kBlock32<T>) {  // Q4_K, Q5_K, IQ4_XS
             for (; row + 4 <= row_end; row += 4) {
                 prefetch_rows(w, stride, row + 4, 4);
                 k_rows<T, 4>(w, stride, row, act, y);
@@ -929,6 +955,7 @@ void PLLM_GEMM(const WeightView& w, int64_t row_begin, int64_t row_end, const Qu
         case StorageType::Q5_1: return gemm_blocks<StorageType::Q5_1>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::IQ4_NL: return gemm_blocks<StorageType::IQ4_NL>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::MXFP4: return gemm_blocks<StorageType::MXFP4>(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::IQ4_XS: return gemm_blocks<StorageType::IQ4_XS>(w, row_begin, row_end, act, n, y, y_stride);
     }
 }
 

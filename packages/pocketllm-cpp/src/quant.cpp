@@ -10,13 +10,13 @@ StorageType parse_storage_type(const std::string& name) {
         {"Q4_0", StorageType::Q4_0}, {"Q4_1", StorageType::Q4_1}, {"Q8_0", StorageType::Q8_0},
         {"Q4_K", StorageType::Q4_K}, {"Q5_K", StorageType::Q5_K}, {"Q6_K", StorageType::Q6_K},
         {"Q5_0", StorageType::Q5_0}, {"Q5_1", StorageType::Q5_1}, {"IQ4_NL", StorageType::IQ4_NL},
-        {"MXFP4", StorageType::MXFP4}};
+        {"MXFP4", StorageType::MXFP4}, {"IQ4_XS", StorageType::IQ4_XS}};
     for (const auto& [text, type] : names) {
         if (name == text) return type;
     }
     throw std::invalid_argument("storage type '" + name +
                                 "' is not one of F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, "
-                                "IQ4_NL, MXFP4");
+                                "IQ4_NL, MXFP4, IQ4_XS");
 }
 
 bool is_quantized(StorageType type) {
@@ -28,7 +28,8 @@ int64_t block_values(StorageType type) {
         case StorageType::F32: case StorageType::F16: case StorageType::BF16: return 1;
         case StorageType::Q4_0: case StorageType::Q4_1: case StorageType::Q8_0: case StorageType::Q5_0:
         case StorageType::Q5_1: case StorageType::IQ4_NL: case StorageType::MXFP4: return kBlock;
-        case StorageType::Q4_K: case StorageType::Q5_K: case StorageType::Q6_K: return kSuper;
+        case StorageType::Q4_K: case StorageType::Q5_K: case StorageType::Q6_K: case StorageType::IQ4_XS:
+            return kSuper;
     }
     return 1;
 }
@@ -48,6 +49,7 @@ size_t row_bytes(StorageType type, int64_t cols) {
         case StorageType::Q5_1: return blocks * sizeof(BlockQ5_1);
         case StorageType::IQ4_NL: return blocks * sizeof(BlockIQ4_NL);
         case StorageType::MXFP4: return blocks * sizeof(BlockMXFP4);
+        case StorageType::IQ4_XS: return blocks * sizeof(BlockIQ4_XS);
     }
     return 0;
 }
@@ -154,6 +156,18 @@ void decode_sub_block(StorageType type, const uint8_t* row, int64_t b, SubBlock&
             }
             out.dw = mx ? mxfp4_scale(reinterpret_cast<const BlockMXFP4*>(row)[b].e)
                         : fp16_to_fp32(reinterpret_cast<const BlockIQ4_NL*>(row)[b].d);
+            out.is_signed = true;
+            return;
+        }
+        case StorageType::IQ4_XS: {
+            const BlockIQ4_XS& blk = reinterpret_cast<const BlockIQ4_XS*>(row)[b / 8];
+            const int j = static_cast<int>(b % 8);
+            const uint8_t* qs = blk.qs + 16 * j;
+            for (int l = 0; l < 16; ++l) {
+                out.code[l] = static_cast<uint8_t>(kIQ4NLValues[qs[l] & 0x0F]);
+                out.code[l + 16] = static_cast<uint8_t>(kIQ4NLValues[qs[l] >> 4]);
+            }
+            out.dw = fp16_to_fp32(blk.d) * static_cast<float>(iq4_xs_scale(blk, j));
             out.is_signed = true;
             return;
         }

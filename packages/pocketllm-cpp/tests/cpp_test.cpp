@@ -377,7 +377,8 @@ int main() {
         if (available_isas().substr(at, end - at) != "scalar") isas.push_back(available_isas().substr(at, end - at));
         at = end + 1;
     }
-    for (const char* name : {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4"}) {
+    for (const char* name : {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4",
+                             "IQ4_XS"}) {
         const StorageType type = parse_storage_type(name);
         for (const int64_t kcols : {512, 608}) {
             if (kcols % block_values(type) != 0) continue;

@@ -12,7 +12,7 @@ namespace pocketllm {
 constexpr int kBlock = 32;   // values per activation block, and per sub-block of every quantized storage type
 constexpr int kSuper = 256;  // values per K-quant super-block
 
-enum class StorageType { F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, MXFP4 };
+enum class StorageType { F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, MXFP4, IQ4_XS };
 
 // One block as stored in a GGUF file (little-endian, packed); see llama.cpp's ggml-common.h.
 struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };              // w = (q - 8) * d
@@ -25,6 +25,9 @@ struct BlockQ5_1 { uint16_t d; uint16_t m; uint8_t qh[4]; uint8_t qs[16]; };
 // two, E8M0 (mxfp4_scale).
 struct BlockIQ4_NL { uint16_t d; uint8_t qs[16]; };
 struct BlockMXFP4 { uint8_t e; uint8_t qs[16]; };
+// 8 sub-blocks of 32 IQ4_NL codes, each with a 6-bit scale (4 bits in scales_l, 2 in scales_h): w = d * (s - 32) *
+// value[q] (iq4_xs_scale).
+struct BlockIQ4_XS { uint16_t d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[128]; };
 // 8 sub-blocks of 32, each with a 6-bit scale and min (packed in `scales`): w = d * sc * q - dmin * m.
 struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
 struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };  // q has a 5th bit
@@ -32,7 +35,7 @@ struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t
 struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "GGUF block sizes");
 static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24 && sizeof(BlockIQ4_NL) == 18 &&
-              sizeof(BlockMXFP4) == 17, "GGUF block sizes");
+              sizeof(BlockMXFP4) == 17 && sizeof(BlockIQ4_XS) == 136, "GGUF block sizes");
 
 // The codebooks of the non-linear 4-bit types (ggml-common.h): IQ4_NL's, and MXFP4's E2M1 values doubled (its scale
 // is halved to match).
@@ -95,6 +98,11 @@ inline void k_scale_min(int j, const uint8_t* q, int& scale, int& min) {
         scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
         min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
+}
+
+// IQ4_XS: sub-block j's (0..7) scale, less its offset of 32: -32..31.
+inline int iq4_xs_scale(const BlockIQ4_XS& blk, int j) {
+    return (((blk.scales_l[j / 2] >> (4 * (j % 2))) & 0xF) | (((blk.scales_h >> (2 * j)) & 3) << 4)) - 32;
 }
 
 // IEEE half -> float without F16C, for the scalar path (and tests).
