@@ -22,10 +22,11 @@ from pocketllm import SampledLogprobs
 from pocketllm_server.app_state import ServerState, read_model_request, state_of
 from pocketllm_server.chat_turn import Reply, Turn, TurnUsage, start_turn, thinking_kwargs
 from pocketllm_server.errors import APIError, invalid_request
-from pocketllm_server.logprobs import TokenTexts
+from pocketllm_server.logprobs import TokenTexts, chat_logprobs
 from pocketllm_server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ChatTokenLogprob,
     JsonSchemaFormat,
     ResponseFormat,
     json_response,
@@ -45,7 +46,6 @@ from pocketllm_server.responses_protocol import (
     InputContent,
     InputText,
     InputTokensDetails,
-    LogprobOut,
     MessageItem,
     OutputItem,
     OutputItemAdded,
@@ -73,7 +73,6 @@ from pocketllm_server.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
     TextConfig,
-    TopLogprobOut,
 )
 from pocketllm_server.streaming import EventStreamResponse, sse_event
 from pocketllm_server.tool_calls import ToolCall
@@ -313,13 +312,10 @@ def _function_call(call: ToolCall, status: str, arguments: str | None = None) ->
                            arguments=call.arguments if arguments is None else arguments, status=status)
 
 
-def _logprobs(entries: list[SampledLogprobs] | None, text_of: TokenTexts | None) -> list[LogprobOut]:
+def _logprobs(entries: list[SampledLogprobs] | None, text_of: TokenTexts | None) -> list[ChatTokenLogprob]:
     if not entries or text_of is None:
         return []
-    return [LogprobOut(token=text_of(e.token_id), logprob=e.logprob, bytes=text_of.bytes_of(e.token_id),
-                       top_logprobs=[TopLogprobOut(token=text_of(t.token_id), logprob=t.logprob,
-                                                   bytes=text_of.bytes_of(t.token_id)) for t in e.top])
-            for e in entries]
+    return chat_logprobs(entries, text_of).content
 
 
 def _response(rid: str, state: ServerState, asked: _Request, output: list[OutputItem], usage: TurnUsage | None,
@@ -368,7 +364,7 @@ class _Items:
         self.done: list[OutputItem] = []
         self.open: ReasoningOut | OutputMessage | None = None
         self.text = ""
-        self.logprobs: list[LogprobOut] = []
+        self.logprobs: list[ChatTokenLogprob] = []
 
     def number(self) -> int:
         self.sequence += 1

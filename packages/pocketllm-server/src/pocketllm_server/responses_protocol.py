@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from pocketllm.limits import INT64_MAX, INT64_MIN, MAX_LOGPROBS
+from pocketllm_server.protocol import ChatTokenLogprob  # an output_text's logprobs: chat's, field for field
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512
 MAX_INPUT_ITEMS = 4096
@@ -153,23 +154,10 @@ class ReasoningItemIn(msgspec.Struct, kw_only=True):
 
 # -- response ------------------------------------------------------------------------------------------------------
 
-class TopLogprobOut(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class LogprobOut(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[TopLogprobOut]
-
-
 class OutputText(msgspec.Struct, kw_only=True, tag_field="type", tag="output_text"):
     text: str
     annotations: list[Any] = msgspec.field(default_factory=list)
-    logprobs: list[LogprobOut] = msgspec.field(default_factory=list)
+    logprobs: list[ChatTokenLogprob] = msgspec.field(default_factory=list)
 
 
 class ReasoningText(msgspec.Struct, kw_only=True, tag_field="type", tag="reasoning_text"):
@@ -317,7 +305,7 @@ class OutputTextDelta(Event, tag="response.output_text.delta"):
     output_index: int
     content_index: int
     delta: str
-    logprobs: list[LogprobOut] = msgspec.field(default_factory=list)
+    logprobs: list[ChatTokenLogprob] = msgspec.field(default_factory=list)
 
 
 class OutputTextDone(Event, tag="response.output_text.done"):
@@ -325,7 +313,7 @@ class OutputTextDone(Event, tag="response.output_text.done"):
     output_index: int
     content_index: int
     text: str
-    logprobs: list[LogprobOut] = msgspec.field(default_factory=list)
+    logprobs: list[ChatTokenLogprob] = msgspec.field(default_factory=list)
 
 
 class ReasoningTextDelta(Event, tag="response.reasoning_text.delta"):
