@@ -19,7 +19,7 @@ import json
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -27,14 +27,10 @@ from starlette.responses import Response
 
 from pocketllm import AsyncLLM, PocketLLMError, PoolingParams
 from pocketllm_server.app_state import ServerState, read_model_request
-from pocketllm_server.chat_turn import Piece, Reply, TurnUsage, start_turn
-from pocketllm_server.engine_stream import EngineStream
+from pocketllm_server.chat_turn import Piece, Turn, TurnUsage, start_turn
 from pocketllm_server.errors import APIError, OllamaErrorBody, from_engine_error, invalid_request
 from pocketllm_server.generation import (
-    ABORTED,
     PromptRequest,
-    aborted,
-    collect,
     request_id,
     sampling_params,
     start_all,
@@ -120,7 +116,7 @@ async def generate(request: Request) -> Response:
         return json_response(GenerateResponse(model=model, created_at=_now(), response="", done=True,
                                               done_reason="load"))
     if req.raw:
-        run: _Run = await _start_raw(request, state, llm, req.prompt, opts, response_format)
+        run = await _start_raw(request, state, llm, req.prompt, opts, response_format)
     else:
         messages = [ChatMessage(role="system", content=req.system)] if req.system else []
         chat_request = ChatCompletionRequest(messages=[*messages, ChatMessage(role="user", content=req.prompt)],
@@ -165,24 +161,8 @@ async def embed(request: Request) -> Response:
 
 
 
-class _Run(Protocol):
-    """A started engine request, read whole or in pieces: a chat turn, or a raw prompt's ``_RawRun``."""
-
-    rid: str
-    stream: EngineStream
-
-    @property
-    def prompt_tokens(self) -> int: ...
-
-    def pieces(self) -> AsyncGenerator[Piece, None]: ...
-
-    async def replies(self) -> tuple[list[Reply], TurnUsage]: ...
-
-    async def aclose(self) -> None: ...
-
-
 async def _start_chat(request: Request, state: ServerState, llm: AsyncLLM, chat_request: ChatCompletionRequest,
-                      opts: Options, *, prompt_field: str) -> _Run:
+                      opts: Options, *, prompt_field: str) -> Turn:
     """Start the turn, its reply bounded by num_predict and num_ctx once the prompt's length is known."""
     default = state.sampling_defaults.get("max_tokens")
     return await start_turn(request, state, llm, chat_request, id_prefix="ollama",
@@ -192,8 +172,9 @@ async def _start_chat(request: Request, state: ServerState, llm: AsyncLLM, chat_
 
 
 async def _start_raw(request: Request, state: ServerState, llm: AsyncLLM, prompt: str, opts: Options,
-                     response_format: ResponseFormat | None) -> _RawRun:
-    """A raw prompt, tokenized as it is (special tokens added as for /v1/completions) and run without a template."""
+                     response_format: ResponseFormat | None) -> Turn:
+    """A raw prompt, tokenized as it is (special tokens added as for /v1/completions) and run without a template:
+    a turn with neither tools nor a reasoning split, read as any other."""
     fields = {**OPTION_FIELDS, "prompt": "prompt"}
     try:
         text, ids = await asyncio.to_thread(llm.encode_prompt, prompt)  # tokenizing grows with the prompt
@@ -205,48 +186,8 @@ async def _start_raw(request: Request, state: ServerState, llm: AsyncLLM, prompt
     fields["structured_outputs"] = "format"  # sampling_params named the chat request's field
     engine_prompt = PromptRequest(text=text, ids=ids, params=params, request_id=request_id(request, "ollama"))
     [stream] = await start_all(request, [engine_prompt], fields)
-    return _RawRun(request, engine_prompt, stream, fields)
-
-
-class _RawRun:
-    """A raw prompt's engine request, read as a chat turn is: its events as pieces, its output as one reply (no
-    template, so no reasoning split and no tool calls)."""
-
-    def __init__(self, request: Request, prompt: PromptRequest, stream: EngineStream,
-                 fields: dict[str, str]) -> None:
-        self.request = request
-        self.prompt = prompt
-        self.stream = stream
-        self.fields = fields
-        self.rid = prompt.request_id
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt.ids)
-
-    async def pieces(self) -> AsyncGenerator[Piece, None]:
-        try:
-            async for event in self.stream:
-                if event.finish_reason == ABORTED:
-                    raise aborted()
-                usage = None if event.usage is None else TurnUsage(event.usage.prompt_tokens,
-                                                                   event.usage.completion_tokens)
-                yield Piece(index=event.index, content=event.text, finish_reason=event.finish_reason,
-                            stop_reason=event.stop_reason, usage=usage)
-        except PocketLLMError as e:
-            raise from_engine_error(e, fields=self.fields) from None
-        finally:
-            await self.stream.aclose()
-
-    async def replies(self) -> tuple[list[Reply], TurnUsage]:
-        [output] = await collect(self.request, [self.stream], [self.prompt], self.fields)
-        [choice] = output.outputs
-        reply = Reply(index=0, content=choice.text, reasoning=None, calls=[],
-                      finish_reason=choice.finish_reason or "stop", stop_reason=choice.stop_reason, logprobs=None)
-        return [reply], TurnUsage(output.usage.prompt_tokens, output.usage.completion_tokens)
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
+    return Turn(request, rid=engine_prompt.request_id, llm=llm, prompt=engine_prompt, stream=stream, fields=fields,
+                tool_parser=None, parallel_tool_calls=False, forced=False)
 
 
 # -- responses -----------------------------------------------------------------------------------------------------
@@ -276,7 +217,7 @@ class _Clock:
                 "eval_count": usage.completion_tokens, "eval_duration": _ns(end - self.first)}
 
 
-async def _lines(run: _Run, clock: _Clock, line_of: Callable[[Piece], msgspec.Struct | None],
+async def _lines(run: Turn, clock: _Clock, line_of: Callable[[Piece], msgspec.Struct | None],
                  last: Callable[[dict[str, Any]], msgspec.Struct]) -> AsyncGenerator[bytes, None]:
     """One object per piece with text or calls, then the last, with ``done`` true; or, if the engine fails once
     the stream started, Ollama's error object."""
