@@ -23,7 +23,9 @@ import pytest
 QUANT_TYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
                "Q4_K": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
                "Q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0", "Q5_1": "LLAMA_FTYPE_MOSTLY_Q5_1",
-               "IQ4_NL": "LLAMA_FTYPE_MOSTLY_IQ4_NL", "IQ4_XS": "LLAMA_FTYPE_MOSTLY_IQ4_XS"}
+               "IQ4_NL": "LLAMA_FTYPE_MOSTLY_IQ4_NL", "IQ4_XS": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
+               "Q2_K": "LLAMA_FTYPE_MOSTLY_Q2_K", "Q3_K_M": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
+               "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M"}
 THREADS = 2
 CONTEXT = 1024  # positions of each llama.cpp context: the tests' prompts and continuations fit
 

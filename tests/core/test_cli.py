@@ -14,6 +14,15 @@ def test_backends_lists_name_distribution_score_and_failures(capsys: pytest.Capt
     assert "echo  (pocketllm-echo 0.1.0, score 1)" in out
     assert "broken  (pocketllm-broken 0.1.0, FAILED TO LOAD: ModuleNotFoundError" in out
     assert "architectures: llama" in out
+    assert "quantization formats: -" in out  # echo loads float tensors only
+
+
+def test_quantization_formats_are_the_quantized_storage_types() -> None:
+    from pocketllm.backend import Capabilities
+
+    caps = Capabilities(storage_types=("F32", "F16", "BF16", "F64", "Q8_0", "Q4_K"))
+    assert caps.quantization_formats == ("Q8_0", "Q4_K")
+    assert Capabilities().quantization_formats == ()
 
 
 def test_generate_prints_streamed_text(pocketllm_tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -124,7 +124,7 @@ def test_checkpoint_tensors_in_place(pocketllm_kit_checkpoint) -> None:
     (("Q8_0", 40, 100), "multiple of 32"),
     (("Q8_0", -40, 128), "positive"),
     (("Q8_0", 2**62, 2**40), "bytes"),
-    (("Q2_K", 40, 128), "storage type"),
+    (("IQ2_XS", 40, 128), "storage type"),
     (("Q4_K", 40, 128), "multiple of 256"),
 ])
 def test_bad_arguments_raise_value_error(args: tuple, message: str | None) -> None:
@@ -232,3 +232,9 @@ def test_the_neon_kernels_match_the_scalar_ones_on_arm64(tmp_path: Path) -> None
         result = subprocess.run(command, capture_output=True, text=True, timeout=300,
                                 env={**os.environ, "POCKETLLM_CPP_ISA": isa})
         assert result.returncode == 0 and result.stdout.startswith("ok: isa neon"), result.stdout + result.stderr
+
+
+def test_capabilities_list_exactly_the_quantized_types_these_kernels_run() -> None:
+    from pocketllm_cpp.backend import CppBackend
+
+    assert set(CppBackend().capabilities().quantization_formats) == set(QUANTIZED_TYPES)

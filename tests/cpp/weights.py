@@ -6,8 +6,9 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "IQ4_XS")
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "IQ4_XS",
+                   "Q2_K", "Q3_K")
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
 BLOCK32_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")  # blocks of 32 values
 # MXFP4 exponents: the subnormal scales (e < 2), the smallest normal ones, and those of weights near 1.
 MXFP4_EXPONENTS = np.array([0, 1, 2, 3, 120, 124, 126, 127, 128, 129], dtype=np.uint8)
@@ -36,8 +37,10 @@ def random_k_blocks(storage_type: str, rows: int, cols: int, seed: int) -> tuple
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
     scales = (rng.random((blocks.shape[0], 2)) * 0.01 + 0.001).astype(np.float16).view(np.uint8)
-    if storage_type == "Q6_K":
+    if storage_type in ("Q6_K", "Q3_K"):
         blocks[:, -2:] = scales[:, :2]  # d comes last
+    elif storage_type == "Q2_K":
+        blocks[:, -4:] = scales  # d, dmin last
     else:
         blocks[:, :4] = scales  # d, dmin first
     return blocks.reshape(-1), gguf.quants.dequantize(blocks, t).reshape(rows, cols).astype(np.float64)

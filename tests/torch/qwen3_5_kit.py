@@ -232,6 +232,9 @@ root = sys.argv.pop(1)
 sys.path[:0] = [root, root + "/gguf-py"]
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
+def no_sentencepiece(self):  # the kit's tokenizer is BPE: what a converter with sentencepiece installed finds
+    raise FileNotFoundError("tokenizer.model")
+base.TextModel._create_vocab_sentencepiece = no_sentencepiece
 sys.argv[0] = root + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -261,7 +264,8 @@ def llama_cpp_converter(unpack_to: Path) -> Path | None:
 
 
 def convert_with_llama_cpp(llama_cpp: Path, model: Path, out: Path, *, add_mtp: bool = True) -> Path:
-    """``model`` (a tiny_qwen3_5 directory) converted to an F32 GGUF by llama.cpp's own convert_hf_to_gguf.py, with
+    """``model`` (a tiny_qwen3_5 directory, or another transformers checkpoint) converted to an F32 GGUF by llama.cpp's
+    own convert_hf_to_gguf.py, with
     the kit's tokenizer and (``add_mtp``) a multi-token-prediction layer added first, as the published
     checkpoints have."""
     import subprocess

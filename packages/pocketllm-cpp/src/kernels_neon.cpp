@@ -11,18 +11,20 @@
 namespace pocketllm::kernels {
 namespace {
 
-// A 32-value sub-block's codes as two 16-lane vectors, with its scales: w = dw * code * mul + mw. Q4_0, Q4_1
-// and Q8_0 (the common GGUF storage types) are decoded in registers; the K-quants through the shared scalar decoder.
+// A 32-value sub-block's codes as two 16-lane vectors, with its scales: w = dw * code * mul + dm * min + mw. Q4_0,
+// Q4_1 and Q8_0 (the common GGUF storage types) are decoded in registers; the others through the shared scalar
+// decoder.
 struct Codes {
     int8x16_t lo, hi;
-    int16_t mul[2];
-    float dw, mw;
+    int16_t mul[2], min[2];
+    float dw, dm, mw;
 };
 
 inline Codes decode(StorageType type, const uint8_t* row, int64_t b) {
     Codes c;
     c.mul[0] = c.mul[1] = 1;
-    c.mw = 0.0f;
+    c.min[0] = c.min[1] = 0;
+    c.dm = c.mw = 0.0f;
     switch (type) {
         case StorageType::Q4_0:
         case StorageType::Q4_1: {
@@ -61,6 +63,9 @@ inline Codes decode(StorageType type, const uint8_t* row, int64_t b) {
             c.hi = vld1q_s8(reinterpret_cast<const int8_t*>(sub.code + 16));
             c.mul[0] = sub.mul[0];
             c.mul[1] = sub.mul[1];
+            c.min[0] = sub.min[0];
+            c.min[1] = sub.min[1];
+            c.dm = sub.dm;
             c.dw = sub.dw;
             c.mw = sub.mw;
             return c;
@@ -86,8 +91,14 @@ void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const 
             const Codes c = decode(w.type, base, b);  // once for every activation row
             for (int64_t r = 0; r < n; ++r) {
                 const int8_t* x = act.codes(r, b);
+                const float dx = act.scale(r, b);
                 const int32_t dot = dot16(c.lo, x) * c.mul[0] + dot16(c.hi, x + 16) * c.mul[1];
-                y[r * y_stride + row] += c.dw * act.scale(r, b) * static_cast<float>(dot) + c.mw * act.offset(r, b);
+                float sum = c.dw * dx * static_cast<float>(dot) + c.mw * act.offset(r, b);
+                if (c.min[0] != 0 || c.min[1] != 0) {  // Q2_K's per-16 mins, against each 16 codes' sum
+                    const int32_t mins = vaddlvq_s8(vld1q_s8(x)) * c.min[0] + vaddlvq_s8(vld1q_s8(x + 16)) * c.min[1];
+                    sum += c.dm * dx * static_cast<float>(mins);
+                }
+                y[r * y_stride + row] += sum;
             }
         }
     }

@@ -17,13 +17,15 @@ float dense_value(StorageType type, const uint8_t* row, int64_t i) {
 
 // sum(w * x) of one decoded sub-block against one 8-bit activation block (scales applied).
 float sub_block_dot(const SubBlock& sub, const int8_t* x, float dx, float sx) {
-    int halves[2] = {0, 0};
+    int halves[2] = {0, 0}, sums[2] = {0, 0};
     for (int j = 0; j < kBlock; ++j) {
         const int code = sub.is_signed ? static_cast<int8_t>(sub.code[j]) : sub.code[j];
         halves[j / 16] += code * x[j];
+        sums[j / 16] += x[j];
     }
     const int dot = halves[0] * sub.mul[0] + halves[1] * sub.mul[1];
-    return sub.dw * dx * static_cast<float>(dot) + sub.mw * sx;
+    const int mins = sums[0] * sub.min[0] + sums[1] * sub.min[1];
+    return sub.dw * dx * static_cast<float>(dot) + sub.dm * dx * static_cast<float>(mins) + sub.mw * sx;
 }
 
 }  // namespace

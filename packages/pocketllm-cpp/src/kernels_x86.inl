@@ -39,8 +39,8 @@ constexpr bool kSigned = T == StorageType::Q8_0 || T == StorageType::IQ4_NL || T
 template <StorageType T>
 constexpr bool kOffset = !kSigned<T>;
 
-// A 32-value sub-block decoded into registers: w = dw * code + mw, as decode_sub_block defines it (Q6_K, whose
-// per-16 scales this form lacks, has its own kernels below).
+// A 32-value sub-block decoded into registers: w = dw * code + mw, as decode_sub_block defines it (Q2_K, Q3_K and
+// Q6_K, whose per-16 scales this form lacks, have their own kernels below).
 struct Sub {
     __m256i codes;
     float dw, mw;
@@ -615,70 +615,121 @@ void packed_rows(const WeightView& w, size_t stride, int64_t row, const Quantize
     if (r < n) packed_tile<T, 1, C>(groups.data(), nb, act, r, y, y_stride, row);
 }
 
-// Q6_K, a 256-value block at a time. The batched path packs C weight rows' blocks once for every activation row,
-// as PackedGroup does: the unsigned codes (code + 32) transposed by 4-byte words like the activations' `grouped`
-// plane, so that lane k of each product is sub-block k, and the per-16 scales as the 16-bit lanes that multiply
-// them (mul[h]: lanes 2k and 2k + 1 hold sub-block k's scale for its values 16h..16h + 15, which transposed words
-// 4h..4h + 3 carry). The offset -32 comes back through the activations' per-16 sums: sum(code * s * x) =
-// sum((code + 32) * s * x) - 32 * sum(s * sums16). Each sub-block's integer sum is exact, so the result is the
-// decode path's (q6_decode_rows) bit for bit, whatever R, C and n are.
-template <int C>
-struct Q6Packed {
+// The super-block types with a scale per 16 values, a 256-value block at a time: Q6_K and Q3_K (signed codes,
+// q - 32 and q - 4) and Q2_K (unsigned 2-bit codes with a min per 16 values: w = d * sc * q - dmin * m). The
+// batched path packs C weight rows' blocks once for every activation row, as PackedGroup does: the unsigned codes
+// (code + bias) transposed by 4-byte words like the activations' `grouped` plane, so that lane k of each product is
+// sub-block k, and the per-16 scales as the 16-bit lanes that multiply them (mul[h]: lanes 2k and 2k + 1 hold
+// sub-block k's scale for its values 16h..16h + 15, which transposed words 4h..4h + 3 carry). The bias comes back
+// through the activations' per-16 sums: sum(code * s * x) = sum((code + bias) * s * x) - bias * sum(s * sums16),
+// and Q2_K's mins the same way: sum(m * x) = sum(m * sums16). Each sub-block's integer sums are exact, so the
+// result is the decode path's (k16_decode_rows) bit for bit, whatever R, C and n are.
+template <StorageType T>
+using Block16 = std::conditional_t<T == StorageType::Q6_K, BlockQ6_K,
+                                   std::conditional_t<T == StorageType::Q3_K, BlockQ3_K, BlockQ2_K>>;
+template <StorageType T>
+constexpr int kBias16 = T == StorageType::Q6_K ? 32 : T == StorageType::Q3_K ? 4 : 0;
+template <StorageType T>
+constexpr int kBiasShift16 = T == StorageType::Q6_K ? 5 : 2;  // log2 of the bias
+template <StorageType T>
+constexpr bool kMins16 = T == StorageType::Q2_K;
+
+template <StorageType T, int C>
+struct Packed16 {
     alignas(64) uint8_t codes[8][C][kBlock];
     alignas(64) int16_t mul[2][C][16];
-    alignas(64) int16_t scales[C][16];
-    alignas(64) float d[C][8];  // d in 8 lanes
+    alignas(64) int16_t offsets[C][16];  // per 16 values: the scales (Q6_K, Q3_K) or the mins (Q2_K)
+    alignas(64) float d[C][8];           // d in 8 lanes
+    alignas(64) float dmin[kMins16<T> ? C : 1][8];  // Q2_K's -dmin in 8 lanes
 };
 
-// f(j, codes, mul) for each sub-block j of a Q6_K block: its 32 signed codes, and its two per-16 scales each in
-// 8 of the 16-bit lanes (values 0-15, then 16-31).
-template <class F>
-inline void q6_sub_blocks(const BlockQ6_K& blk, F&& f) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
-    const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales));
+// A block's 16 scales as int8 lanes: Q6_K's as stored, Q3_K's unpacked less their offset, Q2_K's low nibbles.
+template <StorageType T>
+inline __m128i scales16(const Block16<T>& blk) {
+    if constexpr (T == StorageType::Q6_K) {
+        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales));
+    } else if constexpr (T == StorageType::Q3_K) {
+        int8_t scales[16];
+        q3_k_scales(blk.scales, scales);
+        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales));
+    } else {
+        return _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales)), _mm_set1_epi8(0x0F));
+    }
+}
+
+// Q2_K's 16 mins (the scales' high nibbles) as int8 lanes.
+inline __m128i q2_mins(const BlockQ2_K& blk) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales));
+    return _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+}
+
+// Per-16 values 2j and 2j + 1 of 16 int8 lanes as 16-bit lanes, each in 8 of them (values 0-15, then 16-31).
+inline __m256i per16(__m128i values, int j) {
+    const __m128i pick = _mm_set_epi64x(0x0101010101010101LL * (2 * j + 1), 0x0101010101010101LL * (2 * j));
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(values, pick));
+}
+
+// f(j, codes, mul, mins) for each sub-block j of a block: its 32 unsigned codes (code + kBias16), and its two
+// per-16 scales (and Q2_K's mins; zero otherwise) as per16 lays them out.
+template <StorageType T, class F>
+inline void sub_blocks16(const Block16<T>& blk, F&& f) {
+    const __m128i scales = scales16<T>(blk);
+    __m128i mins = _mm_setzero_si128();
+    if constexpr (kMins16<T>) mins = q2_mins(blk);
+    if constexpr (T == StorageType::Q6_K) {
+        const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {  // sub-blocks 4h + part: ql's low/high nibbles, qh's bit pair `part`
-        const __m256i ql0 = load(blk.ql + 64 * h), ql1 = load(blk.ql + 64 * h + 32), qh = load(blk.qh + 32 * h);
-        const __m256i low[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
-                                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
-                                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
+        for (int h = 0; h < 2; ++h) {  // sub-blocks 4h + part: ql's low/high nibbles, qh's bit pair `part`
+            const __m256i ql0 = load(blk.ql + 64 * h), ql1 = load(blk.ql + 64 * h + 32), qh = load(blk.qh + 32 * h);
+            const __m256i low[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
+                                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
 #pragma GCC unroll 4
-        for (int part = 0; part < 4; ++part) {
-            const int j = 4 * h + part;
-            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), low2);
-            const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low[part], _mm256_slli_epi16(high, 4)), bias);
-            const __m128i pick = _mm_set_epi64x(0x0101010101010101LL * (2 * j + 1), 0x0101010101010101LL * (2 * j));
-            f(j, codes, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick)));
+            for (int part = 0; part < 4; ++part) {
+                const int j = 4 * h + part;
+                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), low2);
+                f(j, _mm256_or_si256(low[part], _mm256_slli_epi16(high, 4)), per16(scales, j), per16(mins, j));
+            }
+        }
+    } else {
+        __m256i hmask = _mm256_setzero_si256();
+        if constexpr (T == StorageType::Q3_K) hmask = load(blk.hmask);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {  // sub-blocks 4h + part: bits 2 part of the half's 32 bytes
+            const __m256i qs = load(blk.qs + 32 * h);
+#pragma GCC unroll 4
+            for (int part = 0; part < 4; ++part) {
+                const int j = 4 * h + part;
+                __m256i codes = bits(qs, 2 * part, 3);
+                // Q3_K's 3rd bit, bit j of hmask's bytes, set where the code has no offset of -4.
+                if constexpr (T == StorageType::Q3_K) codes = _mm256_or_si256(codes, _mm256_slli_epi16(bits(hmask, j, 1), 2));
+                f(j, codes, per16(scales, j), per16(mins, j));
+            }
         }
     }
 }
 
-inline void q6_prefetch(const BlockQ6_K& blk) {
+template <StorageType T>
+inline void prefetch16(const Block16<T>& blk) {
     const char* ahead = reinterpret_cast<const char*>(&blk) + kPrefetchBytes;
-    for (size_t at = 0; at < sizeof(BlockQ6_K); at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+    for (size_t at = 0; at < sizeof(blk); at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
 }
 
-// sum(code * mul * x) of one sub-block in 8 int32 lanes.
-inline __m256i q6_dot(__m256i magnitude, __m256i codes, __m256i mul, __m256i x) {
-    const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, codes));  // |pairs| <= 2 * 32 * 128
-    return _mm256_madd_epi16(pairs, mul);
-}
-
-template <int C>
-void q6_pack(const uint8_t* base, size_t stride, int64_t supers, Q6Packed<C>* out) {
+template <StorageType T, int C>
+void k16_pack(const uint8_t* base, size_t stride, int64_t supers, Packed16<T, C>* out) {
     for (int64_t k = 0; k < supers; ++k) {
-        Q6Packed<C>& p = out[k];
+        Packed16<T, C>& p = out[k];
         for (int c = 0; c < C; ++c) {
-            const BlockQ6_K& blk = reinterpret_cast<const BlockQ6_K*>(base + c * stride)[k];
-            q6_prefetch(blk);
+            const Block16<T>& blk = reinterpret_cast<const Block16<T>*>(base + c * stride)[k];
+            prefetch16<T>(blk);
             __m256i codes[8];
-            q6_sub_blocks(blk, [&](int j, __m256i signed_codes, __m256i) {
-                codes[j] = _mm256_add_epi8(signed_codes, _mm256_set1_epi8(32));
-            });
+            sub_blocks16<T>(blk, [&](int j, __m256i unsigned_codes, __m256i, __m256i) { codes[j] = unsigned_codes; });
             transpose8(codes);
             for (int v = 0; v < 8; ++v) _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes[v][c]), codes[v]);
-            const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales)));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(p.scales[c]), scales);
+            const __m256i scales = _mm256_cvtepi8_epi16(scales16<T>(blk));
+            __m256i offsets = scales;
+            if constexpr (kMins16<T>) offsets = _mm256_cvtepi8_epi16(q2_mins(blk));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(p.offsets[c]), offsets);
             // mul[h]'s lanes 2k and 2k + 1: scale 2k + h, which sits in the same 128-bit half of `scales`.
             const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5,
                                                   8, 9, 8, 9, 12, 13, 12, 13);
@@ -686,13 +737,15 @@ void q6_pack(const uint8_t* base, size_t stride, int64_t supers, Q6Packed<C>* ou
             _mm256_store_si256(reinterpret_cast<__m256i*>(p.mul[0][c]), _mm256_shuffle_epi8(scales, even));
             _mm256_store_si256(reinterpret_cast<__m256i*>(p.mul[1][c]), _mm256_shuffle_epi8(scales, odd));
             _mm256_store_ps(p.d[c], _mm256_set1_ps(half(blk.d)));
+            if constexpr (kMins16<T>) _mm256_store_ps(p.dmin[c], _mm256_set1_ps(-half(blk.dmin)));
         }
     }
 }
 
-// Decode (one activation row): q6_tile<1, C>'s arithmetic, the blocks used from registers.
-template <int C>
-void q6_decode_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, float* y) {
+// Decode (one activation row): k16_tile<T, 1, C>'s arithmetic, the blocks used from registers. The signed types'
+// codes multiply with their signs moved onto x (no per-16 sums of x needed); Q2_K's mins take each 16 codes' sum.
+template <StorageType T, int C>
+void k16_decode_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, float* y) {
     const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
     __m256 acc[C];
 #pragma GCC unroll 16
@@ -703,14 +756,25 @@ void q6_decode_rows(const WeightView& w, size_t stride, int64_t row, const Quant
         const __m256 dx = _mm256_loadu_ps(act.d.data() + 8 * k);
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
-            const BlockQ6_K& blk = reinterpret_cast<const BlockQ6_K*>(base + c * stride)[k];
-            q6_prefetch(blk);
-            __m256i sums[8];
-            q6_sub_blocks(blk, [&](int j, __m256i codes, __m256i mul) {
-                sums[j] = q6_dot(_mm256_sign_epi8(codes, codes), codes, mul, load(x + j * kBlock));
+            const Block16<T>& blk = reinterpret_cast<const Block16<T>*>(base + c * stride)[k];
+            prefetch16<T>(blk);
+            __m256i sums[8], min_sums[8];
+            sub_blocks16<T>(blk, [&](int j, __m256i codes, __m256i mul, __m256i mins) {
+                const __m256i xj = load(x + j * kBlock);
+                if constexpr (kMins16<T>) {
+                    sums[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xj), mul);
+                    min_sums[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), xj), mins);
+                } else {  // |pairs| <= 2 * 32 * 127
+                    const __m256i s = _mm256_sub_epi8(codes, _mm256_set1_epi8(kBias16<T>));
+                    sums[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(s, s), _mm256_sign_epi8(xj, s)), mul);
+                }
             });
             const __m256 d = _mm256_set1_ps(half(blk.d));
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(sums)), _mm256_mul_ps(d, dx), acc[c]);
+            if constexpr (kMins16<T>) {
+                const __m256 dmin = _mm256_set1_ps(-half(blk.dmin));
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(min_sums)), _mm256_mul_ps(dmin, dx), acc[c]);
+            }
         }
     }
 #pragma GCC unroll 16
@@ -727,10 +791,10 @@ inline __m256i madd_add(__m256i pairs, __m256i mul, __m256i acc) {
 }
 
 #if PLLM_VNNI
-// q6_tile's 512-bit form (packed_pairs' pairing of weight rows), the same bits.
-template <int R, int C>
-void q6_pairs(const Q6Packed<C>* blocks, int64_t supers, const QuantizedRows& act, int64_t r0,
-              __m256 (&acc)[R][C]) {
+// k16_tile's 512-bit form (packed_pairs' pairing of weight rows), the same bits.
+template <StorageType T, int R, int C>
+void k16_pairs(const Packed16<T, C>* blocks, int64_t supers, const QuantizedRows& act, int64_t r0,
+               __m256 (&acc)[R][C]) {
     constexpr int P = C / 2;
     const int64_t nb = act.blocks_per_row(), groups16 = act.cols / 16;
     __m512 pairs[R][P];
@@ -740,7 +804,7 @@ void q6_pairs(const Q6Packed<C>* blocks, int64_t supers, const QuantizedRows& ac
         for (int q = 0; q < P; ++q) pairs[i][q] = _mm512_setzero_ps();
     }
     for (int64_t k = 0; k < supers; ++k) {
-        const Q6Packed<C>& p = blocks[k];
+        const Packed16<T, C>& p = blocks[k];
         __m512i sums[R][P];
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i) {
@@ -768,9 +832,16 @@ void q6_pairs(const Q6Packed<C>* blocks, int64_t supers, const QuantizedRows& ac
             const __m512 dx = both_halves(_mm256_loadu_ps(act.d.data() + (r0 + i) * nb + 8 * k));
 #pragma GCC unroll 16
             for (int q = 0; q < P; ++q) {
-                const __m512i offset = _mm512_slli_epi32(_mm512_madd_epi16(x16, _mm512_load_si512(p.scales[2 * q])), 5);
-                const __m512 blocks_sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[i][q], offset));
-                pairs[i][q] = _mm512_fmadd_ps(blocks_sum, _mm512_mul_ps(_mm512_load_ps(p.d[2 * q]), dx), pairs[i][q]);
+                const __m512i offset = _mm512_madd_epi16(x16, _mm512_load_si512(p.offsets[2 * q]));
+                const __m512 scale = _mm512_mul_ps(_mm512_load_ps(p.d[2 * q]), dx);
+                if constexpr (kMins16<T>) {
+                    pairs[i][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i][q]), scale, pairs[i][q]);
+                    const __m512 dmin = _mm512_mul_ps(_mm512_load_ps(p.dmin[2 * q]), dx);
+                    pairs[i][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(offset), dmin, pairs[i][q]);
+                } else {
+                    const __m512i biased = _mm512_sub_epi32(sums[i][q], _mm512_slli_epi32(offset, kBiasShift16<T>));
+                    pairs[i][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(biased), scale, pairs[i][q]);
+                }
             }
         }
     }
@@ -783,9 +854,9 @@ void q6_pairs(const Q6Packed<C>* blocks, int64_t supers, const QuantizedRows& ac
 }
 #endif
 
-template <int R, int C>
-void q6_tile(const Q6Packed<C>* blocks, int64_t supers, const QuantizedRows& act, int64_t r0, float* y,
-             int64_t y_stride, int64_t row) {
+template <StorageType T, int R, int C>
+void k16_tile(const Packed16<T, C>* blocks, int64_t supers, const QuantizedRows& act, int64_t r0, float* y,
+              int64_t y_stride, int64_t row) {
     __m256 acc[R][C];
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
@@ -794,12 +865,12 @@ void q6_tile(const Q6Packed<C>* blocks, int64_t supers, const QuantizedRows& act
     }
     const int64_t nb = act.blocks_per_row(), groups16 = act.cols / 16;
 #if PLLM_VNNI
-    if constexpr (C % 2 == 0) q6_pairs<R, C>(blocks, supers, act, r0, acc);
+    if constexpr (C % 2 == 0) k16_pairs<T, R, C>(blocks, supers, act, r0, acc);
     for (int64_t k = 0; k < (C % 2 == 0 ? 0 : supers); ++k) {
 #else
     for (int64_t k = 0; k < supers; ++k) {
 #endif
-        const Q6Packed<C>& p = blocks[k];
+        const Packed16<T, C>& p = blocks[k];
         __m256i sums[R][C];
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i) {
@@ -828,9 +899,16 @@ void q6_tile(const Q6Packed<C>* blocks, int64_t supers, const QuantizedRows& act
             const __m256 dx = _mm256_loadu_ps(act.d.data() + (r0 + i) * nb + 8 * k);
 #pragma GCC unroll 16
             for (int c = 0; c < C; ++c) {
-                const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(x16, load(p.scales[c])), 5);
-                const __m256 blocks_sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums[i][c], offset));
-                acc[i][c] = _mm256_fmadd_ps(blocks_sum, _mm256_mul_ps(_mm256_load_ps(p.d[c]), dx), acc[i][c]);
+                const __m256i offset = _mm256_madd_epi16(x16, load(p.offsets[c]));
+                const __m256 scale = _mm256_mul_ps(_mm256_load_ps(p.d[c]), dx);
+                if constexpr (kMins16<T>) {
+                    acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][c]), scale, acc[i][c]);
+                    const __m256 dmin = _mm256_mul_ps(_mm256_load_ps(p.dmin[c]), dx);
+                    acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offset), dmin, acc[i][c]);
+                } else {
+                    const __m256i biased = _mm256_sub_epi32(sums[i][c], _mm256_slli_epi32(offset, kBiasShift16<T>));
+                    acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(biased), scale, acc[i][c]);
+                }
             }
         }
     }
@@ -839,39 +917,40 @@ void q6_tile(const Q6Packed<C>* blocks, int64_t supers, const QuantizedRows& act
     }
 }
 
-template <int C>
-void q6_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t n, float* y,
-             int64_t y_stride) {
+template <StorageType T, int C>
+void k16_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t n, float* y,
+              int64_t y_stride) {
     const int64_t supers = w.cols / kSuper;
-    thread_local std::vector<Q6Packed<C>> packed;
+    thread_local std::vector<Packed16<T, C>> packed;
     packed.resize(static_cast<size_t>(supers));
-    q6_pack<C>(w.data + row * static_cast<int64_t>(stride), stride, supers, packed.data());
+    k16_pack<T, C>(w.data + row * static_cast<int64_t>(stride), stride, supers, packed.data());
     prefetch_rows(w, stride, row + C, C);
     int64_t r = 0;
-    for (; r + PLLM_TILE_ACT <= n; r += PLLM_TILE_ACT) q6_tile<PLLM_TILE_ACT, C>(packed.data(), supers, act, r, y, y_stride, row);
+    for (; r + PLLM_TILE_ACT <= n; r += PLLM_TILE_ACT) k16_tile<T, PLLM_TILE_ACT, C>(packed.data(), supers, act, r, y, y_stride, row);
     if (r + 2 <= n) {
-        q6_tile<2, C>(packed.data(), supers, act, r, y, y_stride, row);
+        k16_tile<T, 2, C>(packed.data(), supers, act, r, y, y_stride, row);
         r += 2;
     }
-    if (r < n) q6_tile<1, C>(packed.data(), supers, act, r, y, y_stride, row);
+    if (r < n) k16_tile<T, 1, C>(packed.data(), supers, act, r, y, y_stride, row);
 }
 
-void gemm_q6_k(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, int64_t n,
-               float* y, int64_t y_stride) {
+template <StorageType T>
+void gemm_k16(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, int64_t n,
+              float* y, int64_t y_stride) {
     const size_t stride = row_bytes(w.type, w.cols);
     int64_t row = row_begin;
     if (n == 1) {
         for (; row + 4 <= row_end; row += 4) {
             prefetch_rows(w, stride, row + 4, 4);
-            q6_decode_rows<4>(w, stride, row, act, y);
+            k16_decode_rows<T, 4>(w, stride, row, act, y);
         }
-        for (; row < row_end; ++row) q6_decode_rows<1>(w, stride, row, act, y);
+        for (; row < row_end; ++row) k16_decode_rows<T, 1>(w, stride, row, act, y);
         return;
     }
     for (; row + PLLM_TILE_ROWS <= row_end; row += PLLM_TILE_ROWS) {
-        q6_rows<PLLM_TILE_ROWS>(w, stride, row, act, n, y, y_stride);
+        k16_rows<T, PLLM_TILE_ROWS>(w, stride, row, act, n, y, y_stride);
     }
-    for (; row < row_end; ++row) q6_rows<1>(w, stride, row, act, n, y, y_stride);
+    for (; row < row_end; ++row) k16_rows<T, 1>(w, stride, row, act, n, y, y_stride);
 }
 
 template <StorageType T>
@@ -950,12 +1029,14 @@ void PLLM_GEMM(const WeightView& w, int64_t row_begin, int64_t row_end, const Qu
         case StorageType::Q8_0: return gemm_blocks<StorageType::Q8_0>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::Q4_K: return gemm_blocks<StorageType::Q4_K>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::Q5_K: return gemm_blocks<StorageType::Q5_K>(w, row_begin, row_end, act, n, y, y_stride);
-        case StorageType::Q6_K: return gemm_q6_k(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::Q6_K: return gemm_k16<StorageType::Q6_K>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::Q5_0: return gemm_blocks<StorageType::Q5_0>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::Q5_1: return gemm_blocks<StorageType::Q5_1>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::IQ4_NL: return gemm_blocks<StorageType::IQ4_NL>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::MXFP4: return gemm_blocks<StorageType::MXFP4>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::IQ4_XS: return gemm_blocks<StorageType::IQ4_XS>(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::Q2_K: return gemm_k16<StorageType::Q2_K>(w, row_begin, row_end, act, n, y, y_stride);
+        case StorageType::Q3_K: return gemm_k16<StorageType::Q3_K>(w, row_begin, row_end, act, n, y, y_stride);
     }
 }
 

@@ -223,7 +223,8 @@ void dequantize_row(const WeightView& w, int64_t row, float* out) {
         for (int j = 0; j < kBlock; ++j) {
             const int code = sub.is_signed ? static_cast<int8_t>(sub.code[j]) : sub.code[j];
             // The order of gguf's dequantizers: (d * scale) * q, minus (dmin * min).
-            out[b * kBlock + j] = sub.dw * static_cast<float>(sub.mul[j / 16]) * static_cast<float>(code) + sub.mw;
+            const float scaled = sub.dw * static_cast<float>(sub.mul[j / 16]) * static_cast<float>(code);
+            out[b * kBlock + j] = scaled + sub.dm * static_cast<float>(sub.min[j / 16]) + sub.mw;
         }
     }
 }

@@ -10,13 +10,14 @@ StorageType parse_storage_type(const std::string& name) {
         {"Q4_0", StorageType::Q4_0}, {"Q4_1", StorageType::Q4_1}, {"Q8_0", StorageType::Q8_0},
         {"Q4_K", StorageType::Q4_K}, {"Q5_K", StorageType::Q5_K}, {"Q6_K", StorageType::Q6_K},
         {"Q5_0", StorageType::Q5_0}, {"Q5_1", StorageType::Q5_1}, {"IQ4_NL", StorageType::IQ4_NL},
-        {"MXFP4", StorageType::MXFP4}, {"IQ4_XS", StorageType::IQ4_XS}};
+        {"MXFP4", StorageType::MXFP4}, {"IQ4_XS", StorageType::IQ4_XS}, {"Q2_K", StorageType::Q2_K},
+        {"Q3_K", StorageType::Q3_K}};
     for (const auto& [text, type] : names) {
         if (name == text) return type;
     }
     throw std::invalid_argument("storage type '" + name +
                                 "' is not one of F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, "
-                                "IQ4_NL, MXFP4, IQ4_XS");
+                                "IQ4_NL, MXFP4, IQ4_XS, Q2_K, Q3_K");
 }
 
 bool is_quantized(StorageType type) {
@@ -29,7 +30,7 @@ int64_t block_values(StorageType type) {
         case StorageType::Q4_0: case StorageType::Q4_1: case StorageType::Q8_0: case StorageType::Q5_0:
         case StorageType::Q5_1: case StorageType::IQ4_NL: case StorageType::MXFP4: return kBlock;
         case StorageType::Q4_K: case StorageType::Q5_K: case StorageType::Q6_K: case StorageType::IQ4_XS:
-            return kSuper;
+        case StorageType::Q2_K: case StorageType::Q3_K: return kSuper;
     }
     return 1;
 }
@@ -50,13 +51,16 @@ size_t row_bytes(StorageType type, int64_t cols) {
         case StorageType::IQ4_NL: return blocks * sizeof(BlockIQ4_NL);
         case StorageType::MXFP4: return blocks * sizeof(BlockMXFP4);
         case StorageType::IQ4_XS: return blocks * sizeof(BlockIQ4_XS);
+        case StorageType::Q2_K: return blocks * sizeof(BlockQ2_K);
+        case StorageType::Q3_K: return blocks * sizeof(BlockQ3_K);
     }
     return 0;
 }
 
 void decode_sub_block(StorageType type, const uint8_t* row, int64_t b, SubBlock& out) {
     out.mul[0] = out.mul[1] = 1;
-    out.mw = 0.0f;
+    out.min[0] = out.min[1] = 0;
+    out.dm = out.mw = 0.0f;
     out.is_signed = false;
     switch (type) {
         case StorageType::Q4_0: case StorageType::Q4_1: {
@@ -168,6 +172,35 @@ void decode_sub_block(StorageType type, const uint8_t* row, int64_t b, SubBlock&
                 out.code[l + 16] = static_cast<uint8_t>(kIQ4NLValues[qs[l] >> 4]);
             }
             out.dw = fp16_to_fp32(blk.d) * static_cast<float>(iq4_xs_scale(blk, j));
+            out.is_signed = true;
+            return;
+        }
+        case StorageType::Q2_K: case StorageType::Q3_K: {
+            // Sub-block j (0..7) of a super-block: bits 2 (j % 4) of its half's 32 bytes of qs (half j / 4).
+            const int j = static_cast<int>(b % 8), shift = 2 * (j % 4);
+            if (type == StorageType::Q2_K) {
+                const BlockQ2_K& blk = reinterpret_cast<const BlockQ2_K*>(row)[b / 8];
+                const uint8_t* qs = blk.qs + 32 * (j / 4);
+                for (int l = 0; l < kBlock; ++l) out.code[l] = (qs[l] >> shift) & 3;
+                for (int h = 0; h < 2; ++h) {
+                    out.mul[h] = blk.scales[2 * j + h] & 0x0F;
+                    out.min[h] = blk.scales[2 * j + h] >> 4;
+                }
+                out.dw = fp16_to_fp32(blk.d);
+                out.dm = -fp16_to_fp32(blk.dmin);
+                return;
+            }
+            const BlockQ3_K& blk = reinterpret_cast<const BlockQ3_K*>(row)[b / 8];
+            const uint8_t* qs = blk.qs + 32 * (j / 4);
+            for (int l = 0; l < kBlock; ++l) {  // the 3rd bit (bit j of hmask's bytes) set means no offset of -4
+                const int q = ((qs[l] >> shift) & 3) | (((blk.hmask[l] >> j) & 1) << 2);
+                out.code[l] = static_cast<uint8_t>(static_cast<int8_t>(q - 4));
+            }
+            int8_t scales[16];
+            q3_k_scales(blk.scales, scales);
+            out.mul[0] = scales[2 * j];
+            out.mul[1] = scales[2 * j + 1];
+            out.dw = fp16_to_fp32(blk.d);
             out.is_signed = true;
             return;
         }

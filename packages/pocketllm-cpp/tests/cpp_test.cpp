@@ -378,7 +378,7 @@ int main() {
         at = end + 1;
     }
     for (const char* name : {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4",
-                             "IQ4_XS"}) {
+                             "IQ4_XS", "Q2_K", "Q3_K"}) {
         const StorageType type = parse_storage_type(name);
         for (const int64_t kcols : {512, 608}) {
             if (kcols % block_values(type) != 0) continue;
@@ -386,13 +386,17 @@ int main() {
             for (auto& b : raw) b = static_cast<uint8_t>(byte(rng));
             const size_t block_bytes = row_bytes(type, block_values(type));
             for (size_t at = 0; at < raw.size(); at += block_bytes) {  // the fp16 scales: small positive halves
-                const size_t offset = type == StorageType::Q6_K ? block_bytes - 2 : 0;
+                // d (and dmin) come last in Q2_K, Q3_K and Q6_K blocks, first in the others.
+                const size_t offset = type == StorageType::Q6_K || type == StorageType::Q3_K ? block_bytes - 2
+                                      : type == StorageType::Q2_K                          ? block_bytes - 4
+                                                                                           : 0;
                 if (type == StorageType::MXFP4) {  // its scale: an E8M0 exponent, here of weights near 1
                     raw[at] = static_cast<uint8_t>(122 + byte(rng) % 8);
                     continue;
                 }
                 const bool with_min = type == StorageType::Q4_1 || type == StorageType::Q4_K ||
-                                      type == StorageType::Q5_K || type == StorageType::Q5_1;  // a second fp16: the min
+                                      type == StorageType::Q5_K || type == StorageType::Q5_1 ||
+                                      type == StorageType::Q2_K;  // a second fp16: the min
                 const int fields = with_min ? 2 : 1;
                 for (int f = 0; f < fields; ++f) {
                     const uint16_t half = static_cast<uint16_t>(0x1C00 + byte(rng));

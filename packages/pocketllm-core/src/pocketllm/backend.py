@@ -191,6 +191,12 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     def logprobs(self) -> bool:
         return "logprobs" in self.sampling_options
 
+    @property
+    def quantization_formats(self) -> tuple[str, ...]:
+        """The quantized storage types among ``storage_types`` (GGUF block types such as "Q4_K"): what it runs
+        besides float weights."""
+        return tuple(t for t in self.storage_types if t not in FLOAT_STORAGE_TYPES and t != "F64")
+
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     token_id: int

@@ -107,8 +107,8 @@ def _backends() -> int:
               f"dtypes: {', '.join(caps.dtypes)}")
         print(f"    max batch: {caps.max_num_seqs or 'any'}; prefix caching: {caps.prefix_caching}; "
               f"tensor parallel: {caps.tensor_parallel}; speculative: {', '.join(caps.speculative_methods) or '-'}")
-        print(f"    sampling: greedy, {', '.join(caps.sampling_options) or '-'}; storage types: "
-              f"{', '.join(caps.storage_types)}")
+        print(f"    sampling: greedy, {', '.join(caps.sampling_options) or '-'}")
+        print(f"    quantization formats: {', '.join(caps.quantization_formats) or '-'}")
         options = describe(caps.backend_options)
         print(f"    backend options (--backend-options JSON keys):{'' if options else ' none'}")
         for option in options:

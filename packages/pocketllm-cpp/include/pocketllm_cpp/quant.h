@@ -12,7 +12,8 @@ namespace pocketllm {
 constexpr int kBlock = 32;   // values per activation block, and per sub-block of every quantized storage type
 constexpr int kSuper = 256;  // values per K-quant super-block
 
-enum class StorageType { F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, MXFP4, IQ4_XS };
+enum class StorageType { F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, MXFP4, IQ4_XS, Q2_K,
+                         Q3_K };
 
 // One block as stored in a GGUF file (little-endian, packed); see llama.cpp's ggml-common.h.
 struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };              // w = (q - 8) * d
@@ -33,6 +34,12 @@ struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
 struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };  // q has a 5th bit
 // 16 sub-blocks of 16 with 8-bit scales: w = d * sc * (q - 32), q of 6 bits (4 in ql, 2 in qh).
 struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+// 16 sub-blocks of 16 with 6-bit scales (packed as q3_k_scales unpacks them): w = d * (sc - 32) * (q - 4), q of 3
+// bits (2 in qs, the 3rd in hmask).
+struct BlockQ3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; };
+// 16 sub-blocks of 16, each with a 4-bit scale (low nibble) and min (high nibble): w = d * sc * q - dmin * m, q of
+// 2 bits.
+struct BlockQ2_K { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; };
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "GGUF block sizes");
 static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24 && sizeof(BlockIQ4_NL) == 18 &&
               sizeof(BlockMXFP4) == 17 && sizeof(BlockIQ4_XS) == 136, "GGUF block sizes");
@@ -49,7 +56,8 @@ inline float mxfp4_scale(uint8_t e) {
     std::memcpy(&value, &bits, sizeof value);
     return value;
 }
-static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "K-quant sizes");
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210 &&
+              sizeof(BlockQ3_K) == 110 && sizeof(BlockQ2_K) == 84, "K-quant sizes");
 
 // Activation rows quantized per block of 32 (x ~= q * d), stored as planes so that SIMD loads are contiguous:
 // codes [rows, cols], and per block its scale d and s = d * sum(q) (the offset term of the unsigned-code storage
@@ -78,13 +86,15 @@ size_t row_bytes(StorageType type, int64_t cols);
 // A GGML quantized storage type (stored in blocks of 32 or 256 values), not F32/F16/BF16.
 bool is_quantized(StorageType type);
 
-// One 32-value sub-block of a quantized weight row in a common form: w[i] = dw * code[i] * mul[i / 16] + mw.
-// Codes are unsigned (0..31) for the storage types with an offset and signed for Q4_0, Q8_0 and Q6_K (mw = 0).
-// Every ISA's kernel decodes the same way, so the scalar path is the reference for the others.
+// One 32-value sub-block of a quantized weight row in a common form:
+// w[i] = dw * code[i] * mul[i / 16] + dm * min[i / 16] + mw.
+// Codes are unsigned (0..31) for the storage types with an offset and signed for Q4_0, Q8_0, Q3_K and Q6_K
+// (mw = 0). Every ISA's kernel decodes the same way, so the scalar path is the reference for the others.
 struct SubBlock {
     uint8_t code[kBlock];  // reinterpret as int8_t when `is_signed`
-    int16_t mul[2];        // Q6_K's per-16 scales; 1 otherwise
-    float dw, mw;
+    int16_t mul[2];        // the per-16 scales of Q2_K, Q3_K and Q6_K; 1 otherwise
+    int16_t min[2];        // Q2_K's per-16 mins; 0 otherwise
+    float dw, dm, mw;      // dm: Q2_K's -dmin
     bool is_signed;
 };
 void decode_sub_block(StorageType type, const uint8_t* row, int64_t b, SubBlock& out);
@@ -98,6 +108,22 @@ inline void k_scale_min(int j, const uint8_t* q, int& scale, int& min) {
         scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
         min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
+}
+
+// Q3_K: the 16 per-16 scales, less their offset of 32 (-32..31), from the 12 packed bytes: scale i's low 4 bits
+// are byte i % 8's low (i < 8) or high nibble, its top 2 bits are bits 2 (i / 4) of byte 8 + i % 4.
+inline void q3_k_scales(const uint8_t* packed, int8_t (&out)[16]) {
+    uint32_t aux[4];
+    std::memcpy(aux, packed, 12);
+    constexpr uint32_t low4 = 0x0F0F0F0F, low2 = 0x03030303;
+    const uint32_t high = aux[2];
+    aux[2] = ((aux[0] >> 4) & low4) | (((high >> 4) & low2) << 4);
+    aux[3] = ((aux[1] >> 4) & low4) | (((high >> 6) & low2) << 4);
+    aux[0] = (aux[0] & low4) | ((high & low2) << 4);
+    aux[1] = (aux[1] & low4) | (((high >> 2) & low2) << 4);
+    uint8_t bytes[16];
+    std::memcpy(bytes, aux, 16);
+    for (int i = 0; i < 16; ++i) out[i] = static_cast<int8_t>(bytes[i] - 32);
 }
 
 // IQ4_XS: sub-block j's (0..7) scale, less its offset of 32: -32..31.

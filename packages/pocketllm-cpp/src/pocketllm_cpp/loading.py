@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from pocketllm.checkpoint import CheckpointTensor
 
 STORAGE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL",
-                 "MXFP4", "IQ4_XS")  # read in place
+                 "MXFP4", "IQ4_XS", "Q2_K", "Q3_K")  # read in place
 ROW_MULTIPLE = 32
 
 
