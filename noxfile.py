@@ -56,7 +56,9 @@ BROWSER = {"chromium": "chromium", "chromedriver": "chromium-driver"}
 FIXTURES = ["./tests/fixtures/pocketllm-echo", "./tests/fixtures/pocketllm-broken", "./tests/fixtures/pocketllm-flawed"]
 # Peer engines and report tools of the benchmark: bench-only, never product dependencies. llama-cpp-python comes from
 # the converter's sdist (see `bench`), compiled for this machine. httpx: the HTTP clients of the serve workload.
-BENCH_DEPS = ["transformers", "accelerate", "matplotlib", "tqdm", "psutil", "httpx"]
+# pytest: the Qwen3.5 and quantization workloads write their models with the conformance kit's checkpoint writer
+# (pocketllm.testing, which needs it).
+BENCH_DEPS = ["transformers", "accelerate", "matplotlib", "tqdm", "psutil", "httpx", "pytest"]
 
 
 def install_engine(session: nox.Session) -> None:

@@ -155,8 +155,9 @@ def convert(model: Path, out: Path, *, mtp: bool = False) -> Path:
     return out
 
 
-def quantize(src: Path, dst: Path, quant: str, threads: int = 2) -> Path:
-    """What ``llama-quantize src dst quant threads`` writes (the tool runs this library function)."""
+def quantize(src: Path, dst: Path, quant: str, threads: int = 2, *, requantize: bool = False) -> Path:
+    """What ``llama-quantize src dst quant threads`` writes (the tool runs this library function); ``requantize``:
+    ``src`` may be quantized already (the tool's ``--allow-requantize``)."""
     import ctypes
 
     import llama_cpp
@@ -164,6 +165,7 @@ def quantize(src: Path, dst: Path, quant: str, threads: int = 2) -> Path:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}")
     params.nthread = threads
+    params.allow_requantize = requantize
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama_model_quantize({src}, {quant}) failed")
     return dst

@@ -16,7 +16,7 @@ def markdown(results: BenchResults) -> str:
     lines = [
         f"# PocketLLM bench: {meta['date']}, {meta['machine']}{quick}",
         "",
-        f"Machine: {_host(meta['host'])}. Load average (1, 5, 15 min) before the run "
+        f"Machine: {host_line(meta['host'])}. Load average (1, 5, 15 min) before the run "
         f"{_loads(meta['load_average_before'])}, after {_loads(meta['load_average_after'])}: one engine runs at a "
         f"time, so loads well above {meta['threads']} mean other work shared the machine.",
         "",
@@ -36,7 +36,7 @@ def markdown(results: BenchResults) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _host(host: dict[str, object]) -> str:
+def host_line(host: dict[str, object]) -> str:
     return (f"{host['cpu']} (family {host['cpu_family']} model {host['cpu_model']}, {host['simd'] or 'no AVX2'}), "
             f"{host['logical_cpus']} logical CPUs, {host['memory_gib']} GiB, Python {host['python']}")
 

@@ -237,4 +237,28 @@ def test_the_neon_kernels_match_the_scalar_ones_on_arm64(tmp_path: Path) -> None
 def test_capabilities_list_exactly_the_quantized_types_these_kernels_run() -> None:
     from pocketllm_cpp.backend import CppBackend
 
-    assert set(CppBackend().capabilities().quantization_formats) == set(QUANTIZED_TYPES)
+    assert set(CppBackend().capabilities().quantization_formats) == {*QUANTIZED_TYPES, "F8_E4M3"}
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_fp8_matmul_and_dequantization_match_numpy(isa: str, n: int) -> None:
+    """F8_E4M3 bytes (every finite one) times a scale per 32 columns, against the checkpoint reader's table."""
+    from pocketllm.checkpoint.fp8 import fp8_values
+
+    rng = np.random.default_rng(3)
+    rows, cols = 40, 96
+    codes = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] ^= 1  # no NaN
+    codes.reshape(-1)[:127] = np.setdiff1d(np.arange(128), [0x7F])  # every finite positive code
+    scales = (rng.random((rows, cols // 32)) * 0.01 + 0.001).astype(np.float32)
+    w = fp8_values()[codes] * np.repeat(scales, 32, axis=1)
+    args = (codes.reshape(-1), "F8_E4M3", rows, cols)
+    np.testing.assert_array_equal(kernels._native.dequantize(*args, scales=scales.reshape(-1)), w)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    y = kernels._native.matmul(*args, x, scales=scales.reshape(-1))
+    expected = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.all(np.abs(y - expected) <= 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-6)
+    with pytest.raises(ValueError, match="needs its scales"):
+        kernels._native.matmul(*args, x)
+    with pytest.raises(ValueError, match="scales; its shape needs"):
+        kernels._native.matmul(*args, x, scales=scales.reshape(-1)[1:])

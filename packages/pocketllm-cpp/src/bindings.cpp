@@ -2,6 +2,7 @@
 // file holds the module, the ISA controls and the kernels; each area's bindings are in their own file (bindings.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -19,13 +20,19 @@ namespace {
 
 using Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
-WeightView weight_view(const Bytes& data, const std::string& storage_type, int64_t rows, int64_t cols) {
-    WeightView w{data.data(), parse_storage_type(storage_type), rows, cols};
-    validate(w, static_cast<int64_t>(data.size()));
+}  // namespace
+
+WeightView pocketllm::weight_view(const Bytes& data, StorageType type, int64_t rows, int64_t cols,
+                                  const std::optional<Floats>& scales) {
+    WeightView w{data.data(), type, rows, cols, scales ? scales->data() : nullptr};
+    validate(w, static_cast<int64_t>(data.size()));  // sizes before the scales' count is computed from them
+    const int64_t expected = rows * (cols / kBlock);
+    if (scales && static_cast<int64_t>(scales->shape(0)) != expected) {
+        throw std::invalid_argument("weight has " + std::to_string(scales->shape(0)) + " scales; its shape needs " +
+                                    std::to_string(expected) + " (one per 32 columns of each row)");
+    }
     return w;
 }
-
-}  // namespace
 
 ThreadPool& pocketllm::default_pool() {
     static ThreadPool pool(available_cpus());
@@ -54,8 +61,8 @@ NB_MODULE(_native, m) {
     m.def(
         "matmul",
         [](const Bytes& weight, const std::string& storage_type, int64_t rows, int64_t cols, const Matrix& x,
-           bool exact) {
-            const WeightView w = weight_view(weight, storage_type, rows, cols);
+           bool exact, const std::optional<Floats>& scales) {
+            const WeightView w = weight_view(weight, parse_storage_type(storage_type), rows, cols, scales);
             if (static_cast<int64_t>(x.shape(1)) != cols) {
                 throw std::invalid_argument("x has " + std::to_string(x.shape(1)) + " columns; the weight takes " +
                                             std::to_string(cols));
@@ -69,13 +76,14 @@ NB_MODULE(_native, m) {
             return y;
         },
         nb::arg("weight"), nb::arg("storage_type"), nb::arg("rows"), nb::arg("cols"), nb::arg("x"),
-        nb::arg("exact") = false,
+        nb::arg("exact") = false, nb::arg("scales") = nb::none(),
         "y = x @ W.T, W given as its raw bytes in `storage_type` with shape [rows, cols]; `exact`: float32 "
-        "activations against blocks too.");
+        "activations against blocks too; `scales`: F8_E4M3's, one per 32 columns of each row.");
     m.def(
         "dequantize",
-        [](const Bytes& weight, const std::string& storage_type, int64_t rows, int64_t cols) {
-            const WeightView w = weight_view(weight, storage_type, rows, cols);
+        [](const Bytes& weight, const std::string& storage_type, int64_t rows, int64_t cols,
+           const std::optional<Floats>& scales) {
+            const WeightView w = weight_view(weight, parse_storage_type(storage_type), rows, cols, scales);
             auto out = new_matrix(rows, cols);
             {
                 nb::gil_scoped_release released;
@@ -83,7 +91,8 @@ NB_MODULE(_native, m) {
             }
             return out;
         },
-        nb::arg("weight"), nb::arg("storage_type"), nb::arg("rows"), nb::arg("cols"), "W as float32 [rows, cols].");
+        nb::arg("weight"), nb::arg("storage_type"), nb::arg("rows"), nb::arg("cols"), nb::arg("scales") = nb::none(),
+        "W as float32 [rows, cols].");
     m.def(
         "quantize_activations",
         [](const Matrix& x) {

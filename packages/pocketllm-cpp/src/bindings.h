@@ -23,6 +23,7 @@ ThreadPool& default_pool();  // one per process, sized to available_cpus()
 nanobind::ndarray<nanobind::numpy, float, nanobind::ndim<2>> new_matrix(int64_t rows, int64_t cols);
 
 using Bytes = nanobind::ndarray<const uint8_t, nanobind::ndim<1>, nanobind::c_contig, nanobind::device::cpu>;
+using Floats = nanobind::ndarray<const float, nanobind::ndim<1>, nanobind::c_contig, nanobind::device::cpu>;
 
 // pocketllm_cpp._native.Model: the model plus the Python arrays its weight views point into, kept alive as long
 // as it is.
@@ -32,12 +33,18 @@ struct PyModel {
 };
 
 // A tensor as a file stores it: its bytes, storage type and row-major shape ([rows, cols], or [experts, rows, cols]
-// for experts stacked along the first axis). pocketllm_cpp._native.Tensor.
+// for experts stacked along the first axis), and an F8_E4M3 tensor's scales (one per 32 columns of each row, in
+// row order). pocketllm_cpp._native.Tensor.
 struct Tensor {
     Bytes data;
     std::string storage_type;
     std::vector<int64_t> shape;
+    std::optional<Floats> scales;
 };
+
+// A weight's view of its bytes and scales, checked against them (validate), std::invalid_argument otherwise.
+WeightView weight_view(const Bytes& data, StorageType type, int64_t rows, int64_t cols,
+                       const std::optional<Floats>& scales);
 
 // The tensor's matrices, checked against its bytes: the matrix of a 2-D tensor, or one window per expert of a
 // stacked 3-D one; std::invalid_argument naming `what` otherwise.

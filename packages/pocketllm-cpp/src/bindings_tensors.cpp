@@ -1,6 +1,7 @@
 // pocketllm_cpp._native.Tensor, and the views every model's bindings take of such tensors.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -25,27 +26,30 @@ std::vector<WeightView> pocketllm::matrices(const Tensor& t, size_t dims, const 
         throw std::invalid_argument(what + " has " + std::to_string(count) + " experts of " + std::to_string(rows) +
                                     " rows: past 64-bit sizes");
     }
-    const WeightView whole{t.data.data(), parse_storage_type(t.storage_type), total, cols};
+    WeightView whole;
     try {
-        validate(whole, static_cast<int64_t>(t.data.size()));  // before anything is sized by `count`
+        whole = weight_view(t.data, parse_storage_type(t.storage_type), total, cols, t.scales);  // before `count`
     } catch (const std::invalid_argument& e) {
         throw std::invalid_argument(what + ": " + e.what());
     }
-    const int64_t bytes = rows * static_cast<int64_t>(row_bytes(whole.type, cols));
+    const int64_t bytes = rows * static_cast<int64_t>(row_bytes(whole.type, cols)), scales = rows * (cols / kBlock);
     std::vector<WeightView> out;
-    for (int64_t e = 0; e < count; ++e) out.push_back({whole.data + e * bytes, whole.type, rows, cols});
+    for (int64_t e = 0; e < count; ++e) {
+        out.push_back({whole.data + e * bytes, whole.type, rows, cols,
+                       whole.scales != nullptr ? whole.scales + e * scales : nullptr});
+    }
     return out;
 }
 
 WeightView TensorViews::matrix(const std::optional<Tensor>& t, const char* what) {
     if (!t) throw std::invalid_argument(at + "has no " + what);
-    model.owners.push_back(nb::cast(t->data));
+    model.owners.push_back(nb::cast(*t));  // its bytes and scales
     return matrices(*t, 2, at + what)[0];
 }
 
 std::vector<WeightView> TensorViews::stacked(const std::optional<Tensor>& t, const char* what) {
     if (!t) throw std::invalid_argument(at + "has no " + what);
-    model.owners.push_back(nb::cast(t->data));
+    model.owners.push_back(nb::cast(*t));
     return matrices(*t, 3, at + what);
 }
 
@@ -66,9 +70,10 @@ std::string pocketllm::kv_type_name(KvType type) { return type == KvType::F16 ? 
 
 void pocketllm::bind_tensors(nb::module_& m) {
     nb::class_<Tensor>(m, "Tensor", "A tensor's raw bytes, storage type and shape, as the models and kernels read them.")
-        .def(nb::init<Bytes, std::string, std::vector<int64_t>>(), nb::arg("data"), nb::arg("storage_type"),
-             nb::arg("shape"))
+        .def(nb::init<Bytes, std::string, std::vector<int64_t>, std::optional<Floats>>(), nb::arg("data"),
+             nb::arg("storage_type"), nb::arg("shape"), nb::arg("scales") = nb::none())
         .def_ro("data", &Tensor::data)
         .def_ro("storage_type", &Tensor::storage_type)
-        .def_ro("shape", &Tensor::shape);
+        .def_ro("shape", &Tensor::shape)
+        .def_ro("scales", &Tensor::scales);
 }

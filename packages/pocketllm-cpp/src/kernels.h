@@ -56,6 +56,16 @@ void silu_mul(float* gate, const float* up, int64_t n);
 void silu(float* x, int64_t n);
 
 namespace kernels {
+// Value i of row `row` (at `base`) of a float or FP8 weight, as float32.
+inline float dense_value(const WeightView& w, const uint8_t* base, int64_t row, int64_t i) {
+    switch (w.type) {
+        case StorageType::F16: return fp16_to_fp32(reinterpret_cast<const uint16_t*>(base)[i]);
+        case StorageType::BF16: return bf16_to_fp32(reinterpret_cast<const uint16_t*>(base)[i]);
+        case StorageType::F8_E4M3: return fp8_e4m3_to_fp32(base[i]) * w.scale(row, i);
+        default: return reinterpret_cast<const float*>(base)[i];
+    }
+}
+
 // Rows [row_begin, row_end) of W against every row of x: y[r * y_stride + row]. `act` is x quantized (read for
 // quantized weights only). Per ISA; an ISA's kernel reuses each decoded weight block across several activation rows.
 using Gemm = void (*)(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act,

@@ -158,6 +158,7 @@ void accumulate(const float* weights, const float* values, int64_t count, int64_
 void gemm_neon(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, const float* x,
                int64_t n, float* y, int64_t y_stride) {
     if (is_quantized(w.type)) return gemm_blocks(w, row_begin, row_end, act, n, y, y_stride);
+    if (w.type == StorageType::F8_E4M3) return gemm_scalar(w, row_begin, row_end, act, x, n, y, y_stride);
     gemm_dense(w, row_begin, row_end, x, n, y, y_stride);
 }
 

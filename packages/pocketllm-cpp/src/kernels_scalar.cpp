@@ -7,14 +7,6 @@
 namespace pocketllm::kernels {
 namespace {
 
-float dense_value(StorageType type, const uint8_t* row, int64_t i) {
-    switch (type) {
-        case StorageType::F16: return fp16_to_fp32(reinterpret_cast<const uint16_t*>(row)[i]);
-        case StorageType::BF16: return bf16_to_fp32(reinterpret_cast<const uint16_t*>(row)[i]);
-        default: return reinterpret_cast<const float*>(row)[i];
-    }
-}
-
 // sum(w * x) of one decoded sub-block against one 8-bit activation block (scales applied).
 float sub_block_dot(const SubBlock& sub, const int8_t* x, float dx, float sx) {
     int halves[2] = {0, 0}, sums[2] = {0, 0};
@@ -65,7 +57,7 @@ void gemm_scalar(const WeightView& w, int64_t row_begin, int64_t row_end, const 
         if (!is_quantized(w.type)) {
             for (int64_t r = 0; r < n; ++r) {
                 float sum = 0.0f;
-                for (int64_t i = 0; i < w.cols; ++i) sum += dense_value(w.type, base, i) * x[r * w.cols + i];
+                for (int64_t i = 0; i < w.cols; ++i) sum += dense_value(w, base, row, i) * x[r * w.cols + i];
                 y[r * y_stride + row] = sum;
             }
             continue;

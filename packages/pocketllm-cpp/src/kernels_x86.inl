@@ -986,18 +986,30 @@ void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const 
 template <StorageType T>
 inline __m256 dense8(const uint8_t* row, int64_t i) {
     if constexpr (T == StorageType::F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
+    if constexpr (T == StorageType::F8_E4M3) {  // fp8_e4m3_to_fp32's half, 8 at a time; the 2^8 is in the scale
+        const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i)));
+        const __m128i sign = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8);
+        return _mm256_cvtph_ps(_mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x7F)), 7)));
+    }
     const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(row) + i));
     if constexpr (T == StorageType::F16) return _mm256_cvtph_ps(halves);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));  // bf16: the top half of f32
 }
 
 template <StorageType T, int R>
-void dense_tile(const uint8_t* base, const float* x, int64_t cols, int64_t r0, float* y, int64_t y_stride,
+void dense_tile(const WeightView& w, const uint8_t* base, const float* x, int64_t r0, float* y, int64_t y_stride,
                 int64_t row) {
+    const int64_t cols = w.cols;
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    __m256 scale = _mm256_set1_ps(1.0f);
     for (int64_t k = 0; k < cols; k += 8) {
-        const __m256 wv = dense8<T>(base, k);
+        __m256 wv = dense8<T>(base, k);
+        if constexpr (T == StorageType::F8_E4M3) {
+            // (fp8 / 2^8) * (2^8 * s) rounds exactly as fp8 * s does: the powers of two are exact.
+            if (k % kBlock == 0) scale = _mm256_set1_ps(256.0f * w.scale(row, k));
+            wv = _mm256_mul_ps(wv, scale);
+        }
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (r0 + i) * cols + k), acc[i]);
     }
@@ -1011,8 +1023,8 @@ void gemm_dense(const WeightView& w, int64_t row_begin, int64_t row_end, const f
     for (int64_t row = row_begin; row < row_end; ++row) {
         const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
         int64_t r = 0;
-        for (; r + 4 <= n; r += 4) dense_tile<T, 4>(base, x, w.cols, r, y, y_stride, row);
-        for (; r < n; ++r) dense_tile<T, 1>(base, x, w.cols, r, y, y_stride, row);
+        for (; r + 4 <= n; r += 4) dense_tile<T, 4>(w, base, x, r, y, y_stride, row);
+        for (; r < n; ++r) dense_tile<T, 1>(w, base, x, r, y, y_stride, row);
     }
 }
 
@@ -1024,6 +1036,7 @@ void PLLM_GEMM(const WeightView& w, int64_t row_begin, int64_t row_end, const Qu
         case StorageType::F32: return gemm_dense<StorageType::F32>(w, row_begin, row_end, x, n, y, y_stride);
         case StorageType::F16: return gemm_dense<StorageType::F16>(w, row_begin, row_end, x, n, y, y_stride);
         case StorageType::BF16: return gemm_dense<StorageType::BF16>(w, row_begin, row_end, x, n, y, y_stride);
+        case StorageType::F8_E4M3: return gemm_dense<StorageType::F8_E4M3>(w, row_begin, row_end, x, n, y, y_stride);
         case StorageType::Q4_0: return gemm_blocks<StorageType::Q4_0>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::Q4_1: return gemm_blocks<StorageType::Q4_1>(w, row_begin, row_end, act, n, y, y_stride);
         case StorageType::Q8_0: return gemm_blocks<StorageType::Q8_0>(w, row_begin, row_end, act, n, y, y_stride);

@@ -48,8 +48,12 @@ void validate(const WeightView& w, int64_t data_bytes) {
                                     " bytes; its shape and storage type need " + std::to_string(per_row) +
                                     " per row for " + std::to_string(w.rows) + " rows");
     }
+    if ((w.type == StorageType::F8_E4M3) != (w.scales != nullptr)) {
+        throw std::invalid_argument(w.type == StorageType::F8_E4M3 ? "an F8_E4M3 weight needs its scales"
+                                                                    : "only F8_E4M3 weights take scales");
+    }
     // Block fields are 16-bit, F32 rows 32-bit: GGUF aligns tensors to 32 bytes, and so must any other caller.
-    const size_t alignment = w.type == StorageType::F32 ? 4 : 2;
+    const size_t alignment = w.type == StorageType::F32 ? 4 : w.type == StorageType::F8_E4M3 ? 1 : 2;
     if (reinterpret_cast<uintptr_t>(w.data) % alignment != 0) {
         throw std::invalid_argument("weight data is not " + std::to_string(alignment) + "-byte aligned");
     }
@@ -210,11 +214,7 @@ void dequantize(const WeightView& w, float* out) {
 void dequantize_row(const WeightView& w, int64_t row, float* out) {
     const uint8_t* base = w.data + row * static_cast<int64_t>(row_bytes(w.type, w.cols));
     if (!is_quantized(w.type)) {
-        for (int64_t i = 0; i < w.cols; ++i) {
-            const uint16_t* half = reinterpret_cast<const uint16_t*>(base);
-            out[i] = w.type == StorageType::F32 ? reinterpret_cast<const float*>(base)[i]
-                     : w.type == StorageType::F16 ? fp16_to_fp32(half[i]) : bf16_to_fp32(half[i]);
-        }
+        for (int64_t i = 0; i < w.cols; ++i) out[i] = kernels::dense_value(w, base, row, i);
         return;
     }
     SubBlock sub;

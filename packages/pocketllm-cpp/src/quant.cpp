@@ -11,22 +11,23 @@ StorageType parse_storage_type(const std::string& name) {
         {"Q4_K", StorageType::Q4_K}, {"Q5_K", StorageType::Q5_K}, {"Q6_K", StorageType::Q6_K},
         {"Q5_0", StorageType::Q5_0}, {"Q5_1", StorageType::Q5_1}, {"IQ4_NL", StorageType::IQ4_NL},
         {"MXFP4", StorageType::MXFP4}, {"IQ4_XS", StorageType::IQ4_XS}, {"Q2_K", StorageType::Q2_K},
-        {"Q3_K", StorageType::Q3_K}};
+        {"Q3_K", StorageType::Q3_K}, {"F8_E4M3", StorageType::F8_E4M3}};
     for (const auto& [text, type] : names) {
         if (name == text) return type;
     }
     throw std::invalid_argument("storage type '" + name +
                                 "' is not one of F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, "
-                                "IQ4_NL, MXFP4, IQ4_XS, Q2_K, Q3_K");
+                                "IQ4_NL, MXFP4, IQ4_XS, Q2_K, Q3_K, F8_E4M3");
 }
 
 bool is_quantized(StorageType type) {
-    return type != StorageType::F32 && type != StorageType::F16 && type != StorageType::BF16;
+    return type != StorageType::F32 && type != StorageType::F16 && type != StorageType::BF16 &&
+           type != StorageType::F8_E4M3;
 }
 
 int64_t block_values(StorageType type) {
     switch (type) {
-        case StorageType::F32: case StorageType::F16: case StorageType::BF16: return 1;
+        case StorageType::F32: case StorageType::F16: case StorageType::BF16: case StorageType::F8_E4M3: return 1;
         case StorageType::Q4_0: case StorageType::Q4_1: case StorageType::Q8_0: case StorageType::Q5_0:
         case StorageType::Q5_1: case StorageType::IQ4_NL: case StorageType::MXFP4: return kBlock;
         case StorageType::Q4_K: case StorageType::Q5_K: case StorageType::Q6_K: case StorageType::IQ4_XS:
@@ -40,6 +41,7 @@ size_t row_bytes(StorageType type, int64_t cols) {
     switch (type) {
         case StorageType::F32: return blocks * 4;
         case StorageType::F16: case StorageType::BF16: return blocks * 2;
+        case StorageType::F8_E4M3: return blocks;
         case StorageType::Q4_0: return blocks * sizeof(BlockQ4_0);
         case StorageType::Q4_1: return blocks * sizeof(BlockQ4_1);
         case StorageType::Q8_0: return blocks * sizeof(BlockQ8_0);
@@ -204,7 +206,7 @@ void decode_sub_block(StorageType type, const uint8_t* row, int64_t b, SubBlock&
             out.is_signed = true;
             return;
         }
-        case StorageType::F32: case StorageType::F16: case StorageType::BF16: break;
+        case StorageType::F32: case StorageType::F16: case StorageType::BF16: case StorageType::F8_E4M3: break;
     }
     throw std::invalid_argument("decode_sub_block takes quantized storage types only");
 }

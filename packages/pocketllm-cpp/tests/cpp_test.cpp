@@ -422,6 +422,50 @@ int main() {
         }
     }
 
+    // FP8 (E4M3) weights with a scale per 32 columns: every ISA against scalar, and dequantization against the byte
+    // table (every finite byte), for one, two and five activation rows.
+    {
+        const int64_t fcols = 96;
+        std::vector<uint8_t> raw(rows * fcols);
+        for (auto& b : raw) {
+            b = static_cast<uint8_t>(byte(rng));
+            if ((b & 0x7F) == 0x7F) b ^= 1;  // NaN in E4M3
+        }
+        std::vector<float> scales(rows * (fcols / kBlock));
+        for (auto& v : scales) v = 0.001f + 0.01f * std::fabs(normal(rng));
+        WeightView fw{raw.data(), StorageType::F8_E4M3, rows, fcols, scales.data()};
+        validate(fw, static_cast<int64_t>(raw.size()));
+        std::vector<float> values(rows * fcols);
+        dequantize(fw, values.data());
+        for (int64_t i = 0; i < rows * fcols; ++i) {
+            CHECK(values[i] == fp8_e4m3_to_fp32(raw[i]) * scales[i / kBlock]);
+        }
+        CHECK(fp8_e4m3_to_fp32(0x08) == 0.015625f && fp8_e4m3_to_fp32(0x01) == 0.001953125f &&
+              fp8_e4m3_to_fp32(0x7E) == 448.0f && fp8_e4m3_to_fp32(0xC0) == -2.0f);
+        for (const int64_t kn : {1, 2, 5}) {
+            std::vector<float> kx(kn * fcols), reference(kn * rows), got(kn * rows);
+            for (auto& v : kx) v = normal(rng);
+            set_isa("scalar");
+            matmul(fw, kx.data(), kn, reference.data(), pool);
+            for (const std::string& isa : isas) {
+                set_isa(isa);
+                matmul(fw, kx.data(), kn, got.data(), pool);
+                for (int64_t i = 0; i < kn * rows; ++i) {
+                    CHECK(std::fabs(reference[i] - got[i]) <= 1e-4f * (1.0f + std::fabs(reference[i])));
+                }
+            }
+        }
+        set_isa("auto");
+        fw.scales = nullptr;
+        bool refused = false;
+        try {
+            validate(fw, static_cast<int64_t>(raw.size()));
+        } catch (const std::invalid_argument&) {
+            refused = true;
+        }
+        CHECK(refused);
+    }
+
     // Attention kernels of every ISA against the scalar ones: scores, weighted sums, and float16 KV rows.
     for (const KvType kv : {KvType::F32, KvType::F16}) {
         const int64_t dim = 64, keys = 5, nq = 3;

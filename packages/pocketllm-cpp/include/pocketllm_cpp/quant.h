@@ -12,8 +12,10 @@ namespace pocketllm {
 constexpr int kBlock = 32;   // values per activation block, and per sub-block of every quantized storage type
 constexpr int kSuper = 256;  // values per K-quant super-block
 
+// F8_E4M3: FP8 bytes (sign, 4 exponent bits of bias 7, 3 mantissa bits) times a float scale per 32 columns of each
+// row (WeightView::scales), as published FP8 checkpoints store them (per 128 x 128 block, row or tensor).
 enum class StorageType { F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, MXFP4, IQ4_XS, Q2_K,
-                         Q3_K };
+                         Q3_K, F8_E4M3 };
 
 // One block as stored in a GGUF file (little-endian, packed); see llama.cpp's ggml-common.h.
 struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };              // w = (q - 8) * d
@@ -83,7 +85,8 @@ StorageType parse_storage_type(const std::string& name);
 int64_t block_values(StorageType type);
 // Bytes of one row of `cols` values (cols must be a multiple of block_values(type)).
 size_t row_bytes(StorageType type, int64_t cols);
-// A GGML quantized storage type (stored in blocks of 32 or 256 values), not F32/F16/BF16.
+// A GGML quantized storage type (stored in blocks of 32 or 256 values, multiplied with 8-bit activations), not
+// F32/F16/BF16/F8_E4M3 (whose values multiply float32 activations).
 bool is_quantized(StorageType type);
 
 // One 32-value sub-block of a quantized weight row in a common form:
@@ -153,6 +156,13 @@ inline float fp16_to_fp32(uint16_t h) {
     float value;
     std::memcpy(&value, &bits, sizeof value);
     return value;
+}
+
+// An E4M3 byte's value: its bits moved into an IEEE half (exponent bias 15 instead of 7: times 2^-8, subnormals
+// included) and scaled back by 2^8. 0x7F and 0xFF (NaN in E4M3) read as 480 and -480.
+inline float fp8_e4m3_to_fp32(uint8_t b) {
+    const uint16_t half = static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7F) << 7));
+    return fp16_to_fp32(half) * 256.0f;
 }
 
 inline float bf16_to_fp32(uint16_t h) {

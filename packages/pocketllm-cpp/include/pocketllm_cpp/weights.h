@@ -12,6 +12,9 @@ struct WeightView {
     StorageType type;
     int64_t rows;  // output features
     int64_t cols;  // input features
+    const float* scales = nullptr;  // F8_E4M3 only: the scale of each 32 columns of each row, [rows, cols / 32]
+
+    float scale(int64_t row, int64_t col) const { return scales[row * (cols / 32) + col / 32]; }
 };
 
 // Checks sizes and storage types; throws std::invalid_argument naming what is wrong.

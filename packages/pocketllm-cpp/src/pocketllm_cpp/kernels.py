@@ -32,13 +32,21 @@ def raw(tensor: CheckpointTensor) -> tuple[np.ndarray, str, int, int]:
     return np.frombuffer(tensor.data, dtype=np.uint8), tensor.storage_type, *tensor.shape
 
 
+def scales(tensor: CheckpointTensor) -> np.ndarray | None:
+    """An F8_E4M3 matrix's scales as the kernels take them: one per 32 columns of each row."""
+    if tensor.fp8_scale is None:
+        return None
+    rows, cols = tensor.shape
+    return tensor.fp8_scale.per_group(rows, cols, 32).reshape(-1)
+
+
 def matmul(tensor: CheckpointTensor, x: np.ndarray) -> np.ndarray:
     """``x @ W.T`` for float32 ``x`` [n, cols]."""
-    return _native.matmul(*raw(tensor), np.ascontiguousarray(x, dtype=np.float32))
+    return _native.matmul(*raw(tensor), np.ascontiguousarray(x, dtype=np.float32), scales=scales(tensor))
 
 
 def dequantize(tensor: CheckpointTensor) -> np.ndarray:
-    return _native.dequantize(*raw(tensor))
+    return _native.dequantize(*raw(tensor), scales=scales(tensor))
 
 
 def tensor_of(tensor: CheckpointTensor) -> Tensor:

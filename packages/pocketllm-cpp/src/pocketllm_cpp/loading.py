@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from pocketllm.checkpoint import CheckpointTensor
 
 STORAGE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL",
-                 "MXFP4", "IQ4_XS", "Q2_K", "Q3_K")  # read in place
+                 "MXFP4", "IQ4_XS", "Q2_K", "Q3_K", "F8_E4M3")  # read in place
 ROW_MULTIPLE = 32
 
 
@@ -71,7 +71,12 @@ def tensor_of(tensor: CheckpointTensor) -> _native.Tensor:
     if width % ROW_MULTIPLE:
         raise UnsupportedOptionError("model", NAME, f"tensor {tensor.name!r} has rows of {width} values, not a "
                                                     f"multiple of {ROW_MULTIPLE}")
-    if tensor.storage_type in STORAGE_TYPES:
+    scale = tensor.fp8_scale
+    if scale is not None and scale.fits_groups(width, ROW_MULTIPLE):  # the kernels take a scale per 32 columns
+        scales = scale.per_group(tensor.shape[0], width, ROW_MULTIPLE).reshape(-1)
+        return _native.Tensor(np.frombuffer(tensor.data, dtype=np.uint8), tensor.storage_type, list(tensor.shape),
+                              scales)
+    if tensor.storage_type in STORAGE_TYPES and scale is None:
         return _native.Tensor(np.frombuffer(tensor.data, dtype=np.uint8), tensor.storage_type, list(tensor.shape))
     if tensor.row_permutation is not None:  # dequantize() undid it; the kernels expect the file's order
         raise UnsupportedOptionError("quantization", NAME, f"{tensor.storage_type} q/k matrices of a permuted GGUF")

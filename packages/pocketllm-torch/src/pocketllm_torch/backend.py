@@ -27,10 +27,10 @@ if TYPE_CHECKING:
 
 ARCHITECTURES = tuple(MODELS)
 # Every GGUF quantized storage type the gguf package dequantizes (4- and 8-bit groups stay so where a kernel
-# reads them).
+# reads them), and FP8 safetensors (kept FP8, dequantized a tile at a time).
 QUANTIZED_STORAGE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                            "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
-                           "TQ1_0", "TQ2_0", "MXFP4")
+                           "TQ1_0", "TQ2_0", "MXFP4", "F8_E4M3")
 
 
 class TorchBackend:

@@ -1,9 +1,12 @@
-"""GGUF's 4- and 8-bit matrices kept in their groups, unpacked from a checkpoint tensor's raw blocks.
+"""GGUF's 4- and 8-bit matrices kept in their groups, unpacked from a checkpoint tensor's raw blocks, and FP8
+matrices with their scales per group.
 
 Q4_0 and Q4_1 are affine per group of 32 weights along a row: ``w = scale * code + offset`` with codes in
 [0, 15] (Q4_0: offset = -8 * scale); Q8_0 is ``w = scale * code`` with codes in [-128, 127]. Handing the
 kernels the codes instead of float32 arrays keeps a quarter of the bytes; ``linear.Int4Weight`` and
-``Int8Weight`` dequantize them when a dense copy is needed.
+``Int8Weight`` dequantize them when a dense copy is needed. An FP8 (E4M3) matrix keeps its bytes, with its
+scales (per 128 x 128 block, row or tensor in the file) given per group of 32 like the others', so that splitting
+and stacking rows or whole groups of columns treat it alike; ``linear.Fp8Linear`` dequantizes it a tile at a time.
 """
 
 from __future__ import annotations
@@ -57,14 +60,29 @@ class Int8Groups(GroupedMatrix):
     scale: np.ndarray  # float32 [rows, cols // 32]
 
 
-def load(tensor: CheckpointTensor, *, int4: bool, int8: bool) -> np.ndarray | Int4Groups | Int8Groups:
-    """``tensor`` as 4- or 8-bit groups where the file stores a matrix so and they are wanted, else dequantized.
+@dataclass(frozen=True, slots=True)
+class Fp8Groups(GroupedMatrix):
+    """``w[r, c] = e4m3(codes[r, c]) * scale[r, c // 32]``; rows are output features."""
+
+    codes: np.ndarray  # uint8 [rows, cols]: E4M3 bytes
+    scale: np.ndarray  # float32 [rows, cols // 32]
+
+
+Groups = Int4Groups | Int8Groups | Fp8Groups
+
+
+def load(tensor: CheckpointTensor, *, int4: bool, int8: bool) -> np.ndarray | Groups:
+    """``tensor`` as 4- or 8-bit groups where the file stores a matrix so and they are wanted, as FP8 groups where
+    it is FP8 (always: never dequantized at load unless its blocks do not fall on groups), else dequantized.
 
     Groups are unpacked from the raw blocks, with the reader's row permutation undone on every field."""
     if len(tensor.shape) == 2 and tensor.shape[1] % GROUP_SIZE == 0:
         blocks = np.frombuffer(tensor.data, dtype=np.uint8)
-        groups: Int4Groups | Int8Groups | None = None
-        if int4 and tensor.storage_type in INT4_TYPES:
+        groups: Int4Groups | Int8Groups | Fp8Groups | None = None
+        scale = tensor.fp8_scale
+        if scale is not None and scale.fits_groups(tensor.shape[1], GROUP_SIZE):
+            groups = Fp8Groups(blocks.reshape(tensor.shape), scale.per_group(*tensor.shape, GROUP_SIZE))
+        elif int4 and tensor.storage_type in INT4_TYPES:
             groups = int4_from_blocks(blocks, tensor.storage_type, *tensor.shape)
         elif int8 and tensor.storage_type in INT8_TYPES:
             groups = int8_from_blocks(blocks, *tensor.shape)

@@ -21,12 +21,13 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from pocketllm_torch import native
-from pocketllm_torch.groups import GROUP_SIZE, Int4Groups, Int8Groups
+from pocketllm_torch.groups import GROUP_SIZE, Fp8Groups, Int4Groups, Int8Groups
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -39,6 +40,8 @@ TORCH_INT4_MAX_ROWS = 8
 # Zen 3 and Zen 5) exceeds a whole GEMM this small at 1 to 8 rows (512 x 256: 26 vs 52 us at one row, equal at
 # eight; 128 x 128: 8 vs 46 us), so tiny-width models (tests', the bench's hybrid) would be bound by it.
 SMALL_WEIGHT_ELEMENTS = 1 << 17
+# Output rows of an FP8 weight dequantized at a time: 256 rows of a 4096-wide matrix are 4 MiB of float32.
+FP8_TILE_ROWS = 256
 
 
 class Linear(Protocol):
@@ -129,10 +132,30 @@ class Int8Weight:
         return w.mul_(self.scale.unsqueeze(-1)).view(out, cols)
 
 
-GroupedWeight = TypeVar("GroupedWeight", Int4Weight, Int8Weight)
+@dataclass(slots=True)
+class Fp8Weight:
+    """``w = e4m3(codes) * scale`` per group of 32 inputs (see ``pocketllm_torch.groups.Fp8Groups``), as tensors."""
+
+    codes: Tensor  # uint8 [out, in]: E4M3 bytes
+    scale: Tensor  # float32 [out, in / 32]
+
+    @classmethod
+    def from_groups(cls, groups: Fp8Groups) -> Fp8Weight:
+        return cls(torch.from_numpy(np.array(groups.codes)), torch.from_numpy(groups.scale))  # off the read-only map
+
+    def dequantize(self, begin: int = 0, end: int | None = None) -> Tensor:
+        """float32 [end - begin, in] of output rows [begin, end): fp8 * scale in float32, as the checkpoint
+        reader's reference computes it."""
+        codes = self.codes[begin:end]
+        rows, cols = codes.shape
+        w = codes.view(torch.float8_e4m3fn).to(torch.float32).view(rows, cols // GROUP_SIZE, GROUP_SIZE)
+        return w.mul_(self.scale[begin:end].unsqueeze(-1)).view(rows, cols)
 
 
-def astuple(weight: Int4Weight | Int8Weight) -> tuple[Tensor, ...]:
+GroupedWeight = TypeVar("GroupedWeight", Int4Weight, Int8Weight, Fp8Weight)
+
+
+def astuple(weight: Int4Weight | Int8Weight | Fp8Weight) -> tuple[Tensor, ...]:
     """The weight's tensors, each with output features first (unlike dataclasses.astuple, without copies)."""
     return tuple(getattr(weight, f.name) for f in fields(weight))
 
@@ -142,7 +165,10 @@ def map_rows(weight: GroupedWeight, fn: Callable[[Tensor], Tensor]) -> GroupedWe
     return type(weight)(*map(fn, astuple(weight)))
 
 
-def concat_rows(parts: list[Tensor | Int4Weight | Int8Weight]) -> Tensor | Int4Weight | Int8Weight:
+AnyWeight = Tensor | Int4Weight | Int8Weight | Fp8Weight
+
+
+def concat_rows(parts: list[AnyWeight]) -> AnyWeight:
     """Stack weights along output features (q/k/v, gate/up); grouped only if every part has the same format."""
     kind = type(parts[0])
     if kind is not Tensor and all(type(p) is kind for p in parts):
@@ -202,6 +228,25 @@ class GroupedLinear:
         return y if self.bias is None else y.add_(self.bias)
 
 
+@dataclass(slots=True)
+class Fp8Linear:
+    """FP8 weights dequantized a tile of output rows at a time, each tile multiplied as soon as it is made: the
+    weights stay one byte per value, and only one tile's dense copy exists at a time."""
+
+    weight: Fp8Weight
+    bias: Tensor | None
+    dtype: torch.dtype  # of the dequantized tiles, and so of the product
+
+    def __call__(self, x: Tensor) -> Tensor:
+        rows = len(self.weight.codes)
+        x = x.to(self.dtype)
+        y = x.new_empty(x.shape[0], rows)
+        for begin in range(0, rows, FP8_TILE_ROWS):
+            end = min(begin + FP8_TILE_ROWS, rows)
+            y[:, begin:end] = F.linear(x, self.weight.dequantize(begin, end).to(self.dtype))
+        return y if self.bias is None else y.add_(self.bias)
+
+
 def uses_int4(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether 4-bit GGUF matrices are worth keeping 4-bit: with the native kernel, or torch's with bf16 inputs."""
     return device.type == "cpu" and (native.enabled() or (dtype == torch.bfloat16 and _int4_available()))
@@ -217,12 +262,16 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if _split_bf16(device, dtype) else dtype
 
 
-def make_linear(weight: Tensor | Int4Weight | Int8Weight, bias: Tensor | None, device: torch.device,
+def make_linear(weight: AnyWeight, bias: Tensor | None, device: torch.device,
                 dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> Linear:
     """Build a linear layer from a weight of shape [out_features, in_features]: any float dtype, or groups.
 
     ``out_dtype`` float32: the 4- and 8-bit kernels' outputs stay float32 (see GroupedLinear.out_dtype); the
     other layers' outputs are their kernels' (the caller converts them)."""
+    if isinstance(weight, Fp8Weight):
+        tiles = out_dtype or compute_dtype(device, dtype)
+        weight = Fp8Weight(weight.codes.to(device), weight.scale.to(device))
+        return Fp8Linear(weight, None if bias is None else bias.to(device, tiles), tiles)
     if isinstance(weight, Int8Weight):
         if not (uses_int8(device) and native.packs(weight.codes.shape)):
             return make_linear(weight.dequantize(), bias, device, dtype)

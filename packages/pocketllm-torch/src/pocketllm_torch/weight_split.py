@@ -26,10 +26,10 @@ import numpy as np
 
 from pocketllm.errors import UnsupportedOptionError
 from pocketllm.model_config import ModelConfig
-from pocketllm_torch.groups import GROUP_SIZE, Int4Groups, Int8Groups
+from pocketllm_torch.groups import GROUP_SIZE, Groups
 from pocketllm_torch.name import NAME
 
-Weight = np.ndarray | Int4Groups | Int8Groups
+Weight = np.ndarray | Groups
 TP_ARCHITECTURES = ("llama", "qwen3", "qwen3_5_text", "qwen3_5_moe_text")
 _HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")
 _LAYER = re.compile(r"(?:model\.layers|blk)\.\d+\.(.+)")

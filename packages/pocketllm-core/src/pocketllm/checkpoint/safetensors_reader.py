@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from pocketllm.checkpoint import fp8
 from pocketllm.checkpoint.base import Checkpoint, RecommendedSetting
 from pocketllm.checkpoint.configs import (
     GENERATION_CONFIG_KEYS,
@@ -38,7 +39,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 _POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
                   "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
                   "pooling_mode_weightedmean_tokens": "weightedmean"}
-_ITEM_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+_ITEM_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, fp8.FP8: 1}
 
 
 class SafetensorsCheckpoint(Checkpoint):
@@ -52,6 +53,9 @@ class SafetensorsCheckpoint(Checkpoint):
         tensors: list[CheckpointTensor] = []
         for shard, expected in _shard_names(directory).items():
             tensors += _shard_tensors(shard, expected)
+        quantization = raw.get("quantization_config")
+        if quantization is not None or any(t.storage_type == fp8.FP8 for t in tensors):
+            tensors = fp8.attach_scales(tensors, quantization, str(directory / "config.json"))
         mtp = [t for t in tensors if t.name.startswith(MTP_PREFIX)]
         tensors = [t for t in tensors if not t.name.startswith(MTP_PREFIX)]
         if raw.get("model_type") in TEXT_WRAPPERS:
@@ -69,7 +73,8 @@ class SafetensorsCheckpoint(Checkpoint):
             tensors = [t for t in tensors if t.name != "lm_head.weight"]
         check_shapes(tensors, config, hf_key_of)
         check_mtp_shapes(mtp, config, hf_key_of)
-        super().__init__(directory, config, tensors, mtp_tensors=mtp)
+        fp8_weights = any(t.storage_type == fp8.FP8 for t in tensors)
+        super().__init__(directory, config, tensors, quantization="FP8" if fp8_weights else None, mtp_tensors=mtp)
 
     def recommended_sampling(self) -> list[RecommendedSetting]:
         # As vLLM reads generation_config.json: these keys only, max_new_tokens as the default max_tokens.

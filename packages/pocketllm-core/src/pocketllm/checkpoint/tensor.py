@@ -12,6 +12,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from pocketllm.checkpoint import fp8
+from pocketllm.checkpoint.fp8 import Fp8Scale
 from pocketllm.errors import CheckpointError
 
 
@@ -36,7 +38,8 @@ class CheckpointTensor:
 
     ``shape`` is row-major as in the Hugging Face checkpoint (``[out_features, in_features]`` for a linear
     weight; stacked experts lead with the expert axis). ``storage_type`` is how its values are stored: "F32",
-    "F16", "BF16", "F64", or a GGML quantized storage type such as "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K".
+    "F16", "BF16", "F64", "F8_E4M3" (with ``fp8_scale``), or a GGML quantized storage type such as "Q8_0", "Q4_0",
+    "Q4_1", "Q4_K", "Q5_K", "Q6_K".
     The bytes are ``nbytes`` long at ``offset`` in the file at ``path``; a quantized storage type stores each row's
     blocks (of 32 or 256 values) in turn.
     """
@@ -49,6 +52,7 @@ class CheckpointTensor:
     offset: int
     nbytes: int
     row_permutation: RowPermutation | None = None
+    fp8_scale: Fp8Scale | None = None  # an F8_E4M3 matrix's scales (pocketllm.checkpoint.fp8)
     _buffer: np.ndarray = field(repr=False, compare=False, default=None)  # type: ignore[assignment]
 
     @property
@@ -67,6 +71,10 @@ class CheckpointTensor:
                 array = array.astype(np.float32) if self.storage_type == "F64" else array
             elif self.storage_type == "BF16":
                 array = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+            elif self.storage_type == fp8.FP8:
+                if self.fp8_scale is None:
+                    raise ValueError("it has no scales")
+                array = fp8.dequantize(raw, self.shape, self.fp8_scale)
             else:
                 array = gguf.quants.dequantize(raw.reshape(-1, self.nbytes // _rows(self.shape)),
                                                gguf.GGMLQuantizationType[self.storage_type])

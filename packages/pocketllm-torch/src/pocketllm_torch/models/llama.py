@@ -22,7 +22,7 @@ from pocketllm.rope import rope_frequencies
 from pocketllm_torch import native
 from pocketllm_torch.attention import AttentionMetadata, paged_attention
 from pocketllm_torch.cache_spec import AttentionSpec, LayerCacheSpec
-from pocketllm_torch.linear import Int4Weight, Int8Weight, Linear, compute_dtype, make_linear, map_rows
+from pocketllm_torch.linear import Fp8Weight, Int4Weight, Int8Weight, Linear, compute_dtype, make_linear, map_rows
 from pocketllm_torch.models.weights import Weights, dense
 from pocketllm_torch.name import NAME
 
@@ -33,11 +33,11 @@ if TYPE_CHECKING:
 
     from pocketllm.model_config import ModelConfig
     from pocketllm_torch.context import StepContext
-    from pocketllm_torch.groups import Int4Groups, Int8Groups
+    from pocketllm_torch.groups import Groups
 
 # Old checkpoints store RoPE frequencies as buffers; they are recomputed from the config here.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-T = TypeVar("T", Tensor, Int4Weight, Int8Weight)
+T = TypeVar("T", Tensor, Int4Weight, Int8Weight, Fp8Weight)
 
 
 @dataclass(slots=True)
@@ -164,12 +164,12 @@ class LlamaModel:
         return self.lm_head(self.norm(hidden)).float()
 
     @classmethod
-    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray | Int4Groups | Int8Groups]],
+    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray | Groups]],
                      device: torch.device, dtype: torch.dtype, max_model_len: int) -> LlamaModel:
         """Build from Hugging Face names and layouts; weights are stored in ``dtype`` on ``device``.
 
-        4- and 8-bit matrices (:class:`Int4Groups`, :class:`Int8Groups`) stay so where a kernel reads them, else
-        they are dequantized.
+        4- and 8-bit and FP8 matrices (:class:`~pocketllm_torch.groups.Groups`) stay so where a kernel reads them,
+        else they are dequantized.
         """
         act_dtype = compute_dtype(device, dtype)
 

@@ -30,7 +30,7 @@ from pocketllm.rope import rope_frequencies
 from pocketllm_torch import native
 from pocketllm_torch.attention import paged_attention
 from pocketllm_torch.cache_spec import AttentionSpec, LayerCacheSpec, StateSpec
-from pocketllm_torch.linear import Linear, compute_dtype, make_linear
+from pocketllm_torch.linear import Fp8Weight, Linear, compute_dtype, make_linear
 from pocketllm_torch.models.llama import MLP, Embedding, RMSNorm
 from pocketllm_torch.models.weights import Weights, dense
 from pocketllm_torch.name import NAME
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from pocketllm.model_config import ModelConfig
     from pocketllm_torch.context import StepContext
-    from pocketllm_torch.groups import Int4Groups, Int8Groups
+    from pocketllm_torch.groups import Groups
     from pocketllm_torch.state_cache import LayerState
 
 # RoPE buffers of old checkpoints. (The multi-token-prediction head's tensors come apart: qwen3_5_mtp.py.)
@@ -278,10 +278,33 @@ class GatedAttention:
 
 
 @dataclass(slots=True)
-class SparseMoE:
-    router: Tensor  # [experts, hidden]
+class StackedExperts:
+    """Every expert's weights in two stacked tensors."""
+
     gate_up: Tensor  # [experts, 2 * intermediate, hidden]
     down: Tensor  # [experts, hidden, intermediate]
+
+    def __call__(self, expert: int, x: Tensor) -> Tensor:
+        gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[expert])
+
+
+@dataclass(slots=True)
+class LinearExperts:
+    """Each expert's projections as linear layers of their own: FP8 experts stay FP8 (``linear.Fp8Linear``)."""
+
+    gate_up: list[Linear]
+    down: list[Linear]
+
+    def __call__(self, expert: int, x: Tensor) -> Tensor:
+        gate, up = self.gate_up[expert](x).chunk(2, dim=-1)
+        return self.down[expert](F.silu(gate) * up)
+
+
+@dataclass(slots=True)
+class SparseMoE:
+    router: Tensor  # [experts, hidden]
+    experts: StackedExperts | LinearExperts
     top_k: int
     renormalize: bool  # the top-k probabilities rescaled to sum to 1
     shared_expert: MLP
@@ -302,8 +325,7 @@ class SparseMoE:
             if count == 0:
                 continue
             rows = tokens[start:start + count]
-            gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
-            routed = F.linear(F.silu(gate) * up, self.down[expert]) * pair_weights[start:start + count, None]
+            routed = self.experts(expert, x[rows]) * pair_weights[start:start + count, None]
             out.index_add_(0, rows, routed)
             start += count
         return out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared_expert(x)
@@ -346,7 +368,7 @@ class Qwen3_5Model:
         return self.lm_head(self.norm(hidden)).float()
 
     @classmethod
-    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray | Int4Groups | Int8Groups]],
+    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray | Groups]],
                      device: torch.device, dtype: torch.dtype, max_model_len: int) -> Qwen3_5Model:
         w = Weights(weights, device, dtype, ignored=_IGNORED)
         load = LayerLoader(w, config, device, dtype)
@@ -454,17 +476,23 @@ class LayerLoader:
         return torch.stack([self.w.dense(f"{prefix}.{e}.{part}.weight")
                             for e in range(self.config.extra["num_experts"])])
 
-    def _moe(self, prefix: str) -> SparseMoE:
-        w, device, act_dtype, extra = self.w, self.device, self.act_dtype, self.config.extra
-        experts = f"{prefix}.experts"
+    def _experts(self, experts: str) -> StackedExperts | LinearExperts:
+        w, device, act_dtype = self.w, self.device, self.act_dtype
         if w.has(f"{experts}.gate_up_proj"):  # transformers' fused layout
             gate_up, down = w.dense(f"{experts}.gate_up_proj"), w.dense(f"{experts}.down_proj")
+        elif isinstance(w.tensors.get(f"{experts}.0.gate_proj.weight"), Fp8Weight):  # kept FP8: a layer per expert
+            count = range(self.config.extra["num_experts"])
+            return LinearExperts([w.linear([f"{experts}.{e}.gate_proj.weight", f"{experts}.{e}.up_proj.weight"])
+                                  for e in count], [w.linear([f"{experts}.{e}.down_proj.weight"]) for e in count])
         else:
             gate_up = torch.cat([self._stacked(experts, "gate_proj"), self._stacked(experts, "up_proj")], dim=1)
             down = self._stacked(experts, "down_proj")
+        return StackedExperts(gate_up.to(device, act_dtype), down.to(device, act_dtype))
+
+    def _moe(self, prefix: str) -> SparseMoE:
+        w, device, act_dtype, extra = self.w, self.device, self.act_dtype, self.config.extra
         return SparseMoE(
-            router=w.dense(f"{prefix}.gate.weight").to(device, act_dtype),
-            gate_up=gate_up.to(device, act_dtype), down=down.to(device, act_dtype),
+            router=w.dense(f"{prefix}.gate.weight").to(device, act_dtype), experts=self._experts(f"{prefix}.experts"),
             top_k=extra["num_experts_per_tok"], renormalize=extra.get("norm_topk_prob", True),
             shared_expert=self._mlp(f"{prefix}.shared_expert"),
             shared_gate=w.dense(f"{prefix}.shared_expert_gate.weight").to(device, act_dtype))

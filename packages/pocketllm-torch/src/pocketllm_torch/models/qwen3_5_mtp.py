@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from pocketllm.model_config import ModelConfig
     from pocketllm_torch.context import StepContext
-    from pocketllm_torch.groups import Int4Groups, Int8Groups
+    from pocketllm_torch.groups import Groups
     from pocketllm_torch.linear import Linear
     from pocketllm_torch.models.llama import Embedding, RMSNorm
 
@@ -76,7 +76,7 @@ class Qwen3_5MTP:
         return self.target.lm_head(hidden).float()
 
     @classmethod
-    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray | Int4Groups | Int8Groups]],
+    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray | Groups]],
                      target: Qwen3_5Model, device: torch.device, dtype: torch.dtype) -> Qwen3_5MTP:
         w = Weights(weights, device, dtype)
         if not w.tensors:

@@ -10,21 +10,21 @@ import torch
 from torch import Tensor
 
 from pocketllm.errors import CheckpointError
-from pocketllm_torch.groups import Int4Groups, Int8Groups
-from pocketllm_torch.linear import Int4Weight, Int8Weight, Linear, concat_rows, make_linear
+from pocketllm_torch.groups import Fp8Groups, Groups, Int4Groups, Int8Groups
+from pocketllm_torch.linear import AnyWeight, Fp8Weight, Int4Weight, Int8Weight, Linear, concat_rows, make_linear
 
 if TYPE_CHECKING:
     import numpy as np
 
-GROUPED = {Int4Groups: Int4Weight.from_groups, Int8Groups: Int8Weight.from_groups}
-Weight = Tensor | Int4Weight | Int8Weight
+GROUPED = {Int4Groups: Int4Weight.from_groups, Int8Groups: Int8Weight.from_groups, Fp8Groups: Fp8Weight.from_groups}
+Weight = AnyWeight
 
 
 class Weights:
-    """Named weights, stored in ``dtype``; 4- and 8-bit matrices (:class:`Int4Groups`, :class:`Int8Groups`) stay
+    """Named weights, stored in ``dtype``; 4- and 8-bit and FP8 matrices (:class:`~pocketllm_torch.groups.Groups`) stay
     so where a kernel reads them. ``layout(name, weight)`` reorders a weight as the model computes with it."""
 
-    def __init__(self, weights: Iterable[tuple[str, np.ndarray | Int4Groups | Int8Groups]], device: torch.device,
+    def __init__(self, weights: Iterable[tuple[str, np.ndarray | Groups]], device: torch.device,
                  dtype: torch.dtype, *, ignored: re.Pattern[str] | None = None,
                  layout: Callable[[str, Weight], Weight] = lambda name, weight: weight) -> None:
         self.tensors: dict[str, Weight] = {
