@@ -44,9 +44,12 @@ LLAMA_CPP_CMAKE_ARGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", 
 # the bench harness's own tests (bench/tests), which run its report and plot end to end.
 # The client libraries of the APIs the server speaks, each tested as its users run it: anthropic (/v1/messages),
 # ollama (/api), openai-agents (the Responses API's agent path) and lm-eval with its API extra (prompt logprobs).
+# The torch backend's Triton kernels run in the tests under Triton's CPU interpreter
+# (tests/torch/test_triton_kernels.py).
+TRITON = "triton==3.9.0"
 TEST_DEPS = ["pytest", "pytest-timeout", "transformers", "accelerate", "openai", "httpx", "asgi-lifespan",
              "schemathesis", "matplotlib", "tqdm", "jsonschema", "selenium", "anthropic", "ollama", "openai-agents",
-             "lm-eval[api]"]
+             "lm-eval[api]", TRITON]
 # Test-only plugins: the plugin guide's echo example, one that fails to import, and flawed torch backends for the kit.
 # Debian packages of the NEON test (tests/cpp/test_kernels.py): pocketllm-cpp's AArch64 build, cross-compiled and
 # run under qemu. Installed where the session may (root with apt-get); elsewhere that test skips, saying why.

@@ -1,15 +1,15 @@
 """Each GGUF quantization users download, PocketLLM cpp against llama.cpp on the same files, in one run.
 
-    python -m pocketbench.quant_types [--types Q2_K Q3_K_M Q4_K_M Q5_K_M IQ4_XS Q8_0] [--runs 5] [--threads 2]
-        [--new-tokens 128] [--files-dir DIR] [--out results/]
+    python -m pocketbench.quant_types [--types Q2_K Q3_K_M Q4_K_M Q5_K_M IQ4_XS Q8_0 Q4_1] [--runs 5]
+        [--threads 2] [--new-tokens 128] [--files-dir DIR] [--out results/]
 
 The default model re-quantized by llama-quantize's library function (``llama_model_quantize``, with
 ``--allow-requantize`` as the tool needs for a quantized source) to each file type: llama.cpp's own mixes, so a
 Q2_K or Q3_K_M file also holds the types llama.cpp falls back to where a matrix's 576-wide rows do not divide into
-256-value super-blocks (the file's types are listed). Per file, as ``pocketllm bench`` times them (workloads.py): a
-512-token prefill and single-stream decode, the engines interleaved run by run, and decode's fraction of the
-memory-bandwidth bound (the bytes of weights a decoded token reads over the read bandwidth measured in the same run
-with the same threads). Writes ``<date>-<machine>-quant-types.{md,json}``.
+256-value super-blocks (the file's types are listed); Q4_1 is the model's own file. Per file, as ``pocketllm
+bench`` times them (workloads.py): a 512-token prefill and single-stream decode, the engines interleaved run by run,
+and decode's fraction of the memory-bandwidth bound (the bytes of weights a decoded token reads over the read
+bandwidth measured in the same run with the same threads). Writes ``<date>-<machine>-quant-types.{md,json}``.
 """
 
 from __future__ import annotations
@@ -31,14 +31,17 @@ from pocketbench.report import host_line
 from pocketllm.args import DEFAULT_MODEL
 from pocketllm.checkpoint import load_checkpoint
 
-FILE_TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "IQ4_XS", "Q8_0")
+SHIPPED = "Q4_1"  # the default model's own file, for reference
+FILE_TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "IQ4_XS", "Q8_0", SHIPPED)
 OURS, PEER = "pocketllm-cpp", "llama.cpp"
 TARGETS = {"decode": 1.3, "prefill": 1.5}  # the issue's ratios over llama.cpp
 
 
 def requantized(file_type: str, folder: Path) -> Path:
-    """The default model re-quantized to ``file_type`` (kept in ``folder`` for the next run)."""
+    """The default model re-quantized to ``file_type`` (kept in ``folder`` for the next run), or its own file."""
     source = Path(load_checkpoint(DEFAULT_MODEL).path)
+    if file_type == SHIPPED:
+        return source
 
     def make(_: Path, out: Path) -> None:
         quantize(source, out, file_type, requantize=True)

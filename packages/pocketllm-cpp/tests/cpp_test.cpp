@@ -377,6 +377,23 @@ int main() {
         if (available_isas().substr(at, end - at) != "scalar") isas.push_back(available_isas().substr(at, end - at));
         at = end + 1;
     }
+    // Each ISA's product of `w` equals the scalar path's, for one, two and five activation rows.
+    const auto matches_scalar = [&](const WeightView& w) {
+        for (const int64_t kn : {1, 2, 5}) {
+            std::vector<float> kx(kn * w.cols), reference(kn * w.rows), got(kn * w.rows);
+            for (auto& v : kx) v = normal(rng);
+            set_isa("scalar");
+            matmul(w, kx.data(), kn, reference.data(), pool);
+            for (const std::string& isa : isas) {
+                set_isa(isa);
+                matmul(w, kx.data(), kn, got.data(), pool);
+                for (int64_t i = 0; i < kn * w.rows; ++i) {
+                    CHECK(std::fabs(reference[i] - got[i]) <= 1e-4f * (1.0f + std::fabs(reference[i])));
+                }
+            }
+        }
+        set_isa("auto");
+    };
     for (const char* name : {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4",
                              "IQ4_XS", "Q2_K", "Q3_K"}) {
         const StorageType type = parse_storage_type(name);
@@ -405,20 +422,7 @@ int main() {
             }
             const WeightView kw{raw.data(), type, rows, kcols};
             validate(kw, static_cast<int64_t>(raw.size()));
-            for (const int64_t kn : {1, 2, 5}) {
-                std::vector<float> kx(kn * kcols), reference(kn * rows), got(kn * rows);
-                for (auto& v : kx) v = normal(rng);
-                set_isa("scalar");
-                matmul(kw, kx.data(), kn, reference.data(), pool);
-                for (const std::string& isa : isas) {
-                    set_isa(isa);
-                    matmul(kw, kx.data(), kn, got.data(), pool);
-                    for (int64_t i = 0; i < kn * rows; ++i) {
-                        CHECK(std::fabs(reference[i] - got[i]) <= 1e-4f * (1.0f + std::fabs(reference[i])));
-                    }
-                }
-            }
-            set_isa("auto");
+            matches_scalar(kw);
         }
     }
 
@@ -442,20 +446,7 @@ int main() {
         }
         CHECK(fp8_e4m3_to_fp32(0x08) == 0.015625f && fp8_e4m3_to_fp32(0x01) == 0.001953125f &&
               fp8_e4m3_to_fp32(0x7E) == 448.0f && fp8_e4m3_to_fp32(0xC0) == -2.0f);
-        for (const int64_t kn : {1, 2, 5}) {
-            std::vector<float> kx(kn * fcols), reference(kn * rows), got(kn * rows);
-            for (auto& v : kx) v = normal(rng);
-            set_isa("scalar");
-            matmul(fw, kx.data(), kn, reference.data(), pool);
-            for (const std::string& isa : isas) {
-                set_isa(isa);
-                matmul(fw, kx.data(), kn, got.data(), pool);
-                for (int64_t i = 0; i < kn * rows; ++i) {
-                    CHECK(std::fabs(reference[i] - got[i]) <= 1e-4f * (1.0f + std::fabs(reference[i])));
-                }
-            }
-        }
-        set_isa("auto");
+        matches_scalar(fw);
         fw.scales = nullptr;
         bool refused = false;
         try {

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pocketllm_torch import native
+from pocketllm_torch import native, triton_ops
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -40,6 +40,10 @@ class AttentionMetadata:
     mask: Tensor  # [B, 1, Q, L]: 0 where query row q of a sequence may attend its position l, else -inf
     query_index: Tensor | None  # [B * Q]: token behind each padded query row; None when each sequence has one token
     token_index: Tensor | None  # [T]: padded query row of each token; None likewise
+    # [T] each token's sequence and position, for the Triton kernel; None: one token per sequence, the last of its
+    # context (a decode step, whose trace does not carry them)
+    token_seq: Tensor | None = None
+    token_pos: Tensor | None = None
 
 
 def build_metadata(starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int,
@@ -68,9 +72,11 @@ def build_metadata(starts: list[int], lengths: list[int], block_tables: list[lis
         first_token = torch.cumsum(length, 0) - length
         query_index = torch.where(valid, first_token[:, None] + row, 0).flatten().to(device)
         token_index = valid.flatten().nonzero().squeeze(1).to(device)
+    positions = query_pos[valid].to(device)
+    token_seq = torch.repeat_interleave(torch.arange(len(lengths)), length).to(device)
     meta = AttentionMetadata(slot_mapping.to(device), table.to(device), (start + length).to(device), mask.to(device),
-                             query_index, token_index)
-    return query_pos[valid].to(device), meta
+                             query_index, token_index, token_seq, positions)
+    return positions, meta
 
 
 class KVCache:
@@ -105,6 +111,12 @@ def paged_attention(q: Tensor, kv: Tensor, kv_cache: Tensor, meta: AttentionMeta
     """
     kv_cache.index_copy_(2, meta.slot_mapping, kv.to(kv_cache.dtype))
     batch, _, max_query, context_len = meta.mask.shape
+    if triton_ops.use_triton(kv_cache):
+        token_seq, token_pos = meta.token_seq, meta.token_pos
+        if token_seq is None or token_pos is None:  # one token per sequence, the last of its context
+            token_seq, token_pos = torch.arange(batch, device=q.device), meta.context_lens - 1
+        block_size = context_len // meta.context_blocks.shape[1]
+        return triton_ops.paged_attention(q, kv_cache, meta.context_blocks, token_seq, token_pos, block_size, scale)
     if meta.query_index is None and _native_decode(q, kv_cache):
         block_size = context_len // meta.context_blocks.shape[1]
         return native.paged_decode_attention(q.contiguous(), kv_cache, meta.context_blocks, meta.context_lens,

@@ -10,6 +10,7 @@ import torch
 
 from pocketllm.errors import UnsupportedOptionError
 from pocketllm.kv_budget import KVBudget, bytes_per_block
+from pocketllm_torch import triton_ops
 from pocketllm_torch.cpus import available_cpus
 from pocketllm_torch.linear import compute_dtype
 from pocketllm_torch.name import NAME
@@ -76,8 +77,10 @@ class TorchConfig:
             block_size=options.block_size,
             num_kv_blocks=options.num_kv_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
-            # On by default where it was measured: CPUs, where a small model's decode is bound by Python overhead.
-            decode_graphs=device.type == "cpu" if options.decode_graphs is None else options.decode_graphs,
+            # On by default where it was measured: CPUs, where a small model's decode is bound by Python overhead
+            # (not with the Triton kernels forced there: a trace cannot record them).
+            decode_graphs=(device.type == "cpu" and triton_ops.choice() != "triton" if options.decode_graphs is None
+                           else options.decode_graphs),
             state_snapshot_bytes=options.state_snapshot_mb << 20,
             speculative_method=args.speculative_method,
             draft_model=args.draft_model,

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from pocketllm.errors import CheckpointError
 from pocketllm.rope import rope_frequencies
-from pocketllm_torch import native
+from pocketllm_torch import native, triton_ops
 from pocketllm_torch.attention import paged_attention
 from pocketllm_torch.cache_spec import AttentionSpec, LayerCacheSpec, StateSpec
 from pocketllm_torch.linear import Fp8Weight, Linear, compute_dtype, make_linear
@@ -250,6 +250,11 @@ class GatedDeltaNet:
 def rotate_partial(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE on the first ``cos.shape[-1]`` dimensions of each head, rotate-half style; the rest pass through."""
     width = cos.shape[-1]
+    if triton_ops.use_triton(x):  # cos and sin [T, 1, width]: each half's angles twice
+        x = x.clone()
+        triton_ops.rotary_(x, cos[:, 0, :width // 2].contiguous(), sin[:, 0, :width // 2].contiguous(),
+                           interleaved=False)
+        return x
     rotated, rest = x[..., :width], x[..., width:]
     first, second = rotated.chunk(2, dim=-1)
     return torch.cat([rotated * cos + torch.cat([-second, first], dim=-1) * sin, rest], dim=-1)

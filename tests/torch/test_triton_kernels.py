@@ -1,0 +1,163 @@
+"""The torch backend's Triton kernels against its own torch ops (the reference path), on small fp32 shapes: on a GPU
+where there is one, else on CPU under Triton's interpreter (TRITON_INTERPRET=1, which must be set before triton
+compiles anything: this module sets it when no GPU is visible). The interpreter has no bf16 and runs programs one
+after another; what it cannot run (bf16 and fp8 caches, speed) runs only on a GPU (bench/gpu/check.sh)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("pocketllm_torch")
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from pocketllm_torch.attention import KVCache, build_metadata  # noqa: E402
+from pocketllm_torch.attention import paged_attention as reference_attention  # noqa: E402
+from pocketllm_torch.models.llama import RMSNorm, apply_rope_  # noqa: E402
+from pocketllm_torch.models.qwen3_5 import rotate_partial  # noqa: E402
+from pocketllm_torch.triton_kernels import attention, elementwise, rotary  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BLOCK_SIZE = 16
+
+
+@pytest.mark.parametrize(("group", "head_dim", "kv_heads"), [(1, 64, 2), (3, 128, 1), (8, 256, 1), (2, 80, 2)])
+def test_paged_attention_equals_the_torch_path(group: int, head_dim: int, kv_heads: int) -> None:
+    """Several sequences at once, each a prefill chunk after a cached context or a single decoded token, of odd
+    lengths, their blocks handed out of order: the torch path's output for every token."""
+    gen = torch.Generator().manual_seed(group * head_dim)
+    heads = group * kv_heads
+    starts, lengths = [0, 21, 37, 5], [13, 1, 9, 1]  # sequence b computes positions starts[b] .. + lengths[b]
+    needed = [-(-(s + n) // BLOCK_SIZE) for s, n in zip(starts, lengths, strict=True)]
+    order = torch.randperm(sum(needed), generator=gen) + 1  # block 0 is the null block
+    tables, at = [], 0
+    for count in needed:
+        tables.append(order[at:at + count].tolist())
+        at += count
+    cache = KVCache(1, sum(needed) + 1, BLOCK_SIZE, kv_heads, head_dim, torch.float32, DEVICE)
+    cache.zero_new_blocks(tables)
+    layer = cache.layers[0]
+    for table, start in zip(tables, starts, strict=True):  # the cached context of each sequence
+        for position in range(start):
+            slot = table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
+            layer[:, :, slot] = torch.randn(2, kv_heads, head_dim, generator=gen).to(DEVICE)
+    tokens = sum(lengths)
+    q = torch.randn(tokens, heads, head_dim, generator=gen).to(DEVICE)
+    new_kv = torch.randn(2, kv_heads, tokens, head_dim, generator=gen).to(DEVICE)
+    positions, meta = build_metadata(starts, lengths, tables, BLOCK_SIZE, DEVICE, torch.float32)
+    scale = head_dim ** -0.5
+    expected = reference_attention(q, new_kv, layer, meta, scale)  # writes the new keys and values first
+    token_seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(DEVICE)
+    got = attention.paged_attention(q, layer, meta.context_blocks, token_seq, positions, BLOCK_SIZE, scale)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_paged_attention_applies_the_cache_scales() -> None:
+    """An fp8 cache's per-tensor scales multiply what is read: values stored at 1/s read back as the originals."""
+    gen = torch.Generator().manual_seed(5)
+    cache = KVCache(1, 3, BLOCK_SIZE, 1, 64, torch.float32, DEVICE)
+    cache.zero_new_blocks([[2, 1]])
+    q = torch.randn(20, 2, 64, generator=gen).to(DEVICE)
+    kv = torch.randn(2, 1, 20, 64, generator=gen).to(DEVICE)
+    positions, meta = build_metadata([0], [20], [[2, 1]], BLOCK_SIZE, DEVICE, torch.float32)
+    expected = reference_attention(q, kv, cache.layers[0], meta, 0.125)
+    cache.layers[0][0] /= 4.0
+    cache.layers[0][1] /= 0.5
+    seq = torch.zeros(20, dtype=torch.int64, device=DEVICE)
+    got = attention.paged_attention(q, cache.layers[0], meta.context_blocks, seq, positions, BLOCK_SIZE, 0.125,
+                                    k_scale=4.0, v_scale=0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("cols", [64, 200])
+def test_rms_norm_equals_the_torch_path(with_delta: bool, cols: int) -> None:
+    gen = torch.Generator().manual_seed(cols)
+    x, delta = (torch.randn(7, cols, generator=gen).to(DEVICE) for _ in range(2))
+    norm = RMSNorm(torch.randn(cols, generator=gen).to(DEVICE), 1e-6)
+    expected = norm.add(x, delta) if with_delta else (x, norm(x))
+    out, residual = elementwise.rms_norm(x, norm.weight, 1e-6, delta if with_delta else None)
+    torch.testing.assert_close(residual, expected[0])
+    torch.testing.assert_close(out, expected[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cols", [96, 1500])
+def test_silu_mul_equals_the_torch_path(cols: int) -> None:
+    gate_up = torch.randn(5, 2 * cols, generator=torch.Generator().manual_seed(cols)).to(DEVICE)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(elementwise.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["llama pairs", "qwen3_5 halves"])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, 64), (256, 64), (128, 32)])
+def test_rotary_equals_the_torch_path(head_dim: int, rotary_dim: int, interleaved: bool) -> None:
+    """Full and partial rotary (Qwen3.5 rotates a quarter of each head), in both pairings of the torch models:
+    Llama's interleaved pairs (apply_rope_) and Qwen3.5's halves (rotate_partial)."""
+    gen = torch.Generator().manual_seed(head_dim + rotary_dim)
+    positions = torch.tensor([3, 0, 17, 17, 40, 2])
+    frequencies = 1e4 ** (-torch.arange(0, rotary_dim, 2).double() / rotary_dim)
+    angles = (torch.arange(64).double()[:, None] * frequencies)[positions]  # [T, rotary_dim / 2]
+    x = torch.randn(len(positions), 4, head_dim, generator=gen)
+    cos, sin = angles.cos().float(), angles.sin().float()
+    if interleaved:
+        expected = x.clone()
+        part = expected[..., :rotary_dim].clone()
+        apply_rope_(part, torch.polar(torch.ones_like(angles), angles).to(torch.complex64).unsqueeze(1))
+        expected[..., :rotary_dim] = part
+    else:
+        expected = rotate_partial(x, torch.cat([cos, cos], -1).unsqueeze(1), torch.cat([sin, sin], -1).unsqueeze(1))
+    both = torch.cat([x, torch.zeros_like(x)], dim=1).to(DEVICE)  # x as a strided view, as q and k of a projection
+    got = both[:, :4]
+    rotary.rotary_(got, cos.to(DEVICE), sin.to(DEVICE), interleaved=interleaved)
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
+    assert not both[:, 4:].any()  # nothing past the view was written
+    assert math.isclose(float(got[1].cpu().sub(x[1]).abs().max()), 0.0)  # position 0: no rotation
+
+
+_GENERATE = """
+import json, sys
+from pocketllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], backend="torch", device=sys.argv[2], dtype="float32", max_model_len=128,
+          prefill_chunk_size=16)
+params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
+outs = [o.outputs[0] for o in llm.generate([[5, 9, 13, 2, 40] * 5, [7, 60, 61]], params)]
+print(json.dumps([[o.token_ids, [lp.logprob for lp in o.logprobs]] for o in outs]))
+"""
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5"])
+def test_models_through_the_triton_kernels_generate_as_the_torch_ops(kind: str, pocketllm_kit_checkpoint) -> None:
+    """A whole model on the torch backend with POCKETLLM_TORCH_KERNELS=triton (attention, norms, SwiGLU and rotary
+    through the kernels; on CPU under the interpreter, else on the GPU): two sequences, one prefilled in chunks,
+    then decoded together, give the greedy ids and logprobs of the torch ops on the same device."""
+    import json
+    import subprocess
+    import sys
+
+    path = str(pocketllm_kit_checkpoint(kind))
+    runs = {}
+    for kernels in ("torch", "triton"):
+        env = os.environ | {"POCKETLLM_TORCH_KERNELS": kernels}
+        done = subprocess.run([sys.executable, "-c", _GENERATE, path, DEVICE.type], env=env, capture_output=True,
+                              text=True, timeout=600, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[kernels] = json.loads(done.stdout.strip().splitlines()[-1])
+    for (ids, logprobs), (triton_ids, triton_logprobs) in zip(runs["torch"], runs["triton"], strict=True):
+        assert triton_ids == ids
+        np.testing.assert_allclose(triton_logprobs, logprobs, rtol=0, atol=1e-4)
+
+
+def test_unknown_kernel_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pocketllm.errors import UnsupportedOptionError
+    from pocketllm_torch import triton_ops
+
+    monkeypatch.setenv(triton_ops.KERNELS_ENV, "cuda-graphs")
+    with pytest.raises(UnsupportedOptionError, match="POCKETLLM_TORCH_KERNELS"):
+        triton_ops.use_triton(torch.zeros(1))
