@@ -161,3 +161,42 @@ def test_unknown_kernel_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv(triton_ops.KERNELS_ENV, "cuda-graphs")
     with pytest.raises(UnsupportedOptionError, match="POCKETLLM_TORCH_KERNELS"):
         triton_ops.use_triton(torch.zeros(1))
+
+
+@pytest.mark.parametrize(("heads", "k_dim", "v_dim"), [(2, 32, 32), (3, 64, 48), (1, 128, 128)])
+def test_gated_delta_decode_equals_the_torch_path(heads: int, k_dim: int, v_dim: int) -> None:
+    """The convolution's update and the recurrent delta rule for three sequences in slots out of order: the outputs
+    and the slots' new states of the torch path, and the other slots untouched."""
+    from pocketllm_torch.models.qwen3_5 import GatedDeltaNet, l2norm, recurrent_gated_delta_rule
+    from pocketllm_torch.triton_kernels import gated_delta
+
+    gen = torch.Generator().manual_seed(heads * k_dim + v_dim)
+    channels, kernel, batch = 40, 4, 3
+    slots = torch.tensor([4, 0, 2])
+    conv = torch.randn(5, channels, kernel - 1, generator=gen)
+    weight = torch.randn(channels, kernel, generator=gen)
+    x = torch.randn(batch, channels, generator=gen)
+    expected_conv = conv.clone()
+    expected = GatedDeltaNet._conv_step(_Conv(weight), x, expected_conv, slots)  # type: ignore[arg-type]
+    got_conv = conv.to(DEVICE)
+    got = gated_delta.conv_update(x.to(DEVICE), got_conv, slots.to(DEVICE), weight.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_conv.cpu(), expected_conv)
+
+    q, k = (l2norm(torch.randn(batch, heads, k_dim, generator=gen)) for _ in range(2))
+    v = torch.randn(batch, heads, v_dim, generator=gen)
+    g, beta = -torch.rand(batch, heads, generator=gen), torch.rand(batch, heads, generator=gen)
+    state = torch.randn(5, heads, k_dim, v_dim, generator=gen)
+    out, new_state = recurrent_gated_delta_rule(q, k, v, g, beta, state[slots])
+    got_state = state.to(DEVICE)
+    got_out = gated_delta.delta_step(*(t.to(DEVICE) for t in (q, k, v, g, beta)), got_state, slots.to(DEVICE))
+    torch.testing.assert_close(got_out.cpu(), out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_state.cpu()[slots], new_state, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_state.cpu()[[1, 3]], state[[1, 3]])
+
+
+class _Conv:
+    """What GatedDeltaNet._conv_step reads of its layer."""
+
+    def __init__(self, conv_weight: torch.Tensor) -> None:
+        self.conv_weight = conv_weight

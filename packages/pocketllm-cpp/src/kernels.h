@@ -12,9 +12,9 @@
 namespace pocketllm {
 
 // Quantizes each of n rows of x [n, cols] to 8-bit blocks (round half to even), as the integer kernels need, and
-// fills out.grouped when `grouped`; many rows are split over `pool` when one is given.
+// fills out.grouped when `grouped` and out.sums16 when `sums16`; many rows are split over `pool` when one is given.
 void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows& out, ThreadPool* pool = nullptr,
-                          bool grouped = false);
+                          bool grouped = false, bool sums16 = false);
 
 // One product of a batch that shares its input: y [n, w.rows] (row stride w.rows) = x @ w.T.
 struct Product {

@@ -648,10 +648,16 @@ template <StorageType T>
 inline __m128i scales16(const Block16<T>& blk) {
     if constexpr (T == StorageType::Q6_K) {
         return _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales));
-    } else if constexpr (T == StorageType::Q3_K) {
-        int8_t scales[16];
-        q3_k_scales(blk.scales, scales);
-        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales));
+    } else if constexpr (T == StorageType::Q3_K) {  // q3_k_scales in four 32-bit words, kept in a register
+        uint32_t aux[3];
+        std::memcpy(aux, blk.scales, sizeof(aux));
+        constexpr uint32_t low4 = 0x0F0F0F0F, low2 = 0x03030303;
+        const __m128i unsigned_scales = _mm_setr_epi32(
+            static_cast<int>((aux[0] & low4) | ((aux[2] & low2) << 4)),
+            static_cast<int>((aux[1] & low4) | (((aux[2] >> 2) & low2) << 4)),
+            static_cast<int>(((aux[0] >> 4) & low4) | (((aux[2] >> 4) & low2) << 4)),
+            static_cast<int>(((aux[1] >> 4) & low4) | (((aux[2] >> 6) & low2) << 4)));
+        return _mm_sub_epi8(unsigned_scales, _mm_set1_epi8(32));
     } else {
         return _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales)), _mm_set1_epi8(0x0F));
     }
@@ -742,8 +748,8 @@ void k16_pack(const uint8_t* base, size_t stride, int64_t supers, Packed16<T, C>
     }
 }
 
-// Decode (one activation row): k16_tile<T, 1, C>'s arithmetic, the blocks used from registers. The signed types'
-// codes multiply with their signs moved onto x (no per-16 sums of x needed); Q2_K's mins take each 16 codes' sum.
+// Decode (one activation row): k16_tile<T, 1, C>'s arithmetic, the blocks used from registers: unsigned codes
+// against x, and the bias (or Q2_K's mins) through the activation row's per-16 sums.
 template <StorageType T, int C>
 void k16_decode_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, float* y) {
     const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
@@ -754,26 +760,26 @@ void k16_decode_rows(const WeightView& w, size_t stride, int64_t row, const Quan
     for (int64_t k = 0; k < supers; ++k) {
         const int8_t* x = act.codes(0, 8 * k);
         const __m256 dx = _mm256_loadu_ps(act.d.data() + 8 * k);
+        const __m256i x16 = load(act.sums16.data() + 16 * k);
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
             const Block16<T>& blk = reinterpret_cast<const Block16<T>*>(base + c * stride)[k];
             prefetch16<T>(blk);
-            __m256i sums[8], min_sums[8];
-            sub_blocks16<T>(blk, [&](int j, __m256i codes, __m256i mul, __m256i mins) {
-                const __m256i xj = load(x + j * kBlock);
-                if constexpr (kMins16<T>) {
-                    sums[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xj), mul);
-                    min_sums[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), xj), mins);
-                } else {  // |pairs| <= 2 * 32 * 127
-                    const __m256i s = _mm256_sub_epi8(codes, _mm256_set1_epi8(kBias16<T>));
-                    sums[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(s, s), _mm256_sign_epi8(xj, s)), mul);
-                }
+            __m256i sums[8];
+            sub_blocks16<T>(blk, [&](int j, __m256i codes, __m256i mul, __m256i) {
+                sums[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, load(x + j * kBlock)), mul);
             });
-            const __m256 d = _mm256_set1_ps(half(blk.d));
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(sums)), _mm256_mul_ps(d, dx), acc[c]);
+            const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(half(blk.d)), dx);
+            __m256i blocks = block_sums(sums);
             if constexpr (kMins16<T>) {
-                const __m256 dmin = _mm256_set1_ps(-half(blk.dmin));
-                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(min_sums)), _mm256_mul_ps(dmin, dx), acc[c]);
+                const __m256i mins = _mm256_madd_epi16(x16, _mm256_cvtepi8_epi16(q2_mins(blk)));
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), scale, acc[c]);
+                const __m256 dmin = _mm256_mul_ps(_mm256_set1_ps(-half(blk.dmin)), dx);
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), dmin, acc[c]);
+            } else {
+                const __m256i offset = _mm256_madd_epi16(x16, _mm256_cvtepi8_epi16(scales16<T>(blk)));
+                blocks = _mm256_sub_epi32(blocks, _mm256_slli_epi32(offset, kBiasShift16<T>));
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), scale, acc[c]);
             }
         }
     }

@@ -60,14 +60,14 @@ void validate(const WeightView& w, int64_t data_bytes) {
 }
 
 void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows& out, ThreadPool* pool,
-                          bool grouped) {
+                          bool grouped, bool sums16) {
     out.rows = n;
     out.cols = cols;
     out.qs.resize(static_cast<size_t>(n * cols));
     out.d.resize(static_cast<size_t>(n * (cols / kBlock)));
     out.s.resize(out.d.size());
     out.grouped.resize(grouped ? out.qs.size() : 0);
-    out.sums16.resize(grouped ? out.qs.size() / 16 : 0);
+    out.sums16.resize(sums16 ? out.qs.size() / 16 : 0);
     auto quantize = kernels::quantize_row_scalar;
 #ifdef POCKETLLM_HAVE_X86
     if (current_isa() != Isa::Scalar) quantize = kernels::quantize_row_avx2;
@@ -79,15 +79,17 @@ void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows
         for (int64_t r = begin; r < end; ++r) {
             const int64_t b = r * (cols / kBlock);
             quantize(x + r * cols, cols, out.qs.data() + r * cols, out.d.data() + b, out.s.data() + b);
-            if (!grouped) continue;
             const int8_t* from = out.qs.data() + r * cols;
-            int8_t* to = out.grouped.data() + r * cols;
-            int16_t* sums = out.sums16.data() + r * (cols / 16);
-            for (int64_t g = 0; g < cols / 16; ++g) {
-                int sum = 0;
-                for (int k = 0; k < 16; ++k) sum += from[16 * g + k];
-                sums[g] = static_cast<int16_t>(sum);
+            if (sums16) {
+                int16_t* sums = out.sums16.data() + r * (cols / 16);
+                for (int64_t g = 0; g < cols / 16; ++g) {
+                    int sum = 0;
+                    for (int k = 0; k < 16; ++k) sum += from[16 * g + k];
+                    sums[g] = static_cast<int16_t>(sum);
+                }
             }
+            if (!grouped) continue;
+            int8_t* to = out.grouped.data() + r * cols;
             for (int64_t g = 0; g + 8 * kBlock <= cols; g += 8 * kBlock) {
                 for (int v = 0; v < 8; ++v) {
                     for (int k = 0; k < 8; ++k) std::memcpy(to + g + v * kBlock + 4 * k, from + g + k * kBlock + 4 * v, 4);
@@ -142,12 +144,14 @@ void matmul_grouped(const std::vector<GroupedProduct>& products, ThreadPool& poo
     auto quantize = [&](size_t k, ThreadPool* rows_pool) {
         const Input& in = inputs[k];
         if (!in.quantized) return;
-        // The x86 kernels' batched tiles read the codes grouped (see kernels_x86.inl's PackedGroup).
-        bool grouped = false;
+        // The x86 kernels' batched tiles read the codes grouped (see kernels_x86.inl's PackedGroup), and the
+        // per-16-scale kernels (Q2_K, Q3_K, Q6_K) each 16 codes' sum.
+        bool grouped = false, sums16 = false;
 #ifdef POCKETLLM_HAVE_X86
-        grouped = in.n > 1 && current_isa() != Isa::Scalar;
+        sums16 = current_isa() != Isa::Scalar;
+        grouped = in.n > 1 && sums16;
 #endif
-        quantize_activations(in.x, in.n, in.cols, buffers[k], rows_pool, grouped);
+        quantize_activations(in.x, in.n, in.cols, buffers[k], rows_pool, grouped, sums16);
     };
     if (inputs.size() == 1) {
         quantize(0, &pool);  // its rows split over the pool when many

@@ -71,7 +71,8 @@ struct QuantizedRows {
     // The codes again, each full group of 8 blocks transposed by 4-byte words (vector v of a group: word v of each
     // of its blocks), for the x86 batched kernels; empty unless asked for.
     std::vector<int8_t> grouped;
-    // With `grouped`: each 16 codes' sum, for the kernels whose weights carry an offset per 16 values (Q6_K).
+    // Each 16 codes' sum, for the kernels whose weights carry an offset per 16 values (Q2_K, Q3_K, Q6_K); empty
+    // unless asked for.
     std::vector<int16_t> sums16;
     int64_t blocks_per_row() const { return cols / kBlock; }
     const int8_t* codes(int64_t row, int64_t block) const { return qs.data() + row * cols + block * kBlock; }

@@ -56,3 +56,15 @@ def paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, token_seq
     from pocketllm_torch.triton_kernels.attention import paged_attention as kernel
 
     return kernel(q, kv_cache, block_tables, token_seq, token_pos, block_size, scale)
+
+
+def conv_update(x: Tensor, conv: Tensor, slots: Tensor, weight: Tensor) -> Tensor:
+    from pocketllm_torch.triton_kernels.gated_delta import conv_update as kernel
+
+    return kernel(x, conv, slots, weight)
+
+
+def delta_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, slots: Tensor) -> Tensor:
+    from pocketllm_torch.triton_kernels.gated_delta import delta_step as kernel
+
+    return kernel(q, k, v, g, beta, state, slots)

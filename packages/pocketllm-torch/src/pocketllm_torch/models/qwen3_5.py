@@ -187,7 +187,10 @@ class GatedDeltaNet:
         mixed, z, b, a = proj.split([channels, hv * dv, hv, hv], dim=-1)
         beta = b.float().sigmoid()
         g = self.decay_rate * F.softplus(a.float() + self.dt_bias)
-        if ctx.is_decode:
+        if ctx.is_decode and triton_ops.use_triton(proj):  # the slots' states updated in place by the kernels
+            q, k, v = self._heads(triton_ops.conv_update(mixed, state.conv, ctx.state_slots, self.conv_weight))
+            out = triton_ops.delta_step(q, k, v, g, beta, state.recurrent, ctx.state_slots)
+        elif ctx.is_decode:
             # index_select / index_copy_ rather than indexing: decode traces record these in-place writes.
             slots = ctx.state_slots
             q, k, v = self._heads(self._conv_step(mixed, state.conv, slots))
