@@ -384,12 +384,26 @@ void k_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows
 // signed storage types, their signs apart) and the blocks' scales and offsets. A full group's codes are transposed by
 // 4-byte words, as the activations' `grouped` plane is: vector v holds word v of each of the 8 blocks, so that
 // 8 accumulating dot products leave each block's sum in its own lane. A last, partial group keeps block order.
+//
+// With VNNI, a full group of a signed type holds w + 128 instead (0..255: vpdpbusd's products of those with 8-bit
+// activations fit its int32 lanes, where maddubs' int16 pairs would not), and 128 times each block's activation sum
+// comes off the integer sums: no sign moves onto x per product, and pairs of rows take 512-bit vectors. The
+// integer block sums are the same, so the results are the same bits as the decode path's.
+template <StorageType T>
+constexpr bool kBiased = PLLM_VNNI && kSigned<T>;
+
 template <StorageType T, int C>
 struct PackedGroup {
     alignas(64) uint8_t codes[8][C][kBlock];  // [word or block][weight row]: two rows' vectors side by side
     alignas(64) int8_t signs[8][kSigned<T> ? C : 1][kBlock];
     alignas(64) float dw[C][8], mw[C][8];
 };
+
+// Lane k: the sum of activation row r's codes in block b0 + k (from its per-16 sums), for the biased groups.
+inline __m256i block_code_sums(const QuantizedRows& act, int64_t r, int64_t b0) {
+    const __m256i sums16 = load(act.sums16.data() + r * (act.cols / 16) + 2 * b0);
+    return _mm256_madd_epi16(sums16, _mm256_set1_epi16(1));
+}
 
 template <StorageType T, int C>
 void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* groups) {
@@ -404,9 +418,13 @@ void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* gro
                 k_block<T>(reinterpret_cast<const KBlock<T>*>(row)[b0 / 8], codes, dw, mw);
                 _mm256_store_ps(p.dw[c], dw);
                 _mm256_store_ps(p.mw[c], mw);
-                for (int k = 0; k < 8; ++k) {  // the integer dot takes |w|, its signs apart
+                for (int k = 0; k < 8; ++k) {  // the integer dot takes |w|, its signs apart, or w + 128
                     signs[k] = codes[k];
-                    if constexpr (kSigned<T>) codes[k] = _mm256_sign_epi8(codes[k], codes[k]);
+                    if constexpr (kBiased<T>) {
+                        codes[k] = _mm256_add_epi8(codes[k], _mm256_set1_epi8(static_cast<char>(-128)));
+                    } else if constexpr (kSigned<T>) {
+                        codes[k] = _mm256_sign_epi8(codes[k], codes[k]);
+                    }
                 }
             } else {
                 // The gather reads 8 blocks' heads: only where all 8 are in the row.
@@ -420,6 +438,7 @@ void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* gro
                     prefetch<T>(row, b0 + k);
                     const Sub sub = decode<T>(row, b0 + k);
                     codes[k] = kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes;
+                    if (kBiased<T> && count == 8) codes[k] = _mm256_add_epi8(sub.codes, _mm256_set1_epi8(static_cast<char>(-128)));
                     signs[k] = sub.codes;
                     if (count < 8) {
                         p.dw[c][k] = sub.dw;
@@ -445,11 +464,12 @@ void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* gro
 // are the same, with half the instructions (Zen 4 splits a 512-bit op into two 256-bit ones, so the win there is
 // in issue, not in arithmetic).
 inline __m512i both_halves(const void* p) { return _mm512_broadcast_i64x4(load(p)); }
+inline __m512i both_halves(__m256i v) { return _mm512_broadcast_i64x4(v); }
 inline __m512 both_halves(__m256 v) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v))); }
 inline __m256 low_half(__m512 v) { return _mm512_castps512_ps256(v); }
 inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 template <StorageType T, int C>
-constexpr bool kPairs = C % 2 == 0 && !kSigned<T>;  // vpsignb has no 512-bit form
+constexpr bool kPairs = C % 2 == 0 && (!kSigned<T> || kBiased<T>);  // vpsignb has no 512-bit form
 
 // packed_tile's full groups, two weight rows a vector; acc receives the halves.
 template <StorageType T, int R, int C>
@@ -488,6 +508,11 @@ void packed_pairs(const PackedGroup<T, C>* groups, int64_t full, const Quantized
             const int64_t at = (r0 + i) * nb + b0;
             const __m512 dx = both_halves(_mm256_loadu_ps(act.d.data() + at));
             const __m512 sx = both_halves(_mm256_loadu_ps(act.s.data() + at));
+            if constexpr (kBiased<T>) {  // the codes' 128 times each block's activation sum comes off
+                const __m512i offset = both_halves(_mm256_slli_epi32(block_code_sums(act, r0 + i, b0), 7));
+#pragma GCC unroll 16
+                for (int q = 0; q < P; ++q) sums[i][q] = _mm512_sub_epi32(sums[i][q], offset);
+            }
 #pragma GCC unroll 16
             for (int q = 0; q < P; ++q) {
                 const __m512 scale = _mm512_mul_ps(_mm512_load_ps(p.dw[2 * q]), dx);
@@ -548,7 +573,8 @@ void packed_tile(const PackedGroup<T, C>* groups, int64_t nb, const QuantizedRow
                 const __m256i x = load(act.grouped.data() + (r0 + i) * act.cols + b0 * kBlock + v * kBlock);
 #pragma GCC unroll 16
                 for (int c = 0; c < C; ++c) {
-                    sums[i][c] = udot(wv[c], kSigned<T> ? _mm256_sign_epi8(x, load(p.signs[v][c])) : x, sums[i][c]);
+                    constexpr bool sign = kSigned<T> && !kBiased<T>;
+                    sums[i][c] = udot(wv[c], sign ? _mm256_sign_epi8(x, load(p.signs[v][c])) : x, sums[i][c]);
                 }
             }
         }
@@ -556,6 +582,11 @@ void packed_tile(const PackedGroup<T, C>* groups, int64_t nb, const QuantizedRow
         for (int i = 0; i < R; ++i) {
             const int64_t at = (r0 + i) * nb + b0;
             const __m256 dx = _mm256_loadu_ps(act.d.data() + at);
+            if constexpr (kBiased<T>) {  // as packed_pairs
+                const __m256i offset = _mm256_slli_epi32(block_code_sums(act, r0 + i, b0), 7);
+#pragma GCC unroll 16
+                for (int c = 0; c < C; ++c) sums[i][c] = _mm256_sub_epi32(sums[i][c], offset);
+            }
 #pragma GCC unroll 16
             for (int c = 0; c < C; ++c) {
                 const __m256 scale = _mm256_mul_ps(_mm256_load_ps(p.dw[c]), dx);
