@@ -131,6 +131,28 @@ def test_backends_keep_the_weights_fp8(fp8_qwen3: Path) -> None:
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_blocks_larger_than_the_matrix_cost_no_more_than_it(pocketllm_kit_checkpoint, tmp_path: Path) -> None:
+    """weight_block_size [2^20, 1]: one block of rows, a scale per column; reading and expanding the scales costs
+    what the matrix does, not 2^20 rows (and FP8 tensors still hash and compare like the others)."""
+    import tracemalloc
+
+    path = write_fp8(pocketllm_kit_checkpoint("qwen3"), tmp_path / "fp8", block=(1 << 20, 1))
+    reference = {t.name: t.dequantize() for t in load_checkpoint(str(reference_of(path))).tensors()}
+    tracemalloc.start()  # numpy's allocations included
+    try:
+        tensors = load_checkpoint(str(path)).tensors()
+        values = {t.name: t.dequantize() for t in tensors}
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20  # 2^20 rows of one matrix's 64 column scales alone would be 256 MiB
+    for t in tensors:
+        np.testing.assert_array_equal(values[t.name], reference[t.name])
+        if t.storage_type == "F8_E4M3":
+            assert t.fp8_scale is not None and t.fp8_scale.block == (t.shape[0], 1)
+            assert hash(t) == hash(t) and t in [t]
+
+
 def _rewrite(path: Path, config: dict | None = None, **tensors: object) -> Path:
     from safetensors.torch import load_file, save_file
 
@@ -155,6 +177,7 @@ def _rewrite(path: Path, config: dict | None = None, **tensors: object) -> Path:
     ("scale shape", "needs [1, 1]"),
     ("nan scale", "not finite"),
     ("orphan scale", "scale tensors without an F8_E4M3 weight"),
+    ("huge scale", "scales above"),
 ])
 def test_layouts_no_backend_serves_are_refused(pocketllm_kit_checkpoint, tmp_path: Path, change: str,
                                                message: str) -> None:
@@ -173,6 +196,8 @@ def test_layouts_no_backend_serves_are_refused(pocketllm_kit_checkpoint, tmp_pat
         _rewrite(path, None, **{layer + "weight_scale_inv": torch.ones(2, 1)})
     elif change == "nan scale":
         _rewrite(path, None, **{layer + "weight_scale_inv": torch.full((1, 1), float("nan"))})
+    elif change == "huge scale":  # 2^8 times it would overflow a kernel's float32 on the way
+        _rewrite(path, None, **{layer + "weight_scale_inv": torch.full((1, 1), 1e37)})
     else:
         _rewrite(path, None, **{"model__norm__weight_scale_inv": torch.ones(1, 1)})
     with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("(", r"\(")):

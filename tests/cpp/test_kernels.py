@@ -260,5 +260,12 @@ def test_fp8_matmul_and_dequantization_match_numpy(isa: str, n: int) -> None:
     assert np.all(np.abs(y - expected) <= 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-6)
     with pytest.raises(ValueError, match="needs its scales"):
         kernels._native.matmul(*args, x)
+    # A scale near float32's top: 2^8 of it would overflow, the kernels' product must not.
+    big = np.zeros((8, 32), np.uint8)
+    big[0, 0] = 0x38  # 1.0
+    huge = np.full(8, 1e37, np.float32)
+    y = kernels._native.matmul(big.reshape(-1), "F8_E4M3", 8, 32, np.ones((n, 32), np.float32), scales=huge)
+    np.testing.assert_array_equal(y[:, 0], np.float32(1e37))
+    assert not y[:, 1:].any()
     with pytest.raises(ValueError, match="scales; its shape needs"):
         kernels._native.matmul(*args, x, scales=scales.reshape(-1)[1:])

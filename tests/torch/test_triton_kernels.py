@@ -154,6 +154,18 @@ def test_models_through_the_triton_kernels_generate_as_the_torch_ops(kind: str, 
         np.testing.assert_allclose(triton_logprobs, logprobs, rtol=0, atol=1e-4)
 
 
+def test_a_decode_trace_records_the_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernels forced, a TorchScript trace (the CPU's decode graphs) records the torch ops, which it can
+    replay, rather than failing on a kernel launch."""
+    from pocketllm_torch import triton_ops
+
+    monkeypatch.setenv(triton_ops.KERNELS_ENV, "triton")
+    norm = RMSNorm(torch.randn(64).to(DEVICE), 1e-6)
+    x = torch.randn(3, 64).to(DEVICE)
+    traced = torch.jit.trace(norm.__call__, (x,), check_trace=False)
+    torch.testing.assert_close(traced(x), norm(x), rtol=1e-5, atol=1e-6)
+
+
 def test_unknown_kernel_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from pocketllm.errors import UnsupportedOptionError
     from pocketllm_torch import triton_ops

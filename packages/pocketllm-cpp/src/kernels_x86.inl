@@ -1043,9 +1043,9 @@ void dense_tile(const WeightView& w, const uint8_t* base, const float* x, int64_
     for (int64_t k = 0; k < cols; k += 8) {
         __m256 wv = dense8<T>(base, k);
         if constexpr (T == StorageType::F8_E4M3) {
-            // (fp8 / 2^8) * (2^8 * s) rounds exactly as fp8 * s does: the powers of two are exact.
-            if (k % kBlock == 0) scale = _mm256_set1_ps(256.0f * w.scale(row, k));
-            wv = _mm256_mul_ps(wv, scale);
+            // (fp8 / 2^8) * 2^8 is exact, so times s it rounds as fp8 * s does (2^8 * s could overflow).
+            if (k % kBlock == 0) scale = _mm256_set1_ps(w.scale(row, k));
+            wv = _mm256_mul_ps(_mm256_mul_ps(wv, _mm256_set1_ps(256.0f)), scale);
         }
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (r0 + i) * cols + k), acc[i]);

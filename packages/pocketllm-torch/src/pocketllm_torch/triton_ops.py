@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import Tensor
 
 from pocketllm.errors import UnsupportedOptionError
@@ -27,8 +28,10 @@ def choice() -> str:
 
 
 def use_triton(x: Tensor) -> bool:
-    """Whether the ops on ``x`` run the Triton kernels."""
+    """Whether the ops on ``x`` run the Triton kernels: never while a decode trace records (it records torch ops)."""
     kernels = choice()
+    if torch.jit.is_tracing():
+        return False
     return kernels == "triton" or (kernels == "auto" and x.is_cuda and triton_kernels.available())
 
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 FP8 = "F8_E4M3"
 BLOCK_SCALE, CHANNEL_SCALE = ".weight_scale_inv", ".weight_scale"
 METHODS = ("fp8", "compressed-tensors")
+MAX_SCALE = 2.0 ** 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +142,8 @@ def _scale_values(scale: CheckpointTensor, source: str) -> np.ndarray:
     values = np.asarray(scale.dequantize(), dtype=np.float32)
     if not np.isfinite(values).all():
         raise CheckpointError(f"{source}: tensor {scale.name!r} holds scales that are not finite")
+    if (np.abs(values) > MAX_SCALE).any():  # times 448 they would pass float32's range: no weight is that large
+        raise CheckpointError(f"{source}: tensor {scale.name!r} holds scales above {MAX_SCALE:g}")
     return values
 
 
@@ -154,7 +157,8 @@ def _block_scale(weight: CheckpointTensor, scale: CheckpointTensor, block: tuple
     if tuple(scale.shape) != expected:
         raise CheckpointError(f"{source}: tensor {scale.name!r} has shape {list(scale.shape)}; {weight.name!r} "
                               f"{[rows, cols]} in blocks of {list(block)} needs {list(expected)}")
-    return Fp8Scale(_scale_values(scale, source), block)
+    # A block larger than the matrix means the same as one as large as it, and expands to no more than it.
+    return Fp8Scale(_scale_values(scale, source), (min(block[0], rows), min(block[1], cols)))
 
 
 def _channel_scale(weight: CheckpointTensor, scale: CheckpointTensor, source: str) -> Fp8Scale:

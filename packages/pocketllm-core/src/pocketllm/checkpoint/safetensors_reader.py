@@ -53,13 +53,15 @@ class SafetensorsCheckpoint(Checkpoint):
         tensors: list[CheckpointTensor] = []
         for shard, expected in _shard_names(directory).items():
             tensors += _shard_tensors(shard, expected)
-        quantization = raw.get("quantization_config")
-        if quantization is not None or any(t.storage_type == fp8.FP8 for t in tensors):
-            tensors = fp8.attach_scales(tensors, quantization, str(directory / "config.json"))
         mtp = [t for t in tensors if t.name.startswith(MTP_PREFIX)]
         tensors = [t for t in tensors if not t.name.startswith(MTP_PREFIX)]
         if raw.get("model_type") in TEXT_WRAPPERS:
             tensors = _text_model_tensors(tensors, directory)
+        quantization = raw.get("quantization_config")
+        if quantization is not None or any(t.storage_type == fp8.FP8 for t in tensors + mtp):
+            # After the wrapper's other towers are dropped: their layouts are not the text model's to refuse.
+            tensors, mtp = (fp8.attach_scales(part, quantization, str(directory / "config.json"))
+                            for part in (tensors, mtp))
         names = {t.name for t in tensors}
         if len(names) < len(tensors):
             raise CheckpointError(f"{directory}: a tensor name appears in more than one shard")

@@ -52,7 +52,7 @@ class CheckpointTensor:
     offset: int
     nbytes: int
     row_permutation: RowPermutation | None = None
-    fp8_scale: Fp8Scale | None = None  # an F8_E4M3 matrix's scales (pocketllm.checkpoint.fp8)
+    fp8_scale: Fp8Scale | None = field(default=None, compare=False)  # an F8_E4M3 matrix's scales (checkpoint.fp8)
     _buffer: np.ndarray = field(repr=False, compare=False, default=None)  # type: ignore[assignment]
 
     @property

@@ -18,8 +18,8 @@ KEYS_PER_ITERATION = 16  # keys of one tile: the smallest tl.dot dimension
 def _paged_attention(q_ptr, cache_ptr, tables_ptr, seq_ptr, pos_ptr, out_ptr, heads, kv_heads, head_dim, slots,
                      table_stride, block_size, scale, k_scale, v_scale, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    token = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    token = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a layer's cache may pass 2^31 values
+    kv_head = tl.program_id(1).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     rows = (g < GROUP)[:, None] & (d < head_dim)[None, :]

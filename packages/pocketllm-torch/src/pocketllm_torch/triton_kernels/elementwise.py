@@ -11,7 +11,7 @@ from torch import Tensor
 @triton.jit
 def _rms_norm(x_ptr, delta_ptr, weight_ptr, out_ptr, residual_ptr, cols, eps, HAS_DELTA: tl.constexpr,
               BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     mask = offsets < cols
     x = tl.load(x_ptr + row * cols + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -39,7 +39,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None)
 
 @triton.jit
 def _silu_mul(gate_up_ptr, out_ptr, cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < cols
     gate = tl.load(gate_up_ptr + row * 2 * cols + offsets, mask=mask, other=0.0).to(tl.float32)

@@ -12,8 +12,8 @@ from torch import Tensor
 @triton.jit
 def _rotary(x_ptr, cos_ptr, sin_ptr, token_stride, head_stride, half_rotary, HALF: tl.constexpr,
             INTERLEAVED: tl.constexpr):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
     i = tl.arange(0, HALF)
     mask = i < half_rotary
     cos = tl.load(cos_ptr + token * half_rotary + i, mask=mask, other=1.0)
