@@ -153,6 +153,32 @@ def test_blocks_larger_than_the_matrix_cost_no_more_than_it(pocketllm_kit_checkp
             assert hash(t) == hash(t) and t in [t]
 
 
+def test_llm_compressor_block_scales(pocketllm_kit_checkpoint, tmp_path: Path) -> None:
+    """llm-compressor's FP8 block strategy: ``weight_scale`` per block, the block size in the config group's weights
+    scheme (compressed-tensors, float-quantized), dynamic activations: the values of the same blocks as
+    ``weight_scale_inv`` with ``weight_block_size``."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_fp8(pocketllm_kit_checkpoint("qwen3"), tmp_path / "fp8", block=(32, 64))
+    weights = {name.replace(".weight_scale_inv", ".weight_scale"): t
+               for name, t in load_file(path / "model.safetensors").items()}
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    scheme = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "block",
+              "block_structure": [32, 64]}
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "group",
+                   "group_size": 128}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme, "input_activations": activations}}}
+    (path / "config.json").write_text(json.dumps(config))
+    reference = {t.name: t.dequantize() for t in load_checkpoint(str(reference_of(path))).tensors()}
+    tensors = load_checkpoint(str(path)).tensors()
+    assert sum(t.storage_type == "F8_E4M3" for t in tensors) == 14
+    for t in tensors:
+        np.testing.assert_array_equal(t.dequantize(), reference[t.name])
+
+
 def _rewrite(path: Path, config: dict | None = None, **tensors: object) -> Path:
     from safetensors.torch import load_file, save_file
 

@@ -100,7 +100,7 @@ def attach_scales(tensors: list[CheckpointTensor], quantization: Any, source: st
         if stem + BLOCK_SCALE in by_name:
             scale = _block_scale(t, by_name[stem + BLOCK_SCALE], block, source)
         elif stem + CHANNEL_SCALE in by_name:
-            scale = _channel_scale(t, by_name[stem + CHANNEL_SCALE], source)
+            scale = _channel_scale(t, by_name[stem + CHANNEL_SCALE], block, source)
         else:
             raise CheckpointError(f"{source}: {FP8} tensor {t.name!r} has no {stem + BLOCK_SCALE!r} or "
                                   f"{stem + CHANNEL_SCALE!r}")
@@ -130,6 +130,15 @@ def _block_size(quantization: Any, source: str) -> tuple[int, int] | None:
         raise CheckpointError(f"{source}: FP8 activation_scheme {quantization.get('activation_scheme')!r} is not "
                               "supported (only 'dynamic')")
     block = quantization.get("weight_block_size")
+    if method == "compressed-tensors":  # its block size is its weights' scheme's, per config group
+        groups = quantization.get("config_groups")
+        groups = list(groups.values()) if isinstance(groups, Mapping) else []
+        schemes = [g.get("weights") for g in groups if isinstance(g, Mapping)]
+        blocks = [w["block_structure"] for w in schemes if isinstance(w, Mapping) and w.get("block_structure")]
+        if any(b != blocks[0] for b in blocks):
+            raise CheckpointError(f"{source}: config groups with different block structures {blocks} are not "
+                                  "supported")
+        block = blocks[0] if blocks else None
     if block is None:
         return None
     if (not isinstance(block, list) or len(block) != 2
@@ -161,11 +170,15 @@ def _block_scale(weight: CheckpointTensor, scale: CheckpointTensor, block: tuple
     return Fp8Scale(_scale_values(scale, source), (min(block[0], rows), min(block[1], cols)))
 
 
-def _channel_scale(weight: CheckpointTensor, scale: CheckpointTensor, source: str) -> Fp8Scale:
+def _channel_scale(weight: CheckpointTensor, scale: CheckpointTensor, block: tuple[int, int] | None,
+                   source: str) -> Fp8Scale:
+    """``weight_scale``: per tensor, per row, or (llm-compressor's block strategy) per block of the config's."""
     rows, cols = weight.shape
     if tuple(scale.shape) in ((), (1,)):
         return Fp8Scale(_scale_values(scale, source).reshape(1, 1), (rows, cols))
     if tuple(scale.shape) in ((rows,), (rows, 1)):
         return Fp8Scale(_scale_values(scale, source).reshape(rows, 1), (1, cols))
+    if block is not None:
+        return _block_scale(weight, scale, block, source)
     raise CheckpointError(f"{source}: tensor {scale.name!r} has shape {list(scale.shape)}; a scale of "
                           f"{weight.name!r} {[rows, cols]} is per tensor ([] or [1]) or per row ([{rows}, 1])")
