@@ -212,3 +212,19 @@ class _Conv:
 
     def __init__(self, conv_weight: torch.Tensor) -> None:
         self.conv_weight = conv_weight
+
+
+def test_paged_attention_reads_an_fp8_cache() -> None:
+    """kv_cache_dtype="fp8": the kernel reads the e4m3 cache as the torch path does."""
+    from pocketllm_torch.attention import FP8
+
+    gen = torch.Generator().manual_seed(8)
+    cache = KVCache(1, 4, BLOCK_SIZE, 2, 64, FP8, DEVICE)
+    cache.zero_new_blocks([[3, 1]])
+    q = torch.randn(20, 4, 64, generator=gen).to(DEVICE)
+    kv = (torch.randn(2, 2, 20, 64, generator=gen) * 4).to(DEVICE)
+    positions, meta = build_metadata([0], [20], [[3, 1]], BLOCK_SIZE, DEVICE, torch.float32)
+    expected = reference_attention(q, kv, cache.layers[0], meta, 0.125)
+    seq = torch.zeros(20, dtype=torch.int64, device=DEVICE)
+    got = attention.paged_attention(q, cache.layers[0], meta.context_blocks, seq, positions, BLOCK_SIZE, 0.125)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

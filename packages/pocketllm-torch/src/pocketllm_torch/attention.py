@@ -30,6 +30,22 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
 NULL_BLOCK = 0  # never handed out by the block manager
+# kv_cache_dtype="fp8": e4m3 with a per-tensor scale of 1 (vLLM's default where a checkpoint carries no calibrated
+# scales), values past the format's largest, 448, saturated. torch's CPU kernels lack index_fill_ and index_copy_
+# for it, so the cache's writes go through its bytes.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def _bytes(cache: Tensor) -> Tensor:
+    return cache.view(torch.uint8) if cache.dtype == FP8 else cache
+
+
+def store_kv(kv_cache: Tensor, slot_mapping: Tensor, kv: Tensor) -> None:
+    """Write new keys and values [2, Hkv, T, D] into their slots of a layer's cache [2, Hkv, slots, D]."""
+    if kv_cache.dtype == FP8:
+        kv = kv.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    _bytes(kv_cache).index_copy_(2, slot_mapping, _bytes(kv.to(kv_cache.dtype)))
 
 
 @dataclass(slots=True)
@@ -98,7 +114,7 @@ class KVCache:
         """Zero the blocks of these tables that were never used before."""
         new = {b for table in block_tables for b in table if not self._zeroed[b]}
         if new:
-            self.blocks.index_fill_(3, torch.tensor(sorted(new), device=self.blocks.device), 0)
+            _bytes(self.blocks).index_fill_(3, torch.tensor(sorted(new), device=self.blocks.device), 0)
             for b in new:
                 self._zeroed[b] = 1
 
@@ -109,7 +125,7 @@ def paged_attention(q: Tensor, kv: Tensor, kv_cache: Tensor, meta: AttentionMeta
     ``kv`` [2, Hkv, T, D] holds the new keys and values; returns [T, H * D]. ``kv_cache`` is this layer's
     [2, Hkv, num_slots, D] cache, updated in place.
     """
-    kv_cache.index_copy_(2, meta.slot_mapping, kv.to(kv_cache.dtype))
+    store_kv(kv_cache, meta.slot_mapping, kv)
     batch, _, max_query, context_len = meta.mask.shape
     if triton_ops.use_triton(kv_cache):
         token_seq, token_pos = meta.token_seq, meta.token_pos

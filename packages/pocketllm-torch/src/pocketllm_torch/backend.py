@@ -55,7 +55,7 @@ class TorchBackend:
             speculative_methods=("ngram", "mtp", "draft_model"),
             devices=("cpu", "cuda"),
             dtypes=("float32", "bfloat16", "float16"),
-            kv_cache_dtypes=("auto", "float32", "bfloat16", "float16"),
+            kv_cache_dtypes=("auto", "float32", "bfloat16", "float16", "fp8"),
             backend_options=TorchOptions,
         )
 

@@ -11,6 +11,7 @@ import torch
 from pocketllm.errors import UnsupportedOptionError
 from pocketllm.kv_budget import KVBudget, bytes_per_block
 from pocketllm_torch import triton_ops
+from pocketllm_torch.attention import FP8
 from pocketllm_torch.cpus import available_cpus
 from pocketllm_torch.linear import compute_dtype
 from pocketllm_torch.name import NAME
@@ -62,7 +63,7 @@ class TorchConfig:
         dtype = _resolve_dtype(args.dtype, device)
         # "auto" stores what attention computes in, so that reading the cache converts nothing.
         kv_cache_dtype = (compute_dtype(device, dtype) if args.kv_cache_dtype == "auto"
-                          else _resolve_dtype(args.kv_cache_dtype, device))
+                          else FP8 if args.kv_cache_dtype == "fp8" else _resolve_dtype(args.kv_cache_dtype, device))
         assert args.max_model_len is not None  # resolved by the core
         return cls(
             model=model,
