@@ -228,3 +228,54 @@ def test_paged_attention_reads_an_fp8_cache() -> None:
     seq = torch.zeros(20, dtype=torch.int64, device=DEVICE)
     got = attention.paged_attention(q, cache.layers[0], meta.context_blocks, seq, positions, BLOCK_SIZE, 0.125)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_the_exponential_race_draws_each_token_by_its_probability() -> None:
+    """1,200 rows of the same probabilities (one of them zero), each with its own seed: the draws' frequencies
+    are the probabilities (each within 5 standard deviations), the zero is never drawn, and a row draws the same
+    token whatever rows are beside it."""
+    from pocketllm_torch.triton_kernels import sampling
+
+    p = torch.tensor([0.5, 0.3, 0.0, 0.15, 0.05])
+    rows = 1200
+    seeds = torch.arange(rows, dtype=torch.int64) * 0x9E3779B97F4A7C1 - (1 << 62)
+    drawn = sampling.exponential_race(p.repeat(rows, 1).to(DEVICE), seeds.to(DEVICE)).cpu()
+    counts = torch.bincount(drawn, minlength=5).double()
+    assert counts[2] == 0
+    sd = (rows * p * (1 - p)).double().sqrt()
+    assert ((counts - rows * p).abs() <= 5 * sd + 1).all(), counts
+    alone = sampling.exponential_race(p.unsqueeze(0).to(DEVICE), seeds[17:18].to(DEVICE)).cpu()
+    assert alone.item() == drawn[17].item()
+    wider = torch.rand(3, 5000, generator=torch.Generator().manual_seed(1))
+    batch = sampling.exponential_race(wider.to(DEVICE), seeds[:3].to(DEVICE)).cpu()
+    singles = [sampling.exponential_race(wider[i:i + 1].to(DEVICE), seeds[i:i + 1].to(DEVICE)).item()
+               for i in range(3)]
+    assert batch.tolist() == singles  # several blocks of the vocabulary per row, too
+
+
+_SEEDED = """
+import json, sys
+from pocketllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], backend="torch", device=sys.argv[2], dtype="float32", max_model_len=128)
+params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=7, max_tokens=10, ignore_eos=True)
+other = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+alone = llm.generate([[5, 9, 13]], params)[0].outputs[0].token_ids
+together = llm.generate([[7, 60, 61, 62], [5, 9, 13]], [other, params])[1].outputs[0].token_ids
+seeds = [llm.generate([[5, 9, 13]], SamplingParams(temperature=0.9, seed=s, max_tokens=10, ignore_eos=True))[0]
+         .outputs[0].token_ids for s in (1, 2, 3)]
+print(json.dumps([alone, together, seeds]))
+"""
+
+
+def test_seeded_sampling_through_the_kernels_is_the_same_alone_or_batched(pocketllm_kit_checkpoint) -> None:
+    import json
+    import subprocess
+    import sys
+
+    env = os.environ | {"POCKETLLM_TORCH_KERNELS": "triton"}
+    done = subprocess.run([sys.executable, "-c", _SEEDED, str(pocketllm_kit_checkpoint("llama")), DEVICE.type],
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    alone, together, seeds = json.loads(done.stdout.strip().splitlines()[-1])
+    assert alone == together and len(alone) == 10  # second in its batch: keyed by its seed, not its row
+    assert len({tuple(ids) for ids in seeds}) > 1  # and the seed matters

@@ -4,7 +4,9 @@ Order: min_tokens masking, logit_bias, repetition/frequency/presence penalties, 
 mask (its packed bits unpacked on the device), then greedy argmax, or
 temperature, top-k, top-p, min-p and a draw. Each row draws with noise seeded from its request's seed and the
 index of the token it draws (an exponential race: argmax(p / Exp(1)) picks token i with probability p_i), so a seed
-gives the same tokens whatever else is in the batch, and whatever drafts speculative decoding verified before.
+gives the same tokens whatever else is in the batch, and whatever drafts speculative decoding verified before. With
+the Triton kernels (GPUs) the race runs in one kernel whose noise comes from Philox keyed by the same draw seeds:
+as reproducible, but another stream than torch's generator, so a seed draws other tokens there than on CPU.
 Logprobs come from the raw logits, before any of this.
 
 A row is a sequence, or a sequence with draft tokens assumed after it (a verification row: see speculative.py);
@@ -23,6 +25,7 @@ from torch import Tensor
 
 from pocketllm.backend import SampledLogprobs, TokenLogprob
 from pocketllm.structured import bitmask_words, fill_bitmasks
+from pocketllm_torch import triton_ops
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
@@ -196,6 +199,10 @@ def choose_tokens(logits: Tensor, seqs: Seq[SampleRow]) -> Tensor:
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
         probs = torch.where(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0, probs)
+    if triton_ops.use_triton(probs):  # the race in one kernel, its noise keyed by the same draw seeds
+        seeds = [draw_seed(seq.seed, seq.num_output_tokens) if seq.seed is not None else 0 for seq in seqs]
+        signed = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in seeds], device=device)
+        return torch.where(is_greedy, greedy_ids, triton_ops.exponential_race(probs, signed))
     noise = torch.ones_like(probs)
     generator = torch.Generator(device)
     for row, seq in zip(noise, seqs, strict=True):

@@ -71,3 +71,9 @@ def delta_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: 
     from pocketllm_torch.triton_kernels.gated_delta import delta_step as kernel
 
     return kernel(q, k, v, g, beta, state, slots)
+
+
+def exponential_race(probs: Tensor, seeds: Tensor) -> Tensor:
+    from pocketllm_torch.triton_kernels.sampling import exponential_race as kernel
+
+    return kernel(probs, seeds)
