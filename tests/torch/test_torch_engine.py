@@ -29,7 +29,7 @@ def checkpoint(model_and_checkpoint):
     ({"backend_options": {"no_such_knob": 1}}, "backend_options.no_such_knob"),
     ({"speculative_method": "mtp", "num_speculative_tokens": 2}, "speculative_method"),  # no head in a Llama
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype"),
     pytest.param({"dtype": "float16"}, "dtype", marks=pytest.mark.skipif(DEVICE != "cpu", reason="CUDA has fp16")),
     ({"device": "npu"}, "device"),
 ])
