@@ -639,10 +639,7 @@ void packed_rows(const WeightView& w, size_t stride, int64_t row, const Quantize
     prefetch_rows(w, stride, row + C, C);
     int64_t r = 0;
     for (; r + PLLM_TILE_ACT <= n; r += PLLM_TILE_ACT) packed_tile<T, PLLM_TILE_ACT, C>(groups.data(), nb, act, r, y, y_stride, row);
-    if (r + 2 <= n) {
-        packed_tile<T, 2, C>(groups.data(), nb, act, r, y, y_stride, row);
-        r += 2;
-    }
+    for (; r + 2 <= n; r += 2) packed_tile<T, 2, C>(groups.data(), nb, act, r, y, y_stride, row);
     if (r < n) packed_tile<T, 1, C>(groups.data(), nb, act, r, y, y_stride, row);
 }
 
@@ -650,8 +647,10 @@ void packed_rows(const WeightView& w, size_t stride, int64_t row, const Quantize
 // q - 32 and q - 4) and Q2_K (unsigned 2-bit codes with a min per 16 values: w = d * sc * q - dmin * m). The
 // batched path packs C weight rows' blocks once for every activation row, as PackedGroup does: the unsigned codes
 // (code + bias) transposed by 4-byte words like the activations' `grouped` plane, so that lane k of each product is
-// sub-block k, and the per-16 scales as the 16-bit lanes that multiply them (mul[h]: lanes 2k and 2k + 1 hold
-// sub-block k's scale for its values 16h..16h + 15, which transposed words 4h..4h + 3 carry). The bias comes back
+// sub-block k, and the per-16 scales as the lanes that multiply them (transposed words 4h..4h + 3 carry each
+// sub-block's values 16h..16h + 15). With VNNI, words 0-3 and 4-7 are summed apart by vpdpbusd, as the 4-bit types
+// are, and each half's int32 lanes times its scales (scale32[h]); without, maddubs' 16-bit pairs times mul[h],
+// whose lanes 2k and 2k + 1 hold sub-block k's scale for that half. The bias comes back
 // through the activations' per-16 sums: sum(code * s * x) = sum((code + bias) * s * x) - bias * sum(s * sums16),
 // and Q2_K's mins the same way: sum(m * x) = sum(m * sums16). Each sub-block's integer sums are exact, so the
 // result is the decode path's (k16_decode_rows) bit for bit, whatever R, C and n are.
@@ -668,7 +667,11 @@ constexpr bool kMins16 = T == StorageType::Q2_K;
 template <StorageType T, int C>
 struct Packed16 {
     alignas(64) uint8_t codes[8][C][kBlock];
+#if PLLM_VNNI
+    alignas(64) int32_t scale32[2][C][8];  // [h][c] lane k: sub-block k's scale for its values 16h..16h + 15
+#else
     alignas(64) int16_t mul[2][C][16];
+#endif
     alignas(64) int16_t offsets[C][16];  // per 16 values: the scales (Q6_K, Q3_K) or the mins (Q2_K)
     alignas(64) float d[C][8];           // d in 8 lanes
     alignas(64) float dmin[kMins16<T> ? C : 1][8];  // Q2_K's -dmin in 8 lanes
@@ -763,16 +766,25 @@ void k16_pack(const uint8_t* base, size_t stride, int64_t supers, Packed16<T, C>
             sub_blocks16<T>(blk, [&](int j, __m256i unsigned_codes, __m256i, __m256i) { codes[j] = unsigned_codes; });
             transpose8(codes);
             for (int v = 0; v < 8; ++v) _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes[v][c]), codes[v]);
-            const __m256i scales = _mm256_cvtepi8_epi16(scales16<T>(blk));
+            const __m128i scales8 = scales16<T>(blk);
+            const __m256i scales = _mm256_cvtepi8_epi16(scales8);
             __m256i offsets = scales;
             if constexpr (kMins16<T>) offsets = _mm256_cvtepi8_epi16(q2_mins(blk));
             _mm256_store_si256(reinterpret_cast<__m256i*>(p.offsets[c]), offsets);
+#if PLLM_VNNI
+            // scale32[h] lane k: scale 2k + h (the even scales, then the odd ones, widened to 32 bits).
+            const __m128i split = _mm_shuffle_epi8(scales8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11,
+                                                                         13, 15));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(p.scale32[0][c]), _mm256_cvtepi8_epi32(split));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(p.scale32[1][c]), _mm256_cvtepi8_epi32(_mm_srli_si128(split, 8)));
+#else
             // mul[h]'s lanes 2k and 2k + 1: scale 2k + h, which sits in the same 128-bit half of `scales`.
             const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5,
                                                   8, 9, 8, 9, 12, 13, 12, 13);
             const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
             _mm256_store_si256(reinterpret_cast<__m256i*>(p.mul[0][c]), _mm256_shuffle_epi8(scales, even));
             _mm256_store_si256(reinterpret_cast<__m256i*>(p.mul[1][c]), _mm256_shuffle_epi8(scales, odd));
+#endif
             _mm256_store_ps(p.d[c], _mm256_set1_ps(half(blk.d)));
             if constexpr (kMins16<T>) _mm256_store_ps(p.dmin[c], _mm256_set1_ps(-half(blk.dmin)));
         }
@@ -818,15 +830,6 @@ void k16_decode_rows(const WeightView& w, size_t stride, int64_t row, const Quan
     for (int c = 0; c < C; ++c) y[row + c] = hsum(acc[c]);
 }
 
-// acc + the 16-bit products pairs * mul summed in pairs (int32 lanes).
-inline __m256i madd_add(__m256i pairs, __m256i mul, __m256i acc) {
-#if PLLM_VNNI
-    return _mm256_dpwssd_epi32(acc, pairs, mul);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, mul));
-#endif
-}
-
 #if PLLM_VNNI
 // k16_tile's 512-bit form (packed_pairs' pairing of weight rows), the same bits.
 template <StorageType T, int R, int C>
@@ -843,23 +846,32 @@ void k16_pairs(const Packed16<T, C>* blocks, int64_t supers, const QuantizedRows
     for (int64_t k = 0; k < supers; ++k) {
         const Packed16<T, C>& p = blocks[k];
         __m512i sums[R][P];
-#pragma GCC unroll 16
-        for (int i = 0; i < R; ++i) {
-#pragma GCC unroll 16
-            for (int q = 0; q < P; ++q) sums[i][q] = _mm512_setzero_si512();
-        }
-#pragma GCC unroll 8
-        for (int v = 0; v < 8; ++v) {
-            __m512i wv[P];
-#pragma GCC unroll 16
-            for (int q = 0; q < P; ++q) wv[q] = _mm512_load_si512(p.codes[v][2 * q]);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {  // words 4h..4h + 3: each sub-block's values 16h..16h + 15, one scale
+            __m512i half_sums[R][P];
 #pragma GCC unroll 16
             for (int i = 0; i < R; ++i) {
-                const __m512i x = both_halves(act.grouped.data() + (r0 + i) * act.cols + k * kSuper + v * kBlock);
+#pragma GCC unroll 16
+                for (int q = 0; q < P; ++q) half_sums[i][q] = _mm512_setzero_si512();
+            }
+#pragma GCC unroll 4
+            for (int v = 4 * h; v < 4 * h + 4; ++v) {
+                __m512i wv[P];
+#pragma GCC unroll 16
+                for (int q = 0; q < P; ++q) wv[q] = _mm512_load_si512(p.codes[v][2 * q]);
+#pragma GCC unroll 16
+                for (int i = 0; i < R; ++i) {
+                    const __m512i x = both_halves(act.grouped.data() + (r0 + i) * act.cols + k * kSuper + v * kBlock);
+#pragma GCC unroll 16
+                    for (int q = 0; q < P; ++q) half_sums[i][q] = _mm512_dpbusd_epi32(half_sums[i][q], wv[q], x);
+                }
+            }
+#pragma GCC unroll 16
+            for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 16
                 for (int q = 0; q < P; ++q) {
-                    const __m512i products = _mm512_maddubs_epi16(wv[q], x);
-                    sums[i][q] = _mm512_dpwssd_epi32(sums[i][q], products, _mm512_load_si512(p.mul[v / 4][2 * q]));
+                    const __m512i scaled = _mm512_mullo_epi32(half_sums[i][q], _mm512_load_si512(p.scale32[h][2 * q]));
+                    sums[i][q] = h == 0 ? scaled : _mm512_add_epi32(sums[i][q], scaled);
                 }
             }
         }
@@ -914,6 +926,36 @@ void k16_tile(const Packed16<T, C>* blocks, int64_t supers, const QuantizedRows&
 #pragma GCC unroll 16
             for (int c = 0; c < C; ++c) sums[i][c] = _mm256_setzero_si256();
         }
+#if PLLM_VNNI
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {  // as k16_pairs
+            __m256i half_sums[R][C];
+#pragma GCC unroll 16
+            for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
+                for (int c = 0; c < C; ++c) half_sums[i][c] = _mm256_setzero_si256();
+            }
+#pragma GCC unroll 4
+            for (int v = 4 * h; v < 4 * h + 4; ++v) {
+                __m256i wv[C];
+#pragma GCC unroll 16
+                for (int c = 0; c < C; ++c) wv[c] = load(p.codes[v][c]);
+#pragma GCC unroll 16
+                for (int i = 0; i < R; ++i) {
+                    const __m256i x = load(act.grouped.data() + (r0 + i) * act.cols + k * kSuper + v * kBlock);
+#pragma GCC unroll 16
+                    for (int c = 0; c < C; ++c) half_sums[i][c] = _mm256_dpbusd_epi32(half_sums[i][c], wv[c], x);
+                }
+            }
+#pragma GCC unroll 16
+            for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
+                for (int c = 0; c < C; ++c) {
+                    sums[i][c] = _mm256_add_epi32(sums[i][c], _mm256_mullo_epi32(half_sums[i][c], load(p.scale32[h][c])));
+                }
+            }
+        }
+#else
 #pragma GCC unroll 8
         for (int v = 0; v < 8; ++v) {
             __m256i wv[C];
@@ -926,10 +968,11 @@ void k16_tile(const Packed16<T, C>* blocks, int64_t supers, const QuantizedRows&
                 for (int c = 0; c < C; ++c) {
                     // |pairs| <= 2 * 63 * 127: the codes are 0..63, the activations -127..127
                     const __m256i pairs = _mm256_maddubs_epi16(wv[c], x);
-                    sums[i][c] = madd_add(pairs, load(p.mul[v / 4][c]), sums[i][c]);
+                    sums[i][c] = _mm256_add_epi32(sums[i][c], _mm256_madd_epi16(pairs, load(p.mul[v / 4][c])));
                 }
             }
         }
+#endif
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i) {
             const __m256i x16 = load(act.sums16.data() + (r0 + i) * groups16 + 16 * k);
@@ -964,10 +1007,7 @@ void k16_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRo
     prefetch_rows(w, stride, row + C, C);
     int64_t r = 0;
     for (; r + PLLM_TILE_ACT <= n; r += PLLM_TILE_ACT) k16_tile<T, PLLM_TILE_ACT, C>(packed.data(), supers, act, r, y, y_stride, row);
-    if (r + 2 <= n) {
-        k16_tile<T, 2, C>(packed.data(), supers, act, r, y, y_stride, row);
-        r += 2;
-    }
+    for (; r + 2 <= n; r += 2) k16_tile<T, 2, C>(packed.data(), supers, act, r, y, y_stride, row);
     if (r < n) k16_tile<T, 1, C>(packed.data(), supers, act, r, y, y_stride, row);
 }
 
