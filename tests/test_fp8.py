@@ -119,10 +119,10 @@ def test_backends_keep_the_weights_fp8(fp8_qwen3: Path) -> None:
         assert native.storage_type == "F8_E4M3" and native.data.nbytes == q_proj.nbytes
         assert native.scales is not None and native.scales.size == q_proj.shape[0] * q_proj.shape[1] // 32
     if "torch" in BACKENDS:
-        from pocketllm_torch.groups import Fp8Groups, load
+        from pocketllm_torch.groups import Fp8Groups, GroupFormats, load
         from pocketllm_torch.linear import Fp8Linear, Fp8Weight, make_linear
 
-        groups = load(q_proj, int4=True, int8=True)
+        groups = load(q_proj, GroupFormats(int4=True, int8=True))
         assert isinstance(groups, Fp8Groups) and groups.codes.dtype == np.uint8
         layer = make_linear(Fp8Weight.from_groups(groups), None, torch.device("cpu"), torch.float32)
         assert isinstance(layer, Fp8Linear)

@@ -252,7 +252,7 @@ def test_quantized_gguf_files_load_and_stay_close(tmp_path) -> None:
     ids = prompt(40, offset=3)
 
     def prefill_logits(int8: bool) -> torch.Tensor:
-        weights = ((t.name, groups.load(t, int4=False, int8=int8)) for t in checkpoint.tensors())
+        weights = ((t.name, groups.load(t, groups.GroupFormats(int4=False, int8=int8))) for t in checkpoint.tensors())
         model = model_class(config.architecture).from_weights(config, weights, CPU, torch.float32, 256)
         kv = KVCache(1, 20, 4, config.num_key_value_heads, config.head_dim, torch.float32, CPU)
         state = StateCache(3, 1, model.cache_specs[0], torch.float32, CPU)

@@ -132,11 +132,12 @@ print(json.dumps([[o.token_ids, [lp.logprob for lp in o.logprobs]] for o in outs
 """
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5", "llama-gguf"])
 def test_models_through_the_triton_kernels_generate_as_the_torch_ops(kind: str, pocketllm_kit_checkpoint) -> None:
     """A whole model on the torch backend with POCKETLLM_TORCH_KERNELS=triton (attention, norms, SwiGLU and rotary
-    through the kernels; on CPU under the interpreter, else on the GPU): two sequences, one prefilled in chunks,
-    then decoded together, give the greedy ids and logprobs of the torch ops on the same device."""
+    through the kernels, and a GGUF's Q4_0/Q4_1/Q8_0 matrices through the grouped GEMM; on CPU under the
+    interpreter, else on the GPU): two sequences, one prefilled in chunks, then decoded together, give the greedy
+    ids and logprobs of the torch ops on the same device."""
     import json
     import subprocess
     import sys
@@ -152,6 +153,29 @@ def test_models_through_the_triton_kernels_generate_as_the_torch_ops(kind: str, 
     for (ids, logprobs), (triton_ids, triton_logprobs) in zip(runs["torch"], runs["triton"], strict=True):
         assert triton_ids == ids
         np.testing.assert_allclose(triton_logprobs, logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("rows", "outs", "cols"), [(1, 5, 32), (3, 70, 96), (17, 64, 256), (70, 33, 160)])
+def test_grouped_matmul_equals_the_dequantized_product(bits: int, rows: int, outs: int, cols: int) -> None:
+    """GGUF's 4-bit (affine) and 8-bit groups multiplied by the Triton GEMM, which dequantizes a tile at a time:
+    the product of the dequantized weights (the torch path's dense copy), for one row and many, partial tiles of
+    rows, outputs and groups; and the layer's torch path (a decode trace's) dequantizes to the same weights."""
+    from pocketllm_torch.linear import Int4Weight, Int8Weight, TritonGroupedLinear
+
+    g = torch.Generator().manual_seed(rows * outs + cols)
+    scale = torch.rand(outs, cols // 32, generator=g) / 64
+    if bits == 4:
+        codes = torch.randint(0, 16, (outs, cols), generator=g, dtype=torch.uint8)
+        weight: Int4Weight | Int8Weight = Int4Weight(codes, scale, torch.randn(outs, cols // 32, generator=g) / 8)
+    else:
+        weight = Int8Weight(torch.randint(-128, 128, (outs, cols), generator=g, dtype=torch.int8), scale)
+    x = torch.randn(rows, cols, generator=g)
+    layer = TritonGroupedLinear.build(weight, None, DEVICE, torch.float32, None)
+    dense = weight.dequantize()
+    assert torch.equal(layer.dequantize().cpu(), dense)
+    got = layer(x.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), x @ dense.T, rtol=1e-5, atol=1e-5)
 
 
 def test_a_decode_trace_records_the_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -58,7 +58,7 @@ class FakeCheckpoint:
     def weights(self, *, grouped: bool = False) -> Iterator[tuple[str, np.ndarray | Int4Groups | Int8Groups]]:
         """What the model runner loads: with ``grouped``, 4- and 8-bit matrices stay in their groups."""
         for tensor in self.tensors():
-            yield tensor.name, groups.load(tensor, int4=grouped, int8=grouped)
+            yield tensor.name, groups.load(tensor, groups.GroupFormats(int4=grouped, int8=grouped))
 
 
 def tiny_model(arch: str = "llama", tie: bool = False, layers: int = 2, seed: int = 0,

@@ -48,9 +48,9 @@ class ModelDrafter:
     """The draft model, loaded with the target's weights (so that a GPU's KV budget is what both left free), and
     its cache, allocated once the target's block count is known (``allocate``)."""
 
-    def __init__(self, config: TorchConfig, checkpoint: Checkpoint, *, int4: bool, int8: bool) -> None:
+    def __init__(self, config: TorchConfig, checkpoint: Checkpoint, formats: groups.GroupFormats) -> None:
         model_config = checkpoint.config
-        weights = ((t.name, groups.load(t, int4=int4, int8=int8)) for t in checkpoint.tensors())
+        weights = ((t.name, groups.load(t, formats)) for t in checkpoint.tensors())
         self.model = model_class(model_config.architecture).from_weights(model_config, weights, config.device,
                                                                          config.dtype, config.max_model_len)
         self.specs = self.model.cache_specs

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 GROUP_SIZE = 32
 INT4_TYPES = {"Q4_0": 2, "Q4_1": 4}  # storage type -> header bytes (fp16 scale, and Q4_1's fp16 offset)
+# Q4_K's 256-weight blocks are 8 affine groups of 32 (scale d * sc, offset -dmin * m): read as 4-bit groups where
+# the Triton kernels take them (the native CPU kernels take Q4_0/Q4_1's groups only).
+K_QUANT_INT4_TYPES = {"Q4_K"}
 INT8_TYPES = {"Q8_0": 2}
 
 G = TypeVar("G", bound="GroupedMatrix")
@@ -71,9 +74,18 @@ class Fp8Groups(GroupedMatrix):
 Groups = Int4Groups | Int8Groups | Fp8Groups
 
 
-def load(tensor: CheckpointTensor, *, int4: bool, int8: bool) -> np.ndarray | Groups:
-    """``tensor`` as 4- or 8-bit groups where the file stores a matrix so and they are wanted, as FP8 groups where
-    it is FP8 (always: never dequantized at load unless its blocks do not fall on groups), else dequantized.
+@dataclass(frozen=True, slots=True)
+class GroupFormats:
+    """Which GGUF matrices a model's linear layers take as groups (``linear.group_formats`` says, per device)."""
+
+    int4: bool  # Q4_0, Q4_1
+    int8: bool  # Q8_0
+    k_quants: bool = False  # Q4_K too, as 4-bit groups (where int4)
+
+
+def load(tensor: CheckpointTensor, formats: GroupFormats) -> np.ndarray | Groups:
+    """``tensor`` as 4- or 8-bit groups where the file stores a matrix so and ``formats`` wants them, as FP8 groups
+    where it is FP8 (always: never dequantized at load unless its blocks do not fall on groups), else dequantized.
 
     Groups are unpacked from the raw blocks, with the reader's row permutation undone on every field."""
     if len(tensor.shape) == 2 and tensor.shape[1] % GROUP_SIZE == 0:
@@ -82,9 +94,11 @@ def load(tensor: CheckpointTensor, *, int4: bool, int8: bool) -> np.ndarray | Gr
         scale = tensor.fp8_scale
         if scale is not None and scale.fits_groups(tensor.shape[1], GROUP_SIZE):
             groups = Fp8Groups(blocks.reshape(tensor.shape), scale.per_group(*tensor.shape, GROUP_SIZE))
-        elif int4 and tensor.storage_type in INT4_TYPES:
+        elif formats.int4 and tensor.storage_type in INT4_TYPES:
             groups = int4_from_blocks(blocks, tensor.storage_type, *tensor.shape)
-        elif int8 and tensor.storage_type in INT8_TYPES:
+        elif formats.int4 and formats.k_quants and tensor.storage_type in K_QUANT_INT4_TYPES:
+            groups = int4_from_q4_k(blocks, *tensor.shape)
+        elif formats.int8 and tensor.storage_type in INT8_TYPES:
             groups = int8_from_blocks(blocks, *tensor.shape)
         if groups is not None:
             permutation = tensor.row_permutation
@@ -103,6 +117,24 @@ def int4_from_blocks(blocks: np.ndarray, storage_type: str, rows: int, cols: int
     codes = np.concatenate((packed & 0x0F, packed >> 4), axis=1)
     groups = cols // GROUP_SIZE
     return Int4Groups(codes.reshape(rows, cols), scale.reshape(rows, groups), offset.reshape(rows, groups))
+
+
+def int4_from_q4_k(blocks: np.ndarray, rows: int, cols: int) -> Int4Groups:
+    """Unpack the raw bytes of a Q4_K matrix (``cols`` a multiple of 256): ``w = d * sc * q - dmin * m`` per group
+    of 32, as gguf's dequantizer computes it (the products d * sc and dmin * m are exact in float32)."""
+    from gguf.quants import Q4_K
+
+    blocks = blocks.reshape(rows * cols // 256, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+    # 32 bytes hold groups 2i (low nibbles) and 2i + 1 (high nibbles), byte t being weight t of each.
+    packed = blocks[:, 16:].reshape(-1, 4, 1, 32)
+    codes = (packed >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+    groups = cols // GROUP_SIZE
+    scale = (d * sc.astype(np.float32)).reshape(rows, groups)
+    offset = -(dmin * m.astype(np.float32)).reshape(rows, groups)
+    return Int4Groups(codes.reshape(rows, cols), scale, offset)
 
 
 def int8_from_blocks(blocks: np.ndarray, rows: int, cols: int) -> Int8Groups:

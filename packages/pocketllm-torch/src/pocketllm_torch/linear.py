@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pocketllm_torch import native
-from pocketllm_torch.groups import GROUP_SIZE, Fp8Groups, Int4Groups, Int8Groups
+from pocketllm_torch import native, triton_ops
+from pocketllm_torch.groups import GROUP_SIZE, Fp8Groups, GroupFormats, Int4Groups, Int8Groups
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -247,6 +247,54 @@ class Fp8Linear:
         return y if self.bias is None else y.add_(self.bias)
 
 
+@dataclass(slots=True)
+class TritonGroupedLinear:
+    """GGUF's 4- and 8-bit groups where the Triton kernels run (a GPU): the grouped GEMM dequantizes a tile of
+    groups at a time, so the weights keep their 4 or 8 bits (4-bit codes two to a byte) plus a scale (and an offset)
+    per 32. While a decode trace records (torch ops only) the same weights are dequantized for F.linear."""
+
+    codes: Tensor  # 4-bit: triton_ops.pack_int4's bytes [out, in / 2]; 8-bit: int8 [out, in]
+    scale: Tensor  # float32 [out, in / 32]
+    offset: Tensor | None  # float32 [out, in / 32] for 4-bit codes
+    bias: Tensor | None
+    out_dtype: torch.dtype | None
+
+    @classmethod
+    def build(cls, weight: Int4Weight | Int8Weight, bias: Tensor | None, device: torch.device,
+              dtype: torch.dtype, out_dtype: torch.dtype | None) -> TritonGroupedLinear:
+        if isinstance(weight, Int4Weight):
+            codes, offset = triton_ops.pack_int4(weight.codes).to(device), weight.offset.to(device)
+        else:
+            codes, offset = weight.codes.to(device), None
+        kernel_bias = None if bias is None else bias.to(device, out_dtype or dtype)
+        return cls(codes, weight.scale.to(device), offset, kernel_bias, out_dtype)
+
+    def dequantize(self) -> Tensor:
+        """float32 [out, in], as Int4Weight/Int8Weight.dequantize computes it."""
+        out, groups = self.scale.shape
+        if self.offset is None:
+            w = self.codes.view(out, groups, GROUP_SIZE).to(torch.float32)
+            return w.mul_(self.scale.unsqueeze(-1)).view(out, -1)
+        packed = self.codes.view(out, groups, 1, GROUP_SIZE // 2)
+        codes = torch.cat((packed & 15, packed >> 4), dim=2).to(torch.float32)  # weights 0-15, then 16-31
+        return codes.mul_(self.scale[:, :, None, None]).add_(self.offset[:, :, None, None]).view(out, -1)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if triton_ops.use_triton(x):
+            y = triton_ops.grouped_matmul(x, self.codes, self.scale, self.offset, self.out_dtype)
+        else:
+            y = F.linear(x, self.dequantize().to(x.dtype)).to(self.out_dtype or x.dtype)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def group_formats(device: torch.device, dtype: torch.dtype) -> GroupFormats:
+    """Which GGUF matrices stay in their groups on ``device``: all of the Triton GEMM's where it runs, else what
+    the CPU kernels take."""
+    if triton_ops.keeps_groups(device):
+        return GroupFormats(int4=True, int8=True, k_quants=True)
+    return GroupFormats(int4=uses_int4(device, dtype), int8=uses_int8(device))
+
+
 def uses_int4(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether 4-bit GGUF matrices are worth keeping 4-bit: with the native kernel, or torch's with bf16 inputs."""
     return device.type == "cpu" and (native.enabled() or (dtype == torch.bfloat16 and _int4_available()))
@@ -272,6 +320,8 @@ def make_linear(weight: AnyWeight, bias: Tensor | None, device: torch.device,
         tiles = out_dtype or compute_dtype(device, dtype)
         weight = Fp8Weight(weight.codes.to(device), weight.scale.to(device))
         return Fp8Linear(weight, None if bias is None else bias.to(device, tiles), tiles)
+    if isinstance(weight, (Int4Weight, Int8Weight)) and triton_ops.keeps_groups(device):
+        return TritonGroupedLinear.build(weight, bias, device, dtype, out_dtype)
     if isinstance(weight, Int8Weight):
         if not (uses_int8(device) and native.packs(weight.codes.shape)):
             return make_linear(weight.dequantize(), bias, device, dtype)

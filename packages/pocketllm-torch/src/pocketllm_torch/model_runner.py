@@ -13,7 +13,7 @@ from pocketllm_torch.cache_spec import AttentionSpec, StateSpec
 from pocketllm_torch.context import StepContext
 from pocketllm_torch.decode_graphs import DecodeGraphs
 from pocketllm_torch.draft_model import ModelDrafter, open_draft_model
-from pocketllm_torch.linear import uses_int4, uses_int8
+from pocketllm_torch.linear import group_formats
 from pocketllm_torch.models import model_class, mtp_class
 from pocketllm_torch.mtp import MTPDrafter
 from pocketllm_torch.sampler import Outcome, compute_logprobs, sample_each
@@ -49,8 +49,8 @@ class ModelRunner:
         self.tp = tp
         # Scored prompt rows one step may hold: SCORED_LOGITS_BYTES of float32 logits.
         self.scored_rows_per_step = max(MIN_SCORED_ROWS, SCORED_LOGITS_BYTES // (4 * config.model.vocab_size))
-        int4, int8 = uses_int4(config.device, config.dtype), uses_int8(config.device)
-        weights = ((t.name, groups.load(t, int4=int4, int8=int8)) for t in checkpoint.tensors())
+        formats = group_formats(config.device, config.dtype)
+        weights = ((t.name, groups.load(t, formats)) for t in checkpoint.tensors())
         model_config = config.model
         split = None
         if tp is not None:
@@ -65,7 +65,7 @@ class ModelRunner:
         head = None
         if config.speculative_method == "mtp":
             head = mtp_class(config.model.architecture).from_weights(
-                config.model, ((t.name, groups.load(t, int4=int4, int8=int8)) for t in checkpoint.mtp_tensors()),
+                config.model, ((t.name, groups.load(t, formats)) for t in checkpoint.mtp_tensors()),
                 self.model, config.device, config.dtype)
             specs = [*specs, head.cache_spec]
         attention = [s for s in specs if isinstance(s, AttentionSpec)]
@@ -79,7 +79,7 @@ class ModelRunner:
         # The snapshots' budget is memory they may come to hold: it is not the KV cache's to take.
         snapshot_bytes = config.state_snapshot_bytes if states and config.enable_prefix_caching else 0
         # A draft model's cache has as many blocks as the target's: the same block tables index both.
-        draft = (ModelDrafter(config, open_draft_model(config), int4=int4, int8=int8)
+        draft = (ModelDrafter(config, open_draft_model(config), formats)
                  if config.speculative_method == "draft_model" else None)
         self.num_kv_blocks = config.resolve_num_kv_blocks(
             len(attention), state_bytes, snapshot_bytes, ranks_here=tp.local_world_size if tp else 1,

@@ -35,6 +35,13 @@ def use_triton(x: Tensor) -> bool:
     return kernels == "triton" or (kernels == "auto" and x.is_cuda and triton_kernels.available())
 
 
+def keeps_groups(device: torch.device) -> bool:
+    """Whether GGUF's 4- and 8-bit matrices stay in their groups on ``device`` for the Triton GEMM, which
+    dequantizes a tile at a time (``POCKETLLM_TORCH_KERNELS=torch`` dequantizes them at load instead)."""
+    kernels = choice()
+    return kernels == "triton" or (kernels == "auto" and device.type == "cuda" and triton_kernels.available())
+
+
 # The kernels, imported on first use: an install without triton never imports it.
 def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:
     from pocketllm_torch.triton_kernels.elementwise import rms_norm as kernel
@@ -77,3 +84,16 @@ def exponential_race(probs: Tensor, seeds: Tensor) -> Tensor:
     from pocketllm_torch.triton_kernels.sampling import exponential_race as kernel
 
     return kernel(probs, seeds)
+
+
+def pack_int4(codes: Tensor) -> Tensor:
+    from pocketllm_torch.triton_kernels.grouped_matmul import pack_int4 as pack
+
+    return pack(codes)
+
+
+def grouped_matmul(x: Tensor, codes: Tensor, scale: Tensor, offset: Tensor | None,
+                   out_dtype: torch.dtype | None) -> Tensor:
+    from pocketllm_torch.triton_kernels.grouped_matmul import grouped_matmul as kernel
+
+    return kernel(x, codes, scale, offset, out_dtype)
