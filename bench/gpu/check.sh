@@ -3,7 +3,8 @@
 # root. The device machine reaches nothing outside it, so nothing is downloaded: PocketLLM is installed from this tree
 # into the machine's own python (its CUDA torch and the triton that comes with it), and what is missing is reported.
 #   1. what the machine has (GPU, driver, torch, CUDA, triton);
-#   2. the kernel tests on CUDA: every kernel against the torch ops, and whole models (Llama, Qwen3, Qwen3.5)
+#   2. the kernel tests on CUDA: every kernel against the torch ops (the grouped GGUF GEMM too), and whole models
+#      (Llama, Qwen3, Qwen3.5, a GGUF Llama)
 #      through the kernels against the torch ops on the same GPU (tests/torch/test_triton_kernels.py);
 #   3. single-stream and batch-64 decode of a random Llama in bf16 against the HBM bound (bench/gpu/decode.py).
 # Writes what it saw under $OUT (the device tool's folder), else bench/results/gpu.
