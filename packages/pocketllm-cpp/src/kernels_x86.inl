@@ -629,6 +629,22 @@ inline void prefetch_rows(const WeightView& w, size_t stride, int64_t first, int
     for (size_t at = 0; at < bytes; at += 64) _mm_prefetch(from + at, _MM_HINT_T1);
 }
 
+// Decode's next weight rows for the 256-value block types: each 4 rows in turn ask for the window of
+// kDecodeWindowBytes after them (at least the next 4 rows) into L2. One core reads a
+// cold matrix at memory speed only with several KB in flight; the next 4 rows alone are too few when rows are short
+// (840 bytes for a 1024-wide Q6_K row). Measured on a Zen 4 (`pocketbench.gemm --rows 1`, two threads): the
+// Qwen3.5-0.8B file's 1024- and 2048-wide Q4_K and Q6_K matrices 1.2-1.4x, the 3584-wide ones about even; a
+// single-stream decode step 31.4 -> 24.8 ms. The window overlaps the last one's (asking again for lines in flight
+// or cached costs little, and a window of new rows alone gained less). The window runs on past the range's end,
+// into the rows that the pool's next chunk reads: clamped to the range, the same matrices ran 0.6-0.9x. The 32-value
+// block types keep the next 4 rows: their rows are shorter still, and the default model's small matrices lost 10 %
+// with the window.
+constexpr int64_t kDecodeWindowBytes = 8192;
+inline void prefetch_decode(const WeightView& w, size_t stride, int64_t row) {
+    const auto bytes = static_cast<int64_t>(stride);
+    prefetch_rows(w, stride, row + 4, std::max<int64_t>(4, (kDecodeWindowBytes + bytes - 1) / bytes));
+}
+
 template <StorageType T, int C>
 void packed_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t n, float* y,
                  int64_t y_stride) {
@@ -703,33 +719,23 @@ inline __m128i q2_mins(const BlockQ2_K& blk) {
     return _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
 }
 
-// Per-16 values 2j and 2j + 1 of 16 int8 lanes as 16-bit lanes, each in 8 of them (values 0-15, then 16-31).
-inline __m256i per16(__m128i values, int j) {
-    const __m128i pick = _mm_set_epi64x(0x0101010101010101LL * (2 * j + 1), 0x0101010101010101LL * (2 * j));
-    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(values, pick));
-}
-
-// f(j, codes, mul, mins) for each sub-block j of a block: its 32 unsigned codes (code + kBias16), and its two
-// per-16 scales (and Q2_K's mins; zero otherwise) as per16 lays them out.
+// f(j, codes) for each sub-block j of a block: its 32 unsigned codes (code + kBias16).
 template <StorageType T, class F>
 inline void sub_blocks16(const Block16<T>& blk, F&& f) {
-    const __m128i scales = scales16<T>(blk);
-    __m128i mins = _mm_setzero_si128();
-    if constexpr (kMins16<T>) mins = q2_mins(blk);
     if constexpr (T == StorageType::Q6_K) {
-        const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
+        const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {  // sub-blocks 4h + part: ql's low/high nibbles, qh's bit pair `part`
             const __m256i ql0 = load(blk.ql + 64 * h), ql1 = load(blk.ql + 64 * h + 32), qh = load(blk.qh + 32 * h);
             const __m256i low[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
                                     _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
                                     _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
+            // Bit pair `part` of qh's bytes moved to bits 4-5 with one shift (the mask drops what crossed bytes).
+            const __m256i high[4] = {_mm256_and_si256(_mm256_slli_epi16(qh, 4), bits45),
+                                     _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits45), _mm256_and_si256(qh, bits45),
+                                     _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits45)};
 #pragma GCC unroll 4
-            for (int part = 0; part < 4; ++part) {
-                const int j = 4 * h + part;
-                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), low2);
-                f(j, _mm256_or_si256(low[part], _mm256_slli_epi16(high, 4)), per16(scales, j), per16(mins, j));
-            }
+            for (int part = 0; part < 4; ++part) f(4 * h + part, _mm256_or_si256(low[part], high[part]));
         }
     } else {
         __m256i hmask = _mm256_setzero_si256();
@@ -743,10 +749,26 @@ inline void sub_blocks16(const Block16<T>& blk, F&& f) {
                 __m256i codes = bits(qs, 2 * part, 3);
                 // Q3_K's 3rd bit, bit j of hmask's bytes, set where the code has no offset of -4.
                 if constexpr (T == StorageType::Q3_K) codes = _mm256_or_si256(codes, _mm256_slli_epi16(bits(hmask, j, 1), 2));
-                f(j, codes, per16(scales, j), per16(mins, j));
+                f(j, codes);
             }
         }
     }
+}
+
+// Lane j: sum(code * x) over sub-block j, each half (values 0-15, 16-31) times its scale, from sums[j] of udot
+// (lanes 0-3: the first half's products, 4-7: the second's) and the block's 16 scales (int8). Two hadd levels
+// leave (sub-block, half) sums in lanes (j, h) of four sub-blocks a vector; the scales, laid out alike, multiply
+// them as int32 (exact: |sum| < 2^17 per half, scales < 2^7), and the halves add.
+inline __m256i scaled_halves(const __m256i (&sums)[8], __m128i scales) {
+    const __m256i p01 = _mm256_hadd_epi32(sums[0], sums[1]), p23 = _mm256_hadd_epi32(sums[2], sums[3]);
+    const __m256i p45 = _mm256_hadd_epi32(sums[4], sums[5]), p67 = _mm256_hadd_epi32(sums[6], sums[7]);
+    // 128-bit halves: [sub-blocks 0-3, values 0-15] and [sub-blocks 0-3, values 16-31]; then 4-7 alike.
+    const __m256i halves03 = _mm256_hadd_epi32(p01, p23), halves47 = _mm256_hadd_epi32(p45, p67);
+    const __m128i split = _mm_shuffle_epi8(scales, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+    const __m256i scaled03 = _mm256_mullo_epi32(halves03, _mm256_cvtepi8_epi32(split));
+    const __m256i scaled47 = _mm256_mullo_epi32(halves47, _mm256_cvtepi8_epi32(_mm_srli_si128(split, 8)));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(scaled03, scaled47, 0x20),
+                            _mm256_permute2x128_si256(scaled03, scaled47, 0x31));
 }
 
 template <StorageType T>
@@ -763,7 +785,7 @@ void k16_pack(const uint8_t* base, size_t stride, int64_t supers, Packed16<T, C>
             const Block16<T>& blk = reinterpret_cast<const Block16<T>*>(base + c * stride)[k];
             prefetch16<T>(blk);
             __m256i codes[8];
-            sub_blocks16<T>(blk, [&](int j, __m256i unsigned_codes, __m256i, __m256i) { codes[j] = unsigned_codes; });
+            sub_blocks16<T>(blk, [&](int j, __m256i unsigned_codes) { codes[j] = unsigned_codes; });
             transpose8(codes);
             for (int v = 0; v < 8; ++v) _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes[v][c]), codes[v]);
             const __m128i scales8 = scales16<T>(blk);
@@ -809,18 +831,17 @@ void k16_decode_rows(const WeightView& w, size_t stride, int64_t row, const Quan
             const Block16<T>& blk = reinterpret_cast<const Block16<T>*>(base + c * stride)[k];
             prefetch16<T>(blk);
             __m256i sums[8];
-            sub_blocks16<T>(blk, [&](int j, __m256i codes, __m256i mul, __m256i) {
-                sums[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, load(x + j * kBlock)), mul);
-            });
+            sub_blocks16<T>(blk, [&](int j, __m256i codes) { sums[j] = udot(codes, load(x + j * kBlock)); });
+            const __m128i scales = scales16<T>(blk);
             const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(half(blk.d)), dx);
-            __m256i blocks = block_sums(sums);
+            __m256i blocks = scaled_halves(sums, scales);
             if constexpr (kMins16<T>) {
                 const __m256i mins = _mm256_madd_epi16(x16, _mm256_cvtepi8_epi16(q2_mins(blk)));
                 acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), scale, acc[c]);
                 const __m256 dmin = _mm256_mul_ps(_mm256_set1_ps(-half(blk.dmin)), dx);
                 acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), dmin, acc[c]);
             } else {
-                const __m256i offset = _mm256_madd_epi16(x16, _mm256_cvtepi8_epi16(scales16<T>(blk)));
+                const __m256i offset = _mm256_madd_epi16(x16, _mm256_cvtepi8_epi16(scales));
                 blocks = _mm256_sub_epi32(blocks, _mm256_slli_epi32(offset, kBiasShift16<T>));
                 acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), scale, acc[c]);
             }
@@ -1018,7 +1039,7 @@ void gemm_k16(const WeightView& w, int64_t row_begin, int64_t row_end, const Qua
     int64_t row = row_begin;
     if (n == 1) {
         for (; row + 4 <= row_end; row += 4) {
-            prefetch_rows(w, stride, row + 4, 4);
+            prefetch_decode(w, stride, row);
             k16_decode_rows<T, 4>(w, stride, row, act, y);
         }
         for (; row < row_end; ++row) k16_decode_rows<T, 1>(w, stride, row, act, y);
@@ -1038,7 +1059,7 @@ void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const 
     if (n == 1) {  // decode: 4 weight rows in flight, whose blocks stream from memory
         if constexpr (!kBlock32<T>) {  // Q4_K, Q5_K, IQ4_XS
             for (; row + 4 <= row_end; row += 4) {
-                prefetch_rows(w, stride, row + 4, 4);
+                prefetch_decode(w, stride, row);
                 k_rows<T, 4>(w, stride, row, act, y);
             }
             for (; row < row_end; ++row) k_rows<T, 1>(w, stride, row, act, y);
