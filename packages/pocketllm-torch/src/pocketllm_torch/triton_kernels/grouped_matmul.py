@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-GROUP = 32
+from pocketllm_torch.groups import GROUP_SIZE
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def _grouped_matmul(x_ptr, codes_ptr, scale_ptr, offset_ptr, y_ptr, rows, outs, 
 def pack_int4(codes: Tensor) -> Tensor:
     """uint8 codes [out, in] (each 0..15) -> [out, in / 2]: byte j of each group of 32 is code j | code j + 16 << 4."""
     out, cols = codes.shape
-    grouped = codes.to(torch.uint8).view(out, cols // GROUP, 2, GROUP // 2)
+    grouped = codes.to(torch.uint8).view(out, cols // GROUP_SIZE, 2, GROUP_SIZE // 2)
     return (grouped[:, :, 0] | (grouped[:, :, 1] << 4)).reshape(out, cols // 2).contiguous()
 
 
@@ -72,8 +72,8 @@ def grouped_matmul(x: Tensor, codes: Tensor, scale: Tensor, offset: Tensor | Non
     x = x.contiguous()
     rows, cols = x.shape
     outs, groups = scale.shape
-    if cols != groups * GROUP:
-        raise ValueError(f"inputs of {cols} columns against a weight of {groups} groups of {GROUP}")
+    if cols != groups * GROUP_SIZE:
+        raise ValueError(f"inputs of {cols} columns against a weight of {groups} groups of {GROUP_SIZE}")
     y = x.new_empty(rows, outs, dtype=out_dtype or x.dtype)
     block_m = 16 if rows <= 16 else 64
     block_n = 64
