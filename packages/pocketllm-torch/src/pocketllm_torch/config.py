@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -10,11 +9,12 @@ import torch
 
 from pocketllm.errors import UnsupportedOptionError
 from pocketllm.kv_budget import KVBudget, bytes_per_block
+from pocketllm.tensor_parallel import rank_info
 from pocketllm_torch import triton_ops
 from pocketllm_torch.attention import FP8
 from pocketllm_torch.cpus import available_cpus
 from pocketllm_torch.linear import compute_dtype
-from pocketllm_torch.name import NAME
+from pocketllm_torch.platform import Platform, for_device_name
 
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
@@ -22,8 +22,6 @@ if TYPE_CHECKING:
     from pocketllm_torch.options import TorchOptions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_KV_MEMORY_FRACTION = 0.25  # of physical RAM: the weights and the rest of the process need the remainder
-GPU_KV_MEMORY_FRACTION = 0.9  # of the memory still free once the weights are loaded
 # Speculative decoding drafts while at most this many sequences run (EngineArgs.speculative_disable_by_batch_size
 # by default). Default model, 2 threads, the speculative bench's edit prompts, aggregate decode with drafts on
 # against off: 3.27x at 1 sequence, 2.12x at 2, 1.62x at 4, 1.40x at 8, 1.09x at 16 (verification steps run
@@ -37,6 +35,7 @@ _THREADS_BEFORE = torch.get_num_threads()
 @dataclass(slots=True, frozen=True, kw_only=True)
 class TorchConfig:
     model: ModelConfig
+    platform: Platform  # the device layer (platform.py)
     num_threads: int  # torch's intra-op threads (a tensor-parallel rank may take fewer: see tensor_parallel.py)
     device: torch.device
     dtype: torch.dtype
@@ -55,18 +54,29 @@ class TorchConfig:
     speculative_max_batch: int  # speculative decoding drafts while at most this many sequences run
 
     @classmethod
-    def from_args(cls, args: EngineArgs, model: ModelConfig, options: TorchOptions) -> TorchConfig:
+    def from_args(cls, args: EngineArgs, model: ModelConfig, options: TorchOptions,
+                  platform: Platform | None = None) -> TorchConfig:
+        """``platform``: a plugin's device layer (its device type is what args.device names); by default this
+        backend's own for args.device."""
         # The core has checked every option against this backend's Capabilities, options' types and ranges too.
         threads = options.num_threads or default_threads()
         torch.set_num_threads(threads)  # on the engine's thread, which runs the kernels
-        device = _resolve_device(args.device)
-        dtype = _resolve_dtype(args.dtype, device)
+        platform = platform or for_device_name(args.device)
+        name = platform.device_type if args.device == "auto" else args.device
+        rank = rank_info() if args.tensor_parallel_size > 1 else None
+        if rank is not None and not platform.ranks_share_memory and torch.device(name).index is None:
+            name = f"{platform.device_type}:{rank.local_rank}"  # each rank its own device, named outright
+        device = platform.resolve(name)
+        if device.index is not None:  # the device that ops without a tensor to go by (and kernels) run on
+            platform.bind(device.index)
+        dtype = _resolve_dtype(args.dtype, platform)
         # "auto" stores what attention computes in, so that reading the cache converts nothing.
         kv_cache_dtype = (compute_dtype(device, dtype) if args.kv_cache_dtype == "auto"
-                          else FP8 if args.kv_cache_dtype == "fp8" else _resolve_dtype(args.kv_cache_dtype, device))
+                          else FP8 if args.kv_cache_dtype == "fp8" else _resolve_dtype(args.kv_cache_dtype, platform))
         assert args.max_model_len is not None  # resolved by the core
         return cls(
             model=model,
+            platform=platform,
             num_threads=threads,
             device=device,
             dtype=dtype,
@@ -80,7 +90,7 @@ class TorchConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             # On by default where it was measured: CPUs, where a small model's decode is bound by Python overhead
             # (not with the Triton kernels forced there: a trace cannot record them).
-            decode_graphs=(device.type == "cpu" and triton_ops.choice() != "triton" if options.decode_graphs is None
+            decode_graphs=(platform.traces_decode and triton_ops.choice() != "triton" if options.decode_graphs is None
                            else options.decode_graphs),
             state_snapshot_bytes=options.state_snapshot_mb << 20,
             speculative_method=args.speculative_method,
@@ -99,12 +109,12 @@ class TorchConfig:
         """The ``num_kv_blocks`` option, else what this device's budget holds (see pocketllm.kv_budget), measured
         now: on a GPU, once the weights are loaded. On a CPU, ``ranks_here`` tensor-parallel ranks share the
         machine's budget. A draft model's cache has as many blocks, ``draft_bytes_per_block`` each."""
-        share = ranks_here if self.device.type == "cpu" else 1
+        share = ranks_here if self.platform.ranks_share_memory else 1
         budget = KVBudget(block_size=self.block_size,
                           bytes_per_block=self.kv_bytes_per_block(num_attention_layers) + draft_bytes_per_block,
                           max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-                          memory_bytes=_kv_memory_budget(self.device) // share,
-                          device_bytes=_physical_memory(self.device), state_slot_bytes=state_slot_bytes,
+                          memory_bytes=self.platform.kv_memory_budget(self.device) // share,
+                          device_bytes=self.platform.physical_memory(self.device), state_slot_bytes=state_slot_bytes,
                           snapshot_bytes=snapshot_bytes)
         return budget.num_blocks(self.num_kv_blocks)
 
@@ -115,34 +125,10 @@ def default_threads() -> int:
     return min(_THREADS_BEFORE, available_cpus())
 
 
-def _resolve_device(name: str) -> torch.device:
+def _resolve_dtype(name: str, platform: Platform) -> torch.dtype:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UnsupportedOptionError("device", NAME, "CUDA is not available")
-    return torch.device(name)
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # Decode streams every weight once per step, so half-size weights are nearly twice as fast wherever
-        # torch has vectorised bf16 kernels (see linear.py for CPUs without bf16 matrix instructions).
-        if device.type == "cuda" or torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX")):
-            return torch.bfloat16
-        return torch.float32
-    if name == "float16" and device.type == "cpu":
-        raise UnsupportedOptionError("dtype", NAME, "float16 needs a CUDA device")
+        return platform.auto_dtype()
+    if name == "float16" and not platform.supports_float16():
+        raise UnsupportedOptionError("dtype", platform.backend_name,
+                                     f"float16 is not available on {platform.device_type}")
     return DTYPES[name]
-
-
-def _physical_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _kv_memory_budget(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * GPU_KV_MEMORY_FRACTION)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * CPU_KV_MEMORY_FRACTION)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, cast
 
-import torch
-
 from pocketllm.backend import BackendStats, RequestDelta
 from pocketllm.errors import UnsupportedOptionError
 from pocketllm.sampling_params import SamplingParams
@@ -31,6 +29,7 @@ if TYPE_CHECKING:
     from pocketllm.sampling_params import SamplingParams
     from pocketllm.structured import Constraint
     from pocketllm_torch.options import TorchOptions
+    from pocketllm_torch.platform import Platform
     from pocketllm_torch.sampler import Outcome
     from pocketllm_torch.scheduler import ScheduledBatch
 
@@ -48,13 +47,13 @@ def join_group(args: EngineArgs, config: TorchConfig, options: TorchOptions) -> 
         raise UnsupportedOptionError("speculative_method", NAME, f"{args.speculative_method!r} with "
                                      "tensor_parallel_size > 1 is not implemented: the drafting model is not "
                                      "split across ranks")
-    return Group(config.device, threads_chosen=options.num_threads is not None)
+    return Group(config.platform, threads_chosen=options.num_threads is not None)
 
 
-def serve_as_worker(args: EngineArgs, checkpoint: Checkpoint, options: TorchOptions,
-                    ready: Callable[[], None]) -> None:
-    """A rank other than 0 (see pocketllm.backend.TensorParallelBackend)."""
-    config = TorchConfig.from_args(args, checkpoint.config, options)
+def serve_as_worker(args: EngineArgs, checkpoint: Checkpoint, options: TorchOptions, ready: Callable[[], None],
+                    platform: Platform | None = None) -> None:
+    """A rank other than 0 (see pocketllm.backend.TensorParallelBackend); ``platform`` as for TorchEngine."""
+    config = TorchConfig.from_args(args, checkpoint.config, options, platform)
     tp = join_group(args, config, options)
     assert tp is not None
     try:
@@ -66,8 +65,11 @@ def serve_as_worker(args: EngineArgs, checkpoint: Checkpoint, options: TorchOpti
 
 
 class TorchEngine:
-    def __init__(self, args: EngineArgs, checkpoint: Checkpoint, options: TorchOptions) -> None:
-        self.config = TorchConfig.from_args(args, checkpoint.config, options)
+    def __init__(self, args: EngineArgs, checkpoint: Checkpoint, options: TorchOptions,
+                 platform: Platform | None = None) -> None:
+        """``platform``: the device layer of a backend plugin that reuses this engine on its own device (see
+        platform.py); by default this backend's own for ``args.device``."""
+        self.config = TorchConfig.from_args(args, checkpoint.config, options, platform)
         self.tp = join_group(args, self.config, options)
         try:
             self.runner = ModelRunner(self.config, checkpoint, self.tp)
@@ -171,8 +173,7 @@ class TorchEngine:
             finally:
                 self.tp.close()
         del self.runner  # the weights and the KV cache
-        if self.config.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.config.platform.release_cache()
 
     def _take(self, seq: Sequence, index: int, new: list[Outcome] | list[float], batch: ScheduledBatch,
               done: list[Sequence]) -> RequestDelta:

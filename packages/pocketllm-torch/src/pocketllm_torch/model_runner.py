@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pocketllm.kv_budget import snapshot_capacity
-from pocketllm_torch import groups
+from pocketllm_torch import groups, platform
 from pocketllm_torch.attention import KVCache, build_metadata
 from pocketllm_torch.cache_spec import AttentionSpec, StateSpec
 from pocketllm_torch.context import StepContext
@@ -45,6 +45,7 @@ MIN_SCORED_ROWS = 256
 class ModelRunner:
     def __init__(self, config: TorchConfig, checkpoint: Checkpoint, tp: Group | None = None) -> None:
         self.device = config.device
+        platform.activate(config.platform)  # its fused operators and sampling noise, for the models and sampler
         self.block_size = config.block_size
         self.tp = tp
         # Scored prompt rows one step may hold: SCORED_LOGITS_BYTES of float32 logits.

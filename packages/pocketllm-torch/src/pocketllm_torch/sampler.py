@@ -25,7 +25,7 @@ from torch import Tensor
 
 from pocketllm.backend import SampledLogprobs, TokenLogprob
 from pocketllm.structured import bitmask_words, fill_bitmasks
-from pocketllm_torch import triton_ops
+from pocketllm_torch import platform, triton_ops
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as Seq
@@ -203,12 +203,14 @@ def choose_tokens(logits: Tensor, seqs: Seq[SampleRow]) -> Tensor:
         seeds = [draw_seed(seq.seed, seq.num_output_tokens) if seq.seed is not None else 0 for seq in seqs]
         signed = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in seeds], device=device)
         return torch.where(is_greedy, greedy_ids, triton_ops.exponential_race(probs, signed))
-    noise = torch.ones_like(probs)
-    generator = torch.Generator(device)
+    owner = platform.of(device)
+    noise_device = owner.noise_device(device) if owner is not None else device
+    noise = torch.ones(probs.shape, dtype=probs.dtype, device=noise_device)
+    generator = torch.Generator(noise_device)
     for row, seq in zip(noise, seqs, strict=True):
         if seq.seed is not None:
             row.exponential_(generator=generator.manual_seed(draw_seed(seq.seed, seq.num_output_tokens)))
-    return torch.where(is_greedy, greedy_ids, probs.div_(noise).argmax(dim=-1))
+    return torch.where(is_greedy, greedy_ids, probs.div_(noise.to(device)).argmax(dim=-1))
 
 
 def top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:

@@ -12,8 +12,8 @@ layers are split by their heads too, and experts by their intermediate features)
 Rank 0 schedules and samples. Each step it broadcasts the step's inputs (one msgspec message: token ids,
 positions, block tables, rows that sample, and for hybrid models the state slots to reset, the prefix-cache
 snapshots to file or restore) and every rank runs the same forward; the other ranks' worker loop
-(``ModelRunner.serve``) returns when rank 0 sends the stop message at shutdown. Collectives use gloo on CPU and nccl
-on CUDA (HCCL is an Ascend backend's own).
+(``ModelRunner.serve``) returns when rank 0 sends the stop message at shutdown. Collectives use gloo on CPU, and the
+platform's backend for device tensors (nccl on CUDA, HCCL on pocketllm-ascend's NPUs).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pocketllm_torch.name import NAME
 
 if TYPE_CHECKING:
     from pocketllm_torch.linear import Linear
+    from pocketllm_torch.platform import Platform
     from pocketllm_torch.weight_split import Split
 
 # Rank 0 may sit idle between requests for as long as it likes: the other ranks wait for its next step.
@@ -69,16 +70,14 @@ class Step(msgspec.Struct, array_like=True):
 class Group:
     """This process's place in the tensor-parallel group, and the collectives the model and the runner use."""
 
-    def __init__(self, device: torch.device, *, threads_chosen: bool) -> None:
+    def __init__(self, platform: Platform, *, threads_chosen: bool) -> None:
         info = rank_info()
         if info is None:
             raise UnsupportedOptionError("tensor_parallel_size", NAME, "this process has no rank: launch it with "
                                          "torchrun, pocketllm-server's supervisor or the LLM class")
         self.rank, self.world_size, self.local_world_size = info.rank, info.world_size, info.local_world_size
-        if device.type == "cpu" and not threads_chosen:  # the ranks on this machine share the CPUs it may use
+        if platform.ranks_share_memory and not threads_chosen:  # the ranks here share the CPUs it may use
             torch.set_num_threads(max(1, default_threads() // info.local_world_size))
-        if device.type == "cuda":  # one GPU per local rank; "cuda" then means this one
-            torch.cuda.set_device(info.local_rank)
         store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=info.rank == 0,
                               timeout=IDLE_TIMEOUT, wait_for_workers=False)
         # Every rank checks in; the wait gives up once the launcher says a rank died before it could.
@@ -91,8 +90,9 @@ class Group:
             except RuntimeError:  # DistStoreError: not all there yet
                 if launch_abandoned():
                     raise RuntimeError("the other tensor-parallel ranks never joined") from None
-        # The step messages and the KV-block count are CPU tensors (gloo); activations on CUDA go through nccl.
-        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", store=store,
+        # The step messages and the KV-block count are CPU tensors (gloo); activations go through the device's
+        # collective backend (nccl on CUDA).
+        dist.init_process_group(platform.process_group_backend(), store=store,
                                 rank=info.rank, world_size=info.world_size, timeout=IDLE_TIMEOUT)
         self._decoder = msgspec.msgpack.Decoder(Step)
         self._encoder = msgspec.msgpack.Encoder()
@@ -107,10 +107,11 @@ class Group:
         return int(t)
 
     def gather_columns(self, x: Tensor) -> Tensor | None:
-        """Rank 0: every rank's x [rows, n] side by side, in rank order; other ranks: None."""
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(x.contiguous(), parts, dst=0)
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        """Rank 0: every rank's x [rows, n] side by side, in rank order; other ranks: None. An all-gather, not a
+        gather: HCCL has no gather (gloo and nccl have both)."""
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1) if self.rank == 0 else None
 
     def send(self, step: Step | None) -> None:
         """Rank 0: the step every rank runs next (None: stop)."""

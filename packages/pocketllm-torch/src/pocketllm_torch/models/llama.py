@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pocketllm.rope import rope_frequencies
-from pocketllm_torch import native, triton_ops
+from pocketllm_torch import fused_ops, native, triton_ops
 from pocketllm_torch.attention import AttentionMetadata, paged_attention
 from pocketllm_torch.cache_spec import AttentionSpec, LayerCacheSpec
 from pocketllm_torch.linear import Fp8Weight, Int4Weight, Int8Weight, Linear, compute_dtype, make_linear, map_rows
@@ -58,6 +58,8 @@ class RMSNorm:
     def __call__(self, x: Tensor) -> Tensor:
         if triton_ops.use_triton(x):
             return triton_ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[0].view(x.shape)
+        if (ops := fused_ops.for_tensor(x)) is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         if native.takes_rows(x):
             return native.rms_norm(x, self.weight, self.eps)
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
@@ -69,6 +71,8 @@ class RMSNorm:
         if triton_ops.use_triton(x):
             normed, residual = triton_ops.rms_norm(x, self.weight, self.eps, delta)
             return residual, normed
+        if (ops := fused_ops.for_tensor(x)) is not None:
+            return ops.add_rms_norm(x, delta, self.weight, self.eps)
         if native.takes_rows(x) and native.takes_rows(delta):
             return native.add_rms_norm(x, delta, self.weight, self.eps)
         x = x + delta
@@ -80,6 +84,10 @@ def apply_rope_(x: Tensor, rotation: Tensor) -> None:
     if triton_ops.use_triton(x) and x.stride(-1) == 1:
         angles = rotation.squeeze(1)
         return triton_ops.rotary_(x, angles.real.contiguous(), angles.imag.contiguous(), interleaved=True)
+    if (ops := fused_ops.for_tensor(x)) is not None:
+        angles = rotation.squeeze(1)
+        x.copy_(ops.rotary(x, angles.real, angles.imag, interleaved=True))
+        return None
     if x.dtype == torch.float32:
         torch.view_as_complex(x.unflatten(-1, (-1, 2))).mul_(rotation)
     else:
@@ -123,6 +131,8 @@ class MLP:
         gate_up = self.gate_up_proj(x)
         if triton_ops.use_triton(gate_up):
             return self.down_proj(triton_ops.silu_mul(gate_up))
+        if (ops := fused_ops.for_tensor(gate_up)) is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
         if native.takes_rows(gate_up):
             return self.down_proj(native.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

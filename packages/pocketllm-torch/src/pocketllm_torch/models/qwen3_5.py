@@ -27,7 +27,7 @@ from torch import Tensor
 
 from pocketllm.errors import CheckpointError
 from pocketllm.rope import rope_frequencies
-from pocketllm_torch import native, triton_ops
+from pocketllm_torch import fused_ops, native, triton_ops
 from pocketllm_torch.attention import paged_attention
 from pocketllm_torch.cache_spec import AttentionSpec, LayerCacheSpec, StateSpec
 from pocketllm_torch.linear import Fp8Weight, Linear, compute_dtype, make_linear
@@ -259,6 +259,9 @@ def rotate_partial(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
                            interleaved=False)
         return x
     rotated, rest = x[..., :width], x[..., width:]
+    if (ops := fused_ops.for_tensor(x)) is not None:
+        return torch.cat([ops.rotary(rotated, cos[:, 0, :width // 2], sin[:, 0, :width // 2], interleaved=False),
+                          rest], dim=-1)
     first, second = rotated.chunk(2, dim=-1)
     return torch.cat([rotated * cos + torch.cat([-second, first], dim=-1) * sin, rest], dim=-1)
 

@@ -1,0 +1,3 @@
+"""The Ascend backend's name, which its errors carry."""
+
+NAME = "ascend"
