@@ -4,6 +4,9 @@ fails with that reason, not a traceback out of torch_npu."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -57,6 +60,18 @@ def test_probe_says_why_not(ascend_machine: Path, monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "")
     with pytest.raises(RuntimeError, match=reason):
         AscendBackend().probe()
+
+
+def test_an_auto_start_here_says_nothing_of_it(tmp_path: Path) -> None:
+    """A machine without an NPU that has the package installed: an ``auto`` start is as quiet as without it (the
+    reason is for ``pocketllm backends``)."""
+    script = tmp_path / "start.py"
+    script.write_text("from pocketllm.plugins import BackendRegistry\nfrom pocketllm.args import EngineArgs\n"
+                      "print(BackendRegistry().select(EngineArgs()).name)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no stand-in torch_npu
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0 and done.stdout.strip() != "ascend", done.stderr
+    assert "ascend" not in done.stderr
 
 
 def test_backends_command_shows_the_reason(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

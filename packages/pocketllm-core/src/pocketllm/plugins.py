@@ -286,7 +286,9 @@ def _probe(plugin: BackendPlugin) -> tuple[int, str | None]:
     try:
         return max(0, int(plugin.probe())), None
     except Exception as e:
-        log.warning("backend %r is unavailable here: %s", plugin.name, e)
+        # Not a warning: a backend for hardware this machine lacks (an NPU's, a GPU's) is unavailable on every
+        # start here, as it should be; `pocketllm backends` shows the reason.
+        log.debug("backend %r is unavailable here: %s", plugin.name, e)
         return 0, str(e) or type(e).__name__
 
 
