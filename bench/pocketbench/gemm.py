@@ -2,7 +2,8 @@
 
     python -m pocketbench.gemm [--model FILE] [--rows 1 16 512] [--baseline DIR] [--passes 3] [--out results/]
 
-For each distinct (storage type, role, shape) of the file's layer matrices and each activation-row count: one pass
+For each distinct (storage type, role, shape) of the file's layer matrices and its LM head (``output.weight``, or the
+tied embedding), and each activation-row count: one pass
 multiplies every layer's matrix of that kind once (distinct weights, streamed from memory as a forward pass streams
 them), timed as the least of ``--passes`` passes, in GOPS and milliseconds per forward pass (every layer's matrices
 of that kind). ``--baseline DIR``: DIR holds another build's ``pocketllm_cpp`` (its Python files and ``_native``
@@ -39,9 +40,15 @@ def measure(model: Path, rows: list[int]) -> list[dict[str, Any]]:
 
     reader = gguf.GGUFReader(str(model))
     kinds: dict[tuple[str, str, int, int], list[Any]] = collections.defaultdict(list)
+    names = {t.name for t in reader.tensors}
+    # The LM head too: output.weight, or the embedding where the head is tied to it.
+    head = "output.weight" if "output.weight" in names else "token_embd.weight"
     for t in reader.tensors:
-        if t.name.startswith("blk.") and len(t.shape) == 2 and t.tensor_type.name not in ("F32", "F16", "BF16"):
+        quantized = len(t.shape) == 2 and t.tensor_type.name not in ("F32", "F16", "BF16")
+        if quantized and t.name.startswith("blk."):
             kinds[(t.tensor_type.name, t.name.split(".", 2)[2], int(t.shape[1]), int(t.shape[0]))].append(t)
+        elif quantized and t.name == head:
+            kinds[(t.tensor_type.name, "lm_head", int(t.shape[1]), int(t.shape[0]))].append(t)
     x = np.random.default_rng(0).standard_normal((max(rows), max(k[3] for k in kinds))).astype(np.float32)
     out = []
     for (storage, role, m, k), tensors in sorted(kinds.items()):
@@ -109,7 +116,7 @@ def table(sides: dict[str, list[list[dict[str, Any]]]]) -> tuple[str, list[dict[
             record["same_bits"] = same
         lines.append("| " + " | ".join(row) + " |")
         records.append(record)
-    lines += ["", "Per forward pass, every layer matrix of a type (ms):", ""]
+    lines += ["", "Per forward pass, every matrix of a type, the LM head's too (ms):", ""]
     for n in sorted({k[3] for k in best[names[0]]}):
         for storage in sorted({k[0] for k in best[names[0]]}):
             cells = [f"{name} {totals[(name, n, storage)] * 1e3:.1f}" for name in names]
