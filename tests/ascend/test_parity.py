@@ -63,3 +63,30 @@ def test_a_device_by_index(torch_npu: ModuleType, pocketllm_kit_checkpoint: Any)
         assert on_one == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
     finally:
         llm.shutdown()
+
+
+def test_decode_traces_on_the_device(torch_npu: ModuleType, pocketllm_kit_checkpoint: Any,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``decode_graphs`` (off by default on NPUs) is an option this backend offers: decode steps recorded on the
+    device, replayed, give the eager steps' tokens."""
+    from pocketllm_torch.decode_graphs import DecodeGraphs
+
+    recorded: list[bool] = []
+    record = DecodeGraphs._record
+
+    def counted(self: DecodeGraphs, args: Any, slots: Any) -> Any:
+        trace = record(self, args, slots)
+        recorded.append(trace is not None and args[0].device.type == "npu")
+        return trace
+
+    monkeypatch.setattr(DecodeGraphs, "_record", counted)
+    path = pocketllm_kit_checkpoint("llama")
+    tokens = {}
+    for traced in (False, True):
+        llm = LLM(model=str(path), backend="ascend", device="npu", dtype="float32",
+                  backend_options={"decode_graphs": traced})
+        try:
+            tokens[traced] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        finally:
+            llm.shutdown()
+    assert tokens[True] == tokens[False] and recorded and all(recorded)
