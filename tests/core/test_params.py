@@ -34,6 +34,9 @@ def test_sampling_params_accept_vllm_spellings() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("model", ""), ("model_format", "onnx"), ("device", "tpu"), ("dtype", "int8"), ("tensor_parallel_size", 0),
+    # device indices torch.device would misread ("cuda:128" is -128) or refuse with an error of its own
+    ("device", "cuda:128"), ("device", "npu:99999999999999999999"), ("device", "cuda:01"), ("device", "npu:-1"),
+    ("device", 5),
     ("max_model_len", 0), ("max_num_seqs", 0), ("max_num_batched_tokens", -1),
     ("prefill_chunk_size", 0), ("num_speculative_tokens", 2), ("seed", "x"), ("backend_options", []),
     ("enable_prefix_caching", "yes"),

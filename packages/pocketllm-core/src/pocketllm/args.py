@@ -19,7 +19,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 ENV_PREFIX = "POCKETLLM_"
 SPECULATIVE_METHODS = ("ngram", "mtp", "draft_model")
 """``EngineArgs.speculative_method`` values; a backend lists those it runs in ``Capabilities.speculative_methods``."""
-_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
+# An index as torch writes one (no leading zeros, ASCII digits), within its 8-bit DeviceIndex: torch.device reads
+# "cuda:128" as -128 and refuses "cuda:01" and longer numbers with a RuntimeError of its own.
+_DEVICE = re.compile(r"^(auto|cpu|(cuda|npu)(:(0|[1-9][0-9]{0,2}))?)$")
+MAX_DEVICE_INDEX = 127
 
 
 def _option(default: Any, help: str) -> Any:
@@ -73,8 +76,9 @@ class EngineArgs:
         _check(self.model_format in ("auto", "safetensors", "gguf"), "model_format",
                f"must be auto, safetensors or gguf, got {self.model_format!r}")
         _check(isinstance(self.backend, str) and bool(self.backend), "backend", "must be 'auto' or a backend name")
-        _check(isinstance(self.device, str) and bool(_DEVICE.match(self.device)), "device",
-               f"must be auto, cpu, cuda[:N] or npu[:N], got {self.device!r}")
+        device = _DEVICE.match(self.device) if isinstance(self.device, str) else None
+        _check(device is not None and int(device.group(4) or 0) <= MAX_DEVICE_INDEX, "device",
+               f"must be auto, cpu, cuda[:N] or npu[:N] (N from 0 to {MAX_DEVICE_INDEX}), got {self.device!r}")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _positive(self, "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size")
