@@ -96,7 +96,7 @@ def test_auto_never_picks_it_without_cann(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 def test_naming_it_without_torch_npu_fails_with_the_reason(torch_npu: ModuleType, monkeypatch: pytest.MonkeyPatch,
                                                            pocketllm_kit_checkpoint: Any) -> None:
-    monkeypatch.setitem(__import__("sys").modules, "torch_npu", None)  # import torch_npu raises ImportError
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
     with pytest.raises(UnsupportedOptionError, match="torch_npu cannot be imported") as e:
         LLM(model=str(pocketllm_kit_checkpoint("llama")), backend="ascend", device="npu")
     assert e.value.backend == "ascend" and e.value.option == "device"

@@ -640,6 +640,11 @@ inline void prefetch_rows(const WeightView& w, size_t stride, int64_t first, int
 // block types ask for 4 rows two groups ahead instead (kDecodeAhead32): with the window the default model's small
 // matrices lost 10 %.
 constexpr int64_t kDecodeWindowBytes = 8192;
+inline void prefetch_decode(const WeightView& w, size_t stride, int64_t row) {
+    const auto bytes = static_cast<int64_t>(stride);
+    prefetch_rows(w, stride, row + 4, std::max<int64_t>(4, (kDecodeWindowBytes + bytes - 1) / bytes));
+}
+
 // The 32-value types' decode: each group of 4 rows asks for the 4 rows two groups on, not the next 4, which were
 // asked for a group earlier and are on their way. Measured on a Zen 4 (`pocketbench.gemm --rows 1`, two threads,
 // interleaved with the next-4 build): the default model re-quantized to Q8_0, its 576-wide matrices 1.18-1.26x and
@@ -647,10 +652,6 @@ constexpr int64_t kDecodeWindowBytes = 8192;
 // 110-122 -> 127-139 tok/s, of the default model (Q4_1, a Q8_0 head) 155-168 -> 174-186. Four groups on measured
 // the same as two.
 constexpr int64_t kDecodeAhead32 = 8;
-inline void prefetch_decode(const WeightView& w, size_t stride, int64_t row) {
-    const auto bytes = static_cast<int64_t>(stride);
-    prefetch_rows(w, stride, row + 4, std::max<int64_t>(4, (kDecodeWindowBytes + bytes - 1) / bytes));
-}
 
 template <StorageType T, int C>
 void packed_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t n, float* y,
