@@ -146,16 +146,11 @@ void columns(const DeltaInputs& in, int64_t c, const Coefficients& co, float* S,
     constexpr int64_t W = B * L;  // the block's columns
     // The block's columns of S_0 side by side: rows of S are dv floats apart, a power of two for every published
     // shape, so a block read in place maps to a few cache sets and leaves L1 between the tokens that reread it.
-    // One token reads it once: in place.
     thread_local std::vector<float> copy;
-    const float* block = S + j;
-    int64_t stride = in.dv;
-    if (c > 1) {
-        copy.resize(static_cast<size_t>(in.dk * W));
-        for (int64_t i = 0; i < in.dk; ++i) std::memcpy(&copy[i * W], S + i * in.dv + j, sizeof(float) * W);
-        block = copy.data();
-        stride = W;
-    }
+    copy.resize(static_cast<size_t>(in.dk * W));
+    for (int64_t i = 0; i < in.dk; ++i) std::memcpy(&copy[i * W], S + i * in.dv + j, sizeof(float) * W);
+    const float* block = copy.data();
+    constexpr int64_t stride = W;
     V u[kDeltaChunk][B];
     for (int64_t t = 0; t < c; ++t) {
         const float* q = in.q + t * in.qk_stride;
@@ -215,6 +210,53 @@ void columns(const DeltaInputs& in, int64_t c, const Coefficients& co, float* S,
     }
 }
 
+// One token (decode) in two sweeps of the state in row order: S^T k and S^T q, then the update. A decode step
+// finds each head's state in memory (the weights streamed since the last step have evicted it), and the column
+// blocks' order reads 32 of a row's dv floats, then jumps a row, which the hardware prefetchers do not follow as
+// they follow a sweep. The arithmetic is columns()' with c = 1 (the compiler may fuse other multiply-adds, so the
+// last bits can differ from it); decode and a prompt's unchunked tokens both run it, so a token's bits still
+// depend on its position alone.
+void recurrent(const DeltaInputs& in, const Coefficients& co, float* S, float* out) {
+    const int64_t dk = in.dk, dv = in.dv, wide = dv / 8 * 8;
+    thread_local std::vector<float> remembered, read;  // S^T k and S^T q; then remembered holds u
+    remembered.assign(static_cast<size_t>(dv), 0.0f);
+    read.assign(static_cast<size_t>(dv), 0.0f);
+    float* r = remembered.data();
+    float* q = read.data();
+    for (int64_t i = 0; i < dk; ++i) {
+        const float* row = S + i * dv;
+        const float k_i = in.k[i], q_i = in.q[i];
+        const v8 kv = splat<v8>(k_i), qv = splat<v8>(q_i);
+        for (int64_t j = 0; j < wide; j += 8) {
+            const v8 s = load<v8>(row + j);
+            store(r + j, load<v8>(r + j) + kv * s);
+            store(q + j, load<v8>(q + j) + qv * s);
+        }
+        for (int64_t j = wide; j < dv; ++j) {
+            r[j] += k_i * row[j];
+            q[j] += q_i * row[j];
+        }
+    }
+    const float decay = co.decay[0], beta = co.beta[0], both = co.queries[0][0];
+    for (int64_t j = 0; j < wide; j += 8) {
+        const v8 u = (load<v8>(in.v + j) - load<v8>(r + j) * decay) * beta;
+        store(r + j, u);
+        store(out + j, load<v8>(q + j) * decay + u * both);
+    }
+    for (int64_t j = wide; j < dv; ++j) {
+        const float u = (in.v[j] - r[j] * decay) * beta;
+        r[j] = u;
+        out[j] = q[j] * decay + u * both;
+    }
+    for (int64_t i = 0; i < dk; ++i) {
+        float* row = S + i * dv;
+        const float weight = co.tail[0] * in.k[i];
+        const v8 wv = splat<v8>(weight);
+        for (int64_t j = 0; j < wide; j += 8) store(row + j, flush(load<v8>(row + j) * co.last + wv * load<v8>(r + j)));
+        for (int64_t j = wide; j < dv; ++j) row[j] = flush(row[j] * co.last + weight * r[j]);
+    }
+}
+
 void delta_rule(const DeltaInputs& strided, int64_t c, float* S, float* out, int64_t out_stride) {
     // The chunk's q and k rows side by side: in place they are a whole projection row apart (a multiple of 4 KiB
     // in the published shapes), all in the same few cache sets.
@@ -232,6 +274,7 @@ void delta_rule(const DeltaInputs& strided, int64_t c, float* S, float* out, int
     }
     Coefficients co;
     coefficients(in, c, co);
+    if (c == 1) return recurrent(in, co, S, out);
     int64_t j = 0;
     for (; j + 32 <= in.dv; j += 32) columns<v8, 4>(in, c, co, S, j, out, out_stride);
     for (; j + 8 <= in.dv; j += 8) columns<v8, 1>(in, c, co, S, j, out, out_stride);
