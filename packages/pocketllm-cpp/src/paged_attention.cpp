@@ -1,6 +1,7 @@
 #include "paged_attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -32,6 +33,10 @@ constexpr int64_t kPartPositions = 64;  // positions of an attention part (whole
 [[gnu::noinline]] void normalize(float* out, float sum, int64_t dim) {
     const float inverse = 1.0f / sum;
     for (int64_t d = 0; d < dim; ++d) out[d] *= inverse;
+}
+
+void prefetch(const uint8_t* bytes, int64_t size) {
+    for (int64_t at = 0; at < size; at += 64) __builtin_prefetch(bytes + at);
 }
 
 }  // namespace
@@ -72,17 +77,18 @@ void PagedAttention::store(int64_t layer, const SequenceSlice& slice, int64_t po
     }
 }
 
-// Causal attention of each token and head over its sequence's positions 0..p, read block by block through the
-// block table with an online softmax. A job is one KV head over a tile of up to kQueryTile consecutive tokens of
-// one slice: each KV block is read from memory once for every query head of its group and every token of the
-// tile (a decode step's KV reads drop by the group size), then stays in L1 for them.
+// Causal attention of each token and head over its sequence's positions 0..p, read through the block table. A job
+// is one KV head over a tile of up to kQueryTile consecutive tokens of one slice: each KV block is read from memory
+// once for every query head of its group and every token of the tile (a decode step's KV reads drop by the group
+// size), then stays in cache for them.
 //
-// The positions split into parts of kPartPositions at fixed places (0, 64, 128, ...): each part's softmax state
-// starts afresh, and a token's parts fold into its result in order. A token's arithmetic then depends on its own
+// The positions split into parts of kPartPositions at fixed places (0, 64, 128, ...): each part's keys and values
+// are read in one go, its softmax is taken in one pass (largest score, sum of exponentials, weighted values), and
+// a token's parts fold into its result in order. A token's arithmetic then depends on its own
 // position alone, not on the tile it is in, how many jobs share the step, or the threads: a request's attention
 // is the same bits alone or batched (chunked differently, beside others), so seeded sampling repeats. How parts
 // are spread over threads is free: with few jobs (decoding one sequence) each part is a work item whose state is
-// stored and folded at the end, else a job's item folds its parts as it goes.
+// stored, and the item that finishes a job's last part folds them; else a job's item folds its parts as it goes.
 void PagedAttention::attend(int64_t l, int64_t num_heads, const float* q, float* attn, const TokenPlaces& tokens,
                             ThreadPool& pool) {
     const std::vector<SequenceSlice>& slices = tokens.slices;
@@ -133,13 +139,31 @@ void PagedAttention::attend(int64_t l, int64_t num_heads, const float* q, float*
         return std::min(jobs[static_cast<size_t>(item.job)].blocks, item.end * part_blocks) - item.begin * part_blocks;
     };
     std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return blocks(a) > blocks(b); });
+    // Split items: each (head, token) of a job gets the stored states of its parts folded in order, then divided by
+    // the total, by whichever item finishes the job's last part (in the same region: no second one to wait for).
+    std::unique_ptr<std::atomic<int64_t>[]> unfinished(split ? new std::atomic<int64_t>[num_jobs] : nullptr);
+    for (int64_t j = 0; split && j < num_jobs; ++j) unfinished[j].store(jobs[static_cast<size_t>(j)].parts);
+    auto fold_parts = [&](const Job& job) {
+        const int64_t states = group * job.count;
+        for (int64_t at = 0; at < states; ++at) {
+            float* o = out(job, at / job.count, at % job.count);
+            float total_max = -INFINITY, total_sum = 0.0f;
+            for (int64_t part = 0; part < job.parts; ++part) {
+                const size_t from = static_cast<size_t>(job.state + part * states + at);
+                fold(o, total_max, total_sum, &part_out_[from * static_cast<size_t>(dim)], part_max_[from],
+                     part_sum_[from], dim);
+            }
+            normalize(o, total_sum, dim);
+        }
+    };
+    const int64_t part_positions = part_blocks * block_size_;
     pool.parallel_each(static_cast<int64_t>(items.size()), [&](int64_t index) {
-        // One block's keys and values as float32, the scores of the group's heads for one token, and a part's
+        // One part's keys and values as float32, the scores of the group's heads for one token, and a part's
         // softmax states when they fold into the result here.
         thread_local std::vector<float> keys, values, scores, fresh_out, fresh_max, fresh_sum, total_max, total_sum;
-        keys.resize(static_cast<size_t>(block_size_ * dim));
+        keys.resize(static_cast<size_t>(part_positions * dim));
         values.resize(keys.size());
-        scores.resize(static_cast<size_t>(group * block_size_));
+        scores.resize(static_cast<size_t>(group * part_positions));
         const Item& item = items[static_cast<size_t>(index)];
         const Job& job = jobs[static_cast<size_t>(item.job)];
         const int64_t last = tokens.position[job.first + job.count - 1], states = group * job.count;
@@ -160,30 +184,34 @@ void PagedAttention::attend(int64_t l, int64_t num_heads, const float* q, float*
             std::fill(part_out, part_out + states * dim, 0.0f);
             std::fill(part_max, part_max + states, -INFINITY);
             std::fill(part_sum, part_sum + states, 0.0f);
-            for (int64_t b = part * part_blocks; b < std::min(job.blocks, (part + 1) * part_blocks); ++b) {
-                const int64_t p = b * block_size_, rows = std::min(block_size_, last + 1 - p);
-                ops.load(kv(l, table[b], 0) + job.kv_head * head_bytes, rows, dim, keys.data());
-                ops.load(kv(l, table[b], 1) + job.kv_head * head_bytes, rows, dim, values.data());
-                for (int64_t i = 0; i < job.count; ++i) {
-                    const int64_t t = job.first + i, length = tokens.position[t] + 1;
-                    if (p >= length) continue;  // causal: this token ends before the block, later ones may not
-                    const int64_t count = std::min(block_size_, length - p);
-                    ops.scores(&q[t * q_size + job.kv_head * group * dim], group, keys.data(), count, dim, scale,
-                               scores.data());
-                    for (int64_t g = 0; g < group; ++g) {
-                        float* s = &scores[static_cast<size_t>(g * count)];
-                        const int64_t at = g * job.count + i;
-                        const float best = std::max(part_max[at], *std::max_element(s, s + count));
-                        // Rescale what was summed under the old maximum, then add this block's terms.
-                        const float correction = std::exp(part_max[at] - best);
-                        float* o = part_out + at * dim;
-                        if (correction != 1.0f) {
-                            for (int64_t d = 0; d < dim; ++d) o[d] *= correction;
-                        }
-                        part_sum[at] = part_sum[at] * correction + ops.exp_shifted(s, count, best);
-                        part_max[at] = best;
-                        ops.accumulate(s, values.data(), count, dim, o);
-                    }
+            // The part's positions that its last token reads, every block's lines asked for before the first is
+            // read: a decode step finds the cache in memory (the weights streamed since the last step evicted
+            // it), and the block table's jumps stop the hardware prefetchers at each block's end.
+            const int64_t first_block = part * part_blocks, end_block = std::min(job.blocks, first_block + part_blocks);
+            const int64_t p0 = first_block * block_size_, rows = std::min(part_positions, last + 1 - p0);
+            for (int64_t b = first_block; b < end_block; ++b) {
+                prefetch(kv(l, table[b], 0) + job.kv_head * head_bytes, head_bytes);
+                prefetch(kv(l, table[b], 1) + job.kv_head * head_bytes, head_bytes);
+            }
+            for (int64_t b = first_block; b < end_block; ++b) {
+                const int64_t p = b * block_size_, count = std::min(block_size_, last + 1 - p);
+                ops.load(kv(l, table[b], 0) + job.kv_head * head_bytes, count, dim, &keys[(p - p0) * dim]);
+                ops.load(kv(l, table[b], 1) + job.kv_head * head_bytes, count, dim, &values[(p - p0) * dim]);
+            }
+            // Each token's softmax over the part in one pass: its largest score, the sum of exp(score - largest)
+            // and the weighted sum of the values.
+            for (int64_t i = 0; i < job.count; ++i) {
+                const int64_t t = job.first + i, length = tokens.position[t] + 1;
+                if (p0 >= length) continue;  // causal: this token ends before the part (its state stays empty)
+                const int64_t count = std::min(rows, length - p0);
+                ops.scores(&q[t * q_size + job.kv_head * group * dim], group, keys.data(), count, dim, scale,
+                           scores.data());
+                for (int64_t g = 0; g < group; ++g) {
+                    float* sc = &scores[static_cast<size_t>(g * count)];
+                    const int64_t at = g * job.count + i;
+                    part_max[at] = *std::max_element(sc, sc + count);
+                    part_sum[at] = ops.exp_shifted(sc, count, part_max[at]);
+                    ops.accumulate(sc, values.data(), count, dim, part_out + at * dim);
                 }
             }
             if (split) continue;
@@ -195,25 +223,13 @@ void PagedAttention::attend(int64_t l, int64_t num_heads, const float* q, float*
                 }
             }
         }
-        if (split) return;
+        if (split) {
+            // acq_rel: the last finisher sees every other part's stored state.
+            if (unfinished[item.job].fetch_sub(1, std::memory_order_acq_rel) == 1) fold_parts(job);
+            return;
+        }
         for (int64_t g = 0; g < group; ++g) {
             for (int64_t i = 0; i < job.count; ++i) normalize(out(job, g, i), total_sum[g * job.count + i], dim);
-        }
-    });
-    if (!split) return;
-    // Each (head, token): the stored states of its parts folded in order, then divided by the total.
-    pool.parallel_each(num_jobs, [&](int64_t j) {
-        const Job& job = jobs[static_cast<size_t>(j)];
-        const int64_t states = group * job.count;
-        for (int64_t at = 0; at < states; ++at) {
-            float* o = out(job, at / job.count, at % job.count);
-            float total_max = -INFINITY, total_sum = 0.0f;
-            for (int64_t part = 0; part < job.parts; ++part) {
-                const size_t from = static_cast<size_t>(job.state + part * states + at);
-                fold(o, total_max, total_sum, &part_out_[from * static_cast<size_t>(dim)], part_max_[from],
-                     part_sum_[from], dim);
-            }
-            normalize(o, total_sum, dim);
         }
     });
 }
