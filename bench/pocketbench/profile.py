@@ -1,18 +1,19 @@
 """Where a decode step of the cpp backend goes, against the machine's memory bandwidth.
 
-    python -m pocketbench.profile [--model M] [--threads 2] [--context 128 512] [--out results/]
+    python -m pocketbench.profile [--model M] [--threads 2] [--context 128 512] [--sequences 1] [--out results/]
 
-Per context length: one prompt of that many tokens, 128 greedy tokens, timed from the first streamed token. The
+Per context length: ``--sequences`` prompts of that many tokens, decoding side by side, 128 greedy tokens each,
+timed from the step after every prompt's first token. The
 engine's own profile (``Engine.profile``: clocks around each phase of every step) splits the step into the
 layers' weight products, the vocabulary projection, attention (norms, RoPE, KV writes and reads), the state
 layers' recurrence (Qwen3.5's Gated DeltaNet: conv, delta rule, gated norm), other layer work, the caller waiting
 for worker threads at the end of parallel regions (imbalance and synchronisation), sampling and scheduling; what
 the caller saw beyond the steps is the Python boundary (the core's driver, its engine thread and the stream). The
 bound: bytes a decode step must move (every weight matrix but the embedding table, the KV of the context in the
-attention layers, and a state layer's state read and written) over the machine's read bandwidth, measured here
-with the same threads.
+attention layers, and a state layer's state read and written; the last two per sequence) over the machine's read
+bandwidth, measured here with the same threads.
 Prints a table and writes ``<date>-<machine>-profile.{md,json}`` (``-profile-<model file's stem>`` for a model
-other than the default).
+other than the default, then ``-<N>seq`` for N sequences).
 """
 
 from __future__ import annotations
@@ -61,16 +62,19 @@ def weight_bytes(checkpoint: Checkpoint) -> int:
     return total
 
 
-def profile(llm: Any, context: int) -> dict[str, float]:
+def profile(llm: Any, context: int, sequences: int) -> dict[str, float]:
+    """Milliseconds per decode step of `sequences` sequences of `context` prompt tokens each, per phase."""
     engine = llm.backend_engine.engine  # the native engine of pocketllm_cpp.backend.CppEngine
-    prompt = np.random.default_rng(context).integers(100, 20000, context).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    stream = llm.generate_stream(prompt, params)
-    next(stream)
+    streams = [llm.generate_stream(np.random.default_rng([context, s]).integers(100, 20000, context).tolist(), params)
+               for s in range(sequences)]
+    for stream in streams:  # every prompt prefilled: what follows are decode steps
+        next(stream)
     engine.reset_profile()
     start = time.perf_counter()
-    for _ in stream:
-        pass
+    for stream in streams:
+        for _ in stream:
+            pass
     wall = time.perf_counter() - start
     p = engine.profile()
     steps = p.steps
@@ -78,7 +82,7 @@ def profile(llm: Any, context: int) -> dict[str, float]:
                                                      "sample", "schedule")}
     per["other"] = (p.forward - p.matmul - p.lm_head - p.attention - p.recurrence) / steps * 1e3
     per["python"] = wall / steps * 1e3 - per["step"]
-    per["token"] = wall / steps * 1e3
+    per["token"] = wall / steps * 1e3  # a step's, which gives each sequence a token
     per["regions"] = p.regions / steps
     return per
 
@@ -88,6 +92,7 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--sequences", type=int, default=1, help="sequences decoding side by side")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "results")
     args = parser.parse_args()
     llm = LLM(args.model, backend="cpp", backend_options={"num_threads": args.threads})
@@ -100,32 +105,38 @@ def main() -> None:
     bandwidth = read_bandwidth(args.threads)
     rows = []
     for context in args.context:
-        per = profile(llm, context)
+        per = profile(llm, context, args.sequences)
         average = context + NEW_TOKENS // 2
         kv = average * attention_layers * 2 * config.num_key_value_heads * config.head_dim * 2  # float16
-        bound = (weights + kv + state) / bandwidth * 1e3
-        rows.append({"context": context, "ms": per, "bytes_per_token": weights + kv + state, "bound_ms": bound})
+        step_bytes = weights + args.sequences * (kv + state)
+        rows.append({"context": context, "ms": per, "bytes_per_step": step_bytes,
+                     "bound_ms": step_bytes / bandwidth * 1e3})
     llm.shutdown()
-    lines = [f"# Decode-step profile: cpp backend, {args.model}, {args.threads} threads", "",
+    lines = [f"# Decode-step profile: cpp backend, {args.model}, {args.threads} threads, "
+             f"{args.sequences} sequence{'s' if args.sequences > 1 else ''}", "",
              f"Read bandwidth ({args.threads} threads, numpy): {bandwidth / 1e9:.1f} GB/s; weights read per token: "
              f"{weights / 1e6:.1f} MB; state layers' state read and written per token: {state / 1e6:.1f} MB.", "",
-             "| context | tok/s | ms/token | " + " | ".join(PHASES)
+             "| context | tok/s | ms/step | " + " | ".join(PHASES)
              + " | regions | bound ms | bound tok/s | of bound |",
              "|---" * (len(PHASES) + 7) + "|"]
     for row in rows:
         per = row["ms"]
-        lines.append(f"| {row['context']} | {1e3 / per['token']:.0f} | {per['token']:.2f} | "
+        lines.append(f"| {row['context']} | {args.sequences * 1e3 / per['token']:.0f} | {per['token']:.2f} | "
                      + " | ".join(f"{per[k]:.2f}" for k in PHASES)
-                     + f" | {per['regions']:.0f} | {row['bound_ms']:.2f} | {1e3 / row['bound_ms']:.0f} | "
+                     + f" | {per['regions']:.0f} | {row['bound_ms']:.2f} | "
+                     f"{args.sequences * 1e3 / row['bound_ms']:.0f} | "
                      f"{row['bound_ms'] / per['token']:.0%} |")
     report = "\n".join(lines) + "\n"
     print(report)
     # The default model's profile, and beside it one per other model (the Qwen3.5 GGUF's, for example).
     suffix = "" if args.model == DEFAULT_MODEL else f"-{Path(args.model).stem}"
+    suffix += f"-{args.sequences}seq" if args.sequences > 1 else ""
+    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{datetime.date.today().isoformat()}-{machine_name()}-profile{suffix}"
     Path(f"{stem}.md").write_text(report)
     Path(f"{stem}.json").write_text(json.dumps({"machine": describe(), "model": args.model,
-                                                     "threads": args.threads, "bandwidth": bandwidth,
+                                                     "threads": args.threads, "sequences": args.sequences,
+                                                     "bandwidth": bandwidth,
                                                      "weight_bytes": weights, "rows": rows}, indent=1) + "\n")
 
 
