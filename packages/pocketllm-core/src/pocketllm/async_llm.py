@@ -74,11 +74,15 @@ class AsyncLLM(EngineClient):
 
         request_id, accepted = self._driver.add_embedding(prompt_ids, pooling_params or PoolingParams(), sink,
                                                          request_id)
+        answered = False
         try:
             await asyncio.wrap_future(accepted)
-            return embedding_of(await result)
+            item = await result
+            answered = True
+            return embedding_of(item)
         finally:
-            if not result.done():
+            # Not `result.done()`: cancelling this task cancels the future it awaits, which is then done.
+            if not answered:
                 self._driver.abort(request_id)
 
     async def stream_ids(self, prompt_ids: list[int], sampling_params: SamplingParams | None = None, *,

@@ -20,11 +20,9 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-import msgspec
-
-from pocketllm.backend import BackendPlugin, BackendStats, Capabilities, Engine, RequestDelta
+from pocketllm.backend import BackendPlugin, BackendStats, Engine, RequestDelta
 from pocketllm.plugins import BackendRegistry
 from pocketllm.sampling_params import SamplingParams
 from pocketllm.structured import Constraint
@@ -32,8 +30,10 @@ from pocketllm.testing.wrapper import BackendWrapper
 
 if TYPE_CHECKING:
     from pocketllm.args import EngineArgs
+    from pocketllm.backend import EmbeddingEngine
     from pocketllm.backend_options import BackendOptions
     from pocketllm.checkpoint import Checkpoint
+    from pocketllm.pooling import PoolingParams
 
 IDLE_STEP_S = 0.005
 """How long a held step waits for a release before it returns nothing: the longest a command (an abort, a
@@ -144,7 +144,7 @@ class StepGate:
 
 
 class GatedBackend(BackendWrapper):
-    """``inner`` under another name, whose engines step as ``gate`` says; generation only (no embeddings)."""
+    """``inner`` under another name, whose engines step as ``gate`` says."""
 
     suffix = "gated"
 
@@ -158,10 +158,6 @@ class GatedBackend(BackendWrapper):
         gated = cls(registry.get(backend))
         registry.register_plugin(gated.as_plugin(), name=gated.name)
         return gated
-
-    def capabilities(self) -> Capabilities:
-        # Its engine has no add_embedding_request: the core refuses embeddings up front rather than in the engine.
-        return msgspec.structs.replace(self.inner.capabilities(), pooling_types=())
 
     def create_engine(self, args: EngineArgs, checkpoint: Checkpoint, options: BackendOptions) -> GatedEngine:
         return GatedEngine(self.inner.create_engine(args, checkpoint, options), self.gate)
@@ -181,6 +177,12 @@ class GatedEngine:
             self.inner.add_request(request_id, prompt_token_ids, params)
         else:
             self.inner.add_request(request_id, prompt_token_ids, params, constraint=constraint)
+        self.gate.request_added(request_id)
+
+    def add_embedding_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> None:
+        # Reached only where the inner backend declares pooling types (the core refuses embeddings elsewhere), whose
+        # engines then have this method (contract 2.4).
+        cast("EmbeddingEngine", self.inner).add_embedding_request(request_id, prompt_token_ids, params)
         self.gate.request_added(request_id)
 
     def step(self) -> list[RequestDelta]:
