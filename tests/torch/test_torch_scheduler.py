@@ -72,21 +72,24 @@ def test_prefix_cache_adopts_full_blocks_and_evicts_tails_first() -> None:
     assert manager.cached_prefix(make_seq("e", 9)) == prefix[:1]
 
 
-def test_prefill_chunks_share_the_token_budget_and_decode_waits() -> None:
+def test_prefill_chunks_share_the_token_budget_and_take_turns_with_decode() -> None:
     scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10, prefill_chunk_size=6)
     a, b, c = make_seq("a", 9), make_seq("b", 3), make_seq("c", 5)
     for seq in (a, b, c):
         scheduler.add(seq)
-    batch = scheduler.schedule()
+    batch = scheduler.schedule()  # nothing decodes: the prompts share the whole budget, a chunk at most each
     assert (batch.seqs, batch.num_new_tokens) == ([a, b, c], [6, 3, 1])
     scheduler.mark_computed(batch)
     b.token_ids.append(1)  # b sampled its first token; a and c are still in their prompts
-    batch = scheduler.schedule()  # prefill goes first: b waits for a and c to finish theirs
-    assert (batch.seqs, batch.num_new_tokens) == ([a, c], [3, 4])
+    batch = scheduler.schedule()  # b decodes: a decode step comes between prefill steps
+    assert (batch.seqs, batch.num_new_tokens) == ([b], [1])
+    scheduler.mark_computed(batch)
+    b.token_ids.append(1)
+    batch = scheduler.schedule()  # and a prefill step holds one chunk (6 tokens) in all
+    assert (batch.seqs, batch.num_new_tokens) == ([a, c], [3, 3])
     scheduler.mark_computed(batch)
     a.token_ids.append(1)
-    c.token_ids.append(1)
-    batch = scheduler.schedule()
+    batch = scheduler.schedule()  # c's last prompt token runs as decode rows do
     assert (batch.seqs, batch.num_new_tokens) == ([a, b, c], [1, 1, 1])
 
 

@@ -37,13 +37,22 @@ ScheduledBatch Scheduler::schedule() {
     // Verified rows whose states this step may copy (unbounded for a model without state layers).
     int64_t state_rows = stateful_ ? kVerifyStateBytes / std::max<int64_t>(model_.state_bytes(), 1) : budget;
     int64_t score_budget = score_rows_;
+    // While a sequence decodes, the prompts of all others share one chunk's tokens a step, not the whole budget:
+    // a step then lasts about a decode step plus one chunk, and a decoding stream keeps its pace while long
+    // prompts arrive (with the budget's 2048 prompt tokens a CPU step takes seconds, and every stream waits).
+    const bool decoding = std::any_of(running_.begin(), running_.end(),
+                                      [](const SeqPtr& s) { return s->size() - s->computed == 1; });
+    int64_t prefill_budget = decoding ? config_.prefill_chunk_size : budget;
     for (const SeqPtr& seq : std::vector<SeqPtr>(running_)) {
         if (budget == 0) break;
         if (std::find(running_.begin(), running_.end(), seq) == running_.end()) continue;  // preempted just now
+        const bool prefills = seq->size() - seq->computed > 1;
         int64_t n = chunk(*seq, seq->computed, std::min({seq->size() - seq->computed, config_.prefill_chunk_size,
-                                                         budget, scoring_room(*seq, seq->computed, score_budget)}));
+                                                         prefills ? prefill_budget : budget,
+                                                         scoring_room(*seq, seq->computed, score_budget)}));
         if (n == 0) continue;
         if (reserve(seq, seq->computed + n, batch.seqs)) {
+            if (prefills) prefill_budget -= n;
             score_budget -= seq->scored_rows(seq->computed, n);
             if (seq->computed + n == seq->size()) {
                 const int64_t drafted = draft_room(*seq, std::min(budget - n, state_rows));
@@ -55,10 +64,12 @@ ScheduledBatch Scheduler::schedule() {
             budget -= n;
         }
     }
-    while (!waiting_.empty() && budget > 0 && static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
+    while (!waiting_.empty() && std::min(budget, prefill_budget) > 0 &&
+           static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
         const SeqPtr seq = waiting_.front();
         int64_t n = 0;
-        if (!admit(seq, budget, score_budget, n)) break;
+        if (!admit(seq, std::min(budget, prefill_budget), score_budget, n)) break;
+        prefill_budget -= n;
         waiting_.pop_front();
         running_.push_back(seq);
         batch.seqs.push_back(seq);

@@ -44,10 +44,12 @@ public:
     void save_state(int32_t slot, float* out) const override { *out = state_[static_cast<size_t>(slot)]; }
     void load_state(int32_t slot, const float* in) override { state_[static_cast<size_t>(slot)] = *in; }
     bool fail_next = false;  // the next forward pass throws after its checks, as one that runs out of memory
+    std::vector<size_t> step_tokens;  // each forward pass's tokens
     std::vector<float> forward(const std::vector<int32_t>& tokens, const std::vector<SequenceSlice>& slices,
                                std::vector<float>*, const std::vector<StateCapture>* captures,
                                std::vector<float>*) override {
         check(tokens, slices, captures);
+        step_tokens.push_back(tokens.size());
         if (fail_next) {
             fail_next = false;
             throw std::runtime_error("injected");
@@ -213,6 +215,32 @@ static void state_slot_tests() {
         CHECK(threw && retried.stats().state_snapshots == 0);
         retried.step();
         CHECK(retried.stats().state_snapshots == 3);  // 64 and 128 inside the chunk, 144 where it ends
+    }
+    // While a sequence decodes, the prompts beside it share one chunk a step (8 tokens), and it gets a token every
+    // step; alone, prompts take a chunk each (two 30-token prompts: 16 tokens a step).
+    {
+        auto model = std::make_shared<HashStateModel>(3, 64);
+        Engine engine(model, SchedulerConfig{3, 64, 8, 1});
+        SamplingConfig greedy;
+        greedy.temperature = 0.0f;
+        greedy.max_tokens = 40;
+        engine.add_request("a", {1, 2, 3}, greedy);
+        engine.step();
+        engine.add_request("b", std::vector<int32_t>(30, 5), greedy);
+        engine.add_request("c", std::vector<int32_t>(30, 6), greedy);
+        model->step_tokens.clear();
+        for (int step = 0; step < 8; ++step) {  // 60 prompt tokens, 8 a step
+            const std::vector<Delta> deltas = engine.step();
+            CHECK(std::any_of(deltas.begin(), deltas.end(), [](const Delta& d) { return d.request_id == "a"; }));
+        }
+        // a's token and 8 of the prompts' (b's last 6 and c's first 2 in the fourth); b decodes from the fifth.
+        CHECK(model->step_tokens == (std::vector<size_t>{9, 9, 9, 9, 10, 10, 10, 6}));
+        engine.abort({"a", "b", "c"});
+        model->step_tokens.clear();
+        engine.add_request("b", std::vector<int32_t>(30, 5), greedy);
+        engine.add_request("c", std::vector<int32_t>(30, 6), greedy);
+        engine.step();
+        CHECK(model->step_tokens == std::vector<size_t>{16});
     }
     // Aborted and failed requests give their slot back: one slot serves request after request.
     {

@@ -46,7 +46,8 @@ class EngineArgs:
                                               f"model's own limit, at most {MAX_MODEL_LEN_CAP}")
     max_num_seqs: int = _option(32, "most requests running at once; more wait for a slot")
     max_num_batched_tokens: int = _option(2048, "most tokens one engine step processes")
-    prefill_chunk_size: int = _option(512, "longest piece of one prompt prefilled in one step")
+    prefill_chunk_size: int = _option(512, "longest piece of one prompt prefilled in one step; while another "
+                                            "sequence decodes, the most prompt tokens of one step in all")
     kv_cache_dtype: str = _option("auto", "KV-cache storage: auto (what attention computes in) or a float dtype")
     enable_prefix_caching: bool = _option(False, "reuse the KV of prompt prefixes seen before")
     speculative_method: str | None = _option(None, "speculative decoding: ngram (prompt lookup), mtp (the model's "

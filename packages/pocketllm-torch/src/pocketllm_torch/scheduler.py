@@ -1,7 +1,11 @@
 """Continuous batching: which sequences run in the next step, and how many of their tokens.
 
 Every step is either a prefill step (prompt chunks of several sequences, up to the token budget) or a decode
-step (one token for every running sequence whose prompt is done, and its drafts where it has any). Sequences
+step (one token for every running sequence whose prompt is done, and its drafts where it has any): a decode row
+then runs the same kernels whatever else is running, so a seeded request's tokens do not depend on its batch.
+While a sequence decodes, the two kinds take turns and a prefill step holds one chunk's tokens
+(``prefill_chunk_size``) in all, so that arriving prompts delay a decoding stream by about a chunk a token, not
+by their whole prefill. Sequences
 join and leave the running set at every step. When the KV cache is full, the newest sequence is preempted: its
 blocks (and state slot) are freed and it goes back to the front of the queue, to recompute its prompt and
 generated tokens later. A model with state layers (Gated DeltaNet) takes a state slot for each running sequence:
@@ -44,6 +48,7 @@ class Scheduler:
         # Scored prompt rows (prompt_logprobs) a step may hold: each is a vocabulary of logits. None: no bound.
         self.scored_rows = scored_rows
         self._score_budget = 0  # this step's, left
+        self._prefilled_last = False  # whether the last step was a prefill step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the first to be preempted
         self.num_preemptions = 0
@@ -56,9 +61,13 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         self._score_budget = self.max_num_batched_tokens if self.scored_rows is None else self.scored_rows
-        batch = self._schedule_prefill()
+        decoding = any(s.num_pending_tokens == 1 for s in self.running)
+        batch = ScheduledBatch([], [])
+        if not (decoding and self._prefilled_last):
+            batch = self._schedule_prefill(self.prefill_chunk_size if decoding else self.max_num_batched_tokens)
+        self._prefilled_last = bool(batch.seqs)
         if not batch.seqs:
-            batch = self._schedule_running(prefill=False)
+            batch = self._schedule_running(prefill=False, budget=self.max_num_batched_tokens)
         return batch if batch.seqs else None
 
     def mark_computed(self, batch: ScheduledBatch) -> None:
@@ -78,10 +87,10 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self._release(seq)
 
-    def _schedule_prefill(self) -> ScheduledBatch:
+    def _schedule_prefill(self, budget: int) -> ScheduledBatch:
         # Prompts already under way come first: they hold blocks that only their progress pays off.
-        batch = self._schedule_running(prefill=True)
-        budget = self.max_num_batched_tokens - sum(batch.num_new_tokens)
+        batch = self._schedule_running(prefill=True, budget=budget)
+        budget -= sum(batch.num_new_tokens)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.block_manager.cached_prefix(seq) if seq.reuses_prefix else []
@@ -106,10 +115,10 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _schedule_running(self, prefill: bool) -> ScheduledBatch:
-        """Running sequences still in their prompt (prefill) or past it (decode), as far as blocks allow."""
+    def _schedule_running(self, prefill: bool, budget: int) -> ScheduledBatch:
+        """Running sequences still in their prompt (prefill) or past it (decode), as far as blocks and ``budget``
+        tokens allow."""
         batch = ScheduledBatch([], [])
-        budget = self.max_num_batched_tokens
         state_rows = budget if self.verify_state_rows is None else self.verify_state_rows
         for seq in [s for s in self.running if (s.num_pending_tokens > 1) == prefill]:
             if budget == 0:
