@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from pocketllm import AsyncLLM, EngineArgs, SamplingParams
+from pocketllm import AsyncLLM, ConfigError, EngineArgs, SamplingParams
+from pocketllm.limits import MAX_PROMPT_LOGPROB_ENTRIES
 from pocketllm_server import create_app
 from tests.server.conftest import LiveServer
 
@@ -96,3 +97,23 @@ def test_scoring_needs_echo_or_prompt_logprobs(scorer: tuple[LiveServer, AsyncLL
     echo_only = httpx.post(f"{server.url}/v1/completions", timeout=30,
                            json={"model": MODEL, "prompt": "hi", "max_tokens": 0, "echo": True}).json()
     assert echo_only["choices"][0]["text"] == "hi" and echo_only["usage"]["completion_tokens"] == 0
+
+
+def test_prompt_logprobs_are_bounded_by_what_they_cost(scorer: tuple[LiveServer, AsyncLLM]) -> None:
+    """Prompt tokens x (alternatives + 1) x choices, summed over a request's prompts, at most
+    MAX_PROMPT_LOGPROB_ENTRIES: 16 prompts of 40 tokens with 20 alternatives and 16 choices ask for 215,040 (each
+    prompt alone for 13,440); the 400 names the field that asked."""
+    server, llm = scorer
+    ids = [llm.tokenizer.encode("the cat sat on the mat", add_special_tokens=False)[i % 3] for i in range(40)]
+    body = {"model": MODEL, "prompt": [ids] * 16, "n": 16, "max_tokens": 1, "temperature": 0}
+    for extra, param in (({"echo": True, "logprobs": 20}, "logprobs"), ({"prompt_logprobs": 20}, "prompt_logprobs")):
+        response = httpx.post(f"{server.url}/v1/completions", timeout=30, json=body | extra)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and "215,040 prompt logprobs" in error["message"]
+    assert 16 * 40 * 21 * 16 > MAX_PROMPT_LOGPROB_ENTRIES >= 40 * 21 * 16
+    alone = httpx.post(f"{server.url}/v1/completions", timeout=60, json=body | {"prompt": ids, "n": 16,
+                                                                              "prompt_logprobs": 20})
+    assert alone.status_code == 200 and len(alone.json()["choices"]) == 16
+    with pytest.raises(ConfigError, match="prompt_logprobs"):  # the library's own bound, for one prompt
+        asyncio.run(llm.complete(ids * 10, SamplingParams(max_tokens=1, n=16, prompt_logprobs=20)))

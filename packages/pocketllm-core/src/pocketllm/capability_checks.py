@@ -12,6 +12,7 @@ import msgspec
 from pocketllm import backend_options
 from pocketllm.checkpoint import load_checkpoint
 from pocketllm.errors import CheckpointError, ConfigError, PromptTooLongError, UnsupportedOptionError
+from pocketllm.limits import MAX_PROMPT_LOGPROB_ENTRIES
 from pocketllm.pooling import POOLING_TYPES
 
 if TYPE_CHECKING:
@@ -99,9 +100,21 @@ def check_request(backend: str, caps: Capabilities, prompt_ids: list[int], param
             raise UnsupportedOptionError(name, backend, f"at most {caps.max_logprobs} alternatives")
     if params.n > caps.max_n:
         raise UnsupportedOptionError("n", backend, f"at most {caps.max_n} choices")
+    check_prompt_logprob_entries(prompt_logprob_entries(len(prompt_ids), params))
     room = max_model_len - len(prompt_ids)
     return msgspec.structs.replace(params, max_tokens=room if params.max_tokens is None else min(params.max_tokens,
                                                                                                  room))
+
+
+def prompt_logprob_entries(prompt_tokens: int, params: SamplingParams) -> int:
+    """The prompt logprobs a request of ``prompt_tokens`` asks for (see MAX_PROMPT_LOGPROB_ENTRIES)."""
+    return 0 if params.prompt_logprobs is None else prompt_tokens * (params.prompt_logprobs + 1) * params.n
+
+
+def check_prompt_logprob_entries(entries: int, field: str = "prompt_logprobs") -> None:
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise ConfigError(field, f"asks for {entries:,} prompt logprobs (prompt tokens x (alternatives + 1) x "
+                                 f"choices); at most {MAX_PROMPT_LOGPROB_ENTRIES:,} a request")
 
 
 def check_embedding_request(backend: str, caps: Capabilities, prompt_ids: list[int], params: PoolingParams, *,

@@ -11,6 +11,12 @@ MAX_LOGPROBS = 20
 MAX_N = 16
 """Most choices one request may fan out to; a backend may declare fewer."""
 
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 17
+"""Most prompt logprobs one request may ask for, counted as prompt tokens x (``prompt_logprobs`` + 1) x ``n``
+(summed over a request's prompts): each is a token with its logprob and rank, ~100 bytes of JSON in a reply, and
+every choice scores its prompt again. 600 prompt tokens with 20 alternatives for 16 choices came to 19 MB and 28 s
+here. lm-eval's loglikelihood requests (one alternative over a few thousand tokens) need a tenth of this."""
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Seeds and other integers that reach native code must fit a signed 64-bit integer."""
 
