@@ -113,6 +113,28 @@ def test_thinking_on_a_model_that_does_not_think_is_refused(sdk: anthropic.Anthr
                             messages=[{"role": "user", "content": "hi"}])
     assert error.value.status_code == 400 and error.value.body["type"] == "error"
     assert error.value.body["error"]["type"] == "invalid_request_error"
+    assert "budget_tokens" not in error.value.body["error"]["message"]
+
+
+@pytest.mark.parametrize(("budget", "max_tokens"), [(10, 2048), (1023, 2048), (2048, 2048)])
+def test_a_thinking_budget_is_checked_as_anthropic_checks_it(sdk: anthropic.Anthropic, budget: int,
+                                                             max_tokens: int) -> None:
+    """At least 1,024 tokens and fewer than max_tokens: refused so before anything about the model's thinking."""
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        sdk.messages.create(model=MODEL, max_tokens=max_tokens, thinking={"type": "enabled", "budget_tokens": budget},
+                            messages=[{"role": "user", "content": "hi"}])
+
+
+def test_the_model_in_anthropic_s_shape(sdk: anthropic.Anthropic, echo_llm: AsyncLLM) -> None:
+    """Anthropic's Models API has OpenAI's paths (/v1/models): its clients, who send anthropic-version, get its
+    shapes."""
+    model = sdk.models.retrieve(MODEL)
+    assert (model.type, model.id, model.display_name, model.lifecycle) == ("model", MODEL, MODEL, "active")
+    assert model.created_at.tzinfo is not None and model.max_input_tokens == echo_llm.max_model_len
+    assert [listed.id for listed in sdk.models.list()] == [MODEL]
+    with pytest.raises(anthropic.NotFoundError) as error:
+        sdk.models.retrieve("claude-x")
+    assert error.value.body["type"] == "error" and error.value.body["error"]["type"] == "not_found_error"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -222,6 +244,10 @@ def test_errors_in_anthropic_s_shape(echo_server: LiveServer, sdk: anthropic.Ant
                            "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400),
                          ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
                            "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, 400),
+                         ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": []}]}, 400),
+                         ({"model": MODEL, "max_tokens": 5, "messages": [
+                             {"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+                             {"role": "user", "content": "go on"}]}, 400),
                          ({"model": "claude-x", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
                           404)]:
         response = httpx.post(url, json=body, timeout=30)
@@ -232,6 +258,12 @@ def test_errors_in_anthropic_s_shape(echo_server: LiveServer, sdk: anthropic.Ant
     with pytest.raises(anthropic.BadRequestError, match="image blocks are not supported"):
         sdk.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
+    with pytest.raises(anthropic.BadRequestError, match="non-empty content"):
+        sdk.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": []}])
+    # The one message that may be empty: a final assistant one.
+    reply = sdk.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": []}])
+    assert reply.stop_reason == "max_tokens"
 
 
 def test_api_key_as_x_api_key(serve_app, tiny_args, echo_llm) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 from typing import Any
 
@@ -18,6 +19,7 @@ MODEL = "tiny"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
+JSON = {"content-type": "application/json"}
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -48,6 +50,18 @@ def test_malformed_json(client: httpx.Client) -> None:
         assert "JSON" in assert_error(response, 400, None)["message"]
 
 
+def test_a_lone_surrogate_escape_is_named(client: httpx.Client) -> None:
+    """json.dumps writes half a UTF-16 surrogate pair as a lone \\u escape, whose high half msgspec took for a body
+    cut short; an escaped backslash before "ud800" is text."""
+    for text in ("a\ud800b", "\udc00", "\U0001f600\ud800"):
+        body = json.dumps(chat(messages=[{"role": "user", "content": text}]))
+        escape = next(f"\\u{ord(c):04x}" for c in text if 0xD800 <= ord(c) < 0xE000)
+        error = assert_error(client.post(CHAT, content=body, headers=JSON), 400, None)
+        assert f"invalid unicode escape {escape} at byte {body.index(escape)}" in error["message"], error
+    assert client.post(CHAT, content=json.dumps(chat(messages=[{"role": "user", "content": "\\ud800"}])),
+                       headers=JSON).status_code == 200
+
+
 def test_body_must_be_an_object(client: httpx.Client) -> None:
     assert_error(client.post(CHAT, json=[1, 2]), 400, None)
 
@@ -57,6 +71,7 @@ def test_body_must_be_an_object(client: httpx.Client) -> None:
     (CHAT, chat(messages="hi"), "messages"),
     (CHAT, chat(messages=[{"content": "hi"}]), "messages[0].role"),
     (CHAT, chat(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages[0].content[0]"),
     (CHAT, chat(n="2"), "n"),
     (CHAT, chat(temperature="hot"), "temperature"),
     (CHAT, chat(stream="yes"), "stream"),
@@ -103,6 +118,8 @@ def test_wrong_types_name_the_field(client: httpx.Client, path: str, body: dict[
     (CHAT, chat(messages=[]), "messages"),
     (CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "a b/c", "schema": {}}}),
+     "response_format.json_schema.name"),
     (COMPLETIONS, completion(prompt=[]), "prompt"),
     (COMPLETIONS, completion(prompt=["a", [1, 2]]), "prompt"),
     (COMPLETIONS, completion(prompt=[1, 99999]), "prompt"),

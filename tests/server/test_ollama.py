@@ -199,6 +199,23 @@ def test_options_the_engine_cannot_honour_are_refused_by_name(client: ollama.Cli
                                                 options={**GREEDY, **options}))
 
 
+@pytest.mark.parametrize("keep_alive", [-1, 0, 300, 2.5, "5m", "1h30m", "-1s", ".5s", "0", "300ms", "2562047h"])
+def test_keep_alive_takes_what_ollama_reads(client: ollama.Client, keep_alive: float | str) -> None:
+    """Seconds (negative: forever) or a Go duration; the model stays loaded either way."""
+    assert client.generate(model=MODEL_NAME, prompt="", keep_alive=keep_alive).done_reason == "load"
+
+
+@pytest.mark.parametrize("keep_alive", ["forever", "5", "1h 30m", "5M", "1d", "", "2562048h"])
+def test_keep_alive_ollama_cannot_read_is_refused(client: ollama.Client, keep_alive: str) -> None:
+    """As Ollama answers it: "time: invalid duration", on every route that takes keep_alive."""
+    calls = [lambda: client.generate(model=MODEL_NAME, prompt="", keep_alive=keep_alive),
+             lambda: client.chat(model=MODEL_NAME, messages=[], keep_alive=keep_alive),
+             lambda: client.embed(model=MODEL_NAME, input=[], keep_alive=keep_alive),
+             lambda: client.embeddings(model=MODEL_NAME, prompt="", keep_alive=keep_alive)]
+    for call in calls:
+        assert "keep_alive: time: invalid duration" in refusal(call)
+
+
 def test_neutral_and_load_time_options_are_accepted(client: ollama.Client) -> None:
     options = {**GREEDY, "num_predict": 2, "typical_p": 1.0, "mirostat": 0, "mirostat_tau": 5.0, "tfs_z": 1,
                "repeat_last_n": 64, "penalize_newline": True, "num_thread": 8, "num_gpu": 1, "main_gpu": 0,
@@ -310,6 +327,21 @@ def test_embeddings_are_unit_vectors(smol: tuple[AsyncLLM, ollama.Client]) -> No
 
 
 @requires_default_model
+def test_the_older_embeddings_route(smol: tuple[AsyncLLM, ollama.Client]) -> None:
+    """/api/embeddings, as Ollama 0.12 still serves it: one prompt, its vector as pooled (/api/embed normalises
+    it), a prompt longer than the context refused, an empty one only loading the model."""
+    _, client = smol
+    vector = client.embeddings(model="smol", prompt="the cat sat").embedding
+    norm = math.sqrt(math.fsum(x * x for x in vector))
+    assert abs(norm - 1) > 1e-3
+    [normalised] = client.embed(model="smol", input="the cat sat").embeddings
+    assert max(abs(x / norm - y) for x, y in zip(vector, normalised, strict=True)) < 1e-4
+    assert client.embeddings(model="smol", prompt="").embedding == []
+    assert "prompt has" in refusal(lambda: client.embeddings(model="smol", prompt="word " * 40,
+                                                             options={"num_ctx": 8}))
+
+
+@requires_default_model
 def test_show_describes_a_gguf_model(smol: tuple[AsyncLLM, ollama.Client]) -> None:
     llm, client = smol
     shown = client.show("smol")
@@ -341,6 +373,17 @@ def test_list_show_and_version(client: ollama.Client, echo_server: LiveServer, e
     with pytest.raises(ollama.ResponseError):
         client.show(f"{MODEL_NAME}:7b")
     assert httpx.get(f"{echo_server.url}/api/version").json() == {"version": "0.12.0"}
+
+
+def test_ps_lists_the_loaded_model(client: ollama.Client, echo_llm: AsyncLLM) -> None:
+    """The served model, loaded for as long as the server runs: Ollama's expiry for keep_alive -1 (the longest Go
+    duration from now, in 2318 or later), and none of it in GPU memory on the CPU."""
+    [listed] = client.list().models
+    [running] = client.ps().models
+    assert (running.name, running.model, running.size, running.details) == (MODEL_NAME, MODEL_NAME, listed.size,
+                                                                            listed.details)
+    assert running.size_vram == 0 and running.context_length == echo_llm.max_model_len
+    assert running.expires_at is not None and running.expires_at.year >= 2318
 
 
 # -- leaving, and the API key --------------------------------------------------------------------------------------
@@ -394,4 +437,5 @@ def test_the_api_key_guards_api(serve_app, tiny_args: EngineArgs, echo_llm: Asyn
 
 def test_openapi_lists_the_routes(echo_server: LiveServer) -> None:
     paths = httpx.get(f"{echo_server.url}/openapi.json").json()["paths"]
-    assert {"/api/chat", "/api/generate", "/api/embed", "/api/tags", "/api/show", "/api/version"} <= set(paths)
+    assert {"/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/tags", "/api/show", "/api/ps",
+            "/api/version"} <= set(paths)

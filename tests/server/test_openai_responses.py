@@ -166,8 +166,9 @@ def test_the_store_is_bounded_by_bytes(serve_app, tiny_args, echo_llm: AsyncLLM)
     assert len(store) == 1 and store.bytes <= store.max_bytes
 
 
-def test_errors_in_openai_s_shape(echo_server: LiveServer) -> None:
+def test_errors_in_openai_s_shape(echo_server: LiveServer, echo_llm: AsyncLLM) -> None:
     url = f"{echo_server.url}/v1/responses"
+    too_long = "word " * echo_llm.max_model_len
     for body, param in [({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
                         ({"input": "hi", "background": True}, "background"),
                         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
@@ -181,6 +182,11 @@ def test_errors_in_openai_s_shape(echo_server: LiveServer) -> None:
                         ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
                         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
                          "text.format.schema"),
+                        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "a b/c",
+                                                             "schema": {"type": "object"}}}}, "text.format.name"),
+                        # A prompt too long for the context names the longer of its two parts.
+                        ({"input": "hi", "instructions": too_long}, "instructions"),
+                        ({"input": too_long, "instructions": "Be brief."}, "input"),
                         ({"input": []}, "input"),
                         ({}, "input")]:
         response = httpx.post(url, json={"model": MODEL, **GREEDY, **body}, timeout=30)

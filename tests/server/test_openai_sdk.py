@@ -46,6 +46,11 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 def test_models(sdk: openai.OpenAI) -> None:
     [card] = sdk.models.list().data
     assert card.id == MODEL and card.object == "model"
+    assert sdk.models.retrieve(MODEL) == card
+    with pytest.raises(openai.NotFoundError) as error:
+        sdk.models.retrieve("gpt-4o")
+    assert error.value.body == {"message": "The model `gpt-4o` does not exist; this server serves `tiny`.",
+                                "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
 
 
 def test_chat_completion(sdk: openai.OpenAI, echo_llm: AsyncLLM) -> None:
@@ -300,3 +305,23 @@ def test_forced_tool_calls_need_no_server_flag(smol_sdk: openai.OpenAI, choice: 
     deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
     assert (deltas[0].function.name, "".join(d.function.arguments or "" for d in deltas)) == (
         call.function.name, call.function.arguments)
+
+
+def test_legacy_functions_are_answered_in_the_legacy_shape(smol_sdk: openai.OpenAI) -> None:
+    """A request with functions (not tools) gets OpenAI's legacy reply: message.function_call and finish_reason
+    "function_call", delta.function_call when streamed; one call, as that API has no parallel calls."""
+    jsonschema = pytest.importorskip("jsonschema")
+    function = WEATHER["function"]
+    fields = {"model": "smol", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+              "functions": [function, TIME["function"]], "function_call": {"name": "get_weather"},
+              "temperature": 0.8, "seed": 1, "max_tokens": 120}
+    [choice] = smol_sdk.chat.completions.create(**fields).choices
+    call = choice.message.function_call
+    assert choice.finish_reason == "function_call" and not choice.message.tool_calls, choice
+    assert call is not None and call.name == "get_weather" and choice.message.content is None
+    jsonschema.validate(json.loads(call.arguments), function["parameters"])
+    chunks = list(smol_sdk.chat.completions.create(**fields, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any(d.tool_calls for d in deltas) and chunks[-1].choices[0].finish_reason == "function_call"
+    calls = [d.function_call for d in deltas if d.function_call]
+    assert (calls[0].name, "".join(c.arguments or "" for c in calls)) == (call.name, call.arguments)

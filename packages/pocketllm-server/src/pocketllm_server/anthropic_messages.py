@@ -146,6 +146,9 @@ def _messages(system: str | list[TextBlock] | None, messages: list[Message]) -> 
         out.append(ChatMessage(role="system", content=system if isinstance(system, str)
                                else "".join(block.text for block in system)))
     for i, message in enumerate(messages):
+        if not message.content and not (message.role == "assistant" and i == len(messages) - 1):
+            raise invalid_request(f"messages.{i}: all messages must have non-empty content except for the optional "
+                                  "final assistant message", f"messages.{i}.content")
         if isinstance(message.content, str):
             out.append(ChatMessage(role=message.role, content=message.content))
         elif message.role == "assistant":
@@ -186,7 +189,7 @@ def _user(blocks: list[Any], i: int) -> list[ChatMessage]:
                                    content=_result_text(block, f"messages.{i}.content.{j}")))
         else:
             raise _unsupported_block(block, f"messages.{i}.content.{j}", "a user message")
-    if text or not out:
+    if text:
         out.append(ChatMessage(role="user", content="".join(text)))
     return out
 

@@ -6,6 +6,7 @@ results) decodes, so that it can be refused by name.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -14,6 +15,8 @@ from pocketllm.limits import INT64_MAX, INT64_MIN
 
 MAX_STOP_SEQUENCES = 64
 """Most stop sequences one request may give: each is matched against every piece of the reply."""
+MIN_THINKING_BUDGET = 1024
+"""Anthropic's least ``thinking.budget_tokens``."""
 
 
 # -- request content blocks ----------------------------------------------------------------------------------------
@@ -81,7 +84,7 @@ class ToolChoice(msgspec.Struct, kw_only=True):
 class Thinking(msgspec.Struct, kw_only=True):
     # Every type but "disabled" turns the model's thinking on: a local model has no adaptive mode of its own.
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    budget_tokens: Annotated[int, msgspec.Meta(ge=MIN_THINKING_BUDGET)] | None = None
     display: Literal["summarized", "omitted"] | None = None  # omitted: thinking blocks without their text
 
 
@@ -166,6 +169,23 @@ class MessageOut(msgspec.Struct, kw_only=True, tag_field="type", tag="message"):
 
 class CountTokensResponse(msgspec.Struct, kw_only=True):
     input_tokens: int
+
+
+class ModelInfo(msgspec.Struct, kw_only=True, tag_field="type", tag="model"):
+    """The served model as Anthropic's Models API describes one (``GET /v1/models/{model_id}``)."""
+
+    id: str
+    display_name: str
+    created_at: datetime  # Anthropic's is the model's release; here, when the server started serving it
+    max_input_tokens: int | None
+    lifecycle: str = "active"
+
+
+class ModelInfoList(msgspec.Struct, kw_only=True):
+    data: list[ModelInfo]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
 
 
 # -- stream events -------------------------------------------------------------------------------------------------

@@ -101,6 +101,7 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
         Route("/ready", routes_health.ready, methods=["GET"]),
         Route("/metrics", routes_health.metrics, methods=["GET"]),
         Route("/v1/models", openai_models.list_models, methods=["GET"]),
+        Route("/v1/models/{model}", openai_models.retrieve_model, methods=["GET"]),
         Route("/v1/chat/completions", openai_chat.create_chat_completion, methods=["POST"]),
         Route("/v1/completions", openai_completions.create_completion, methods=["POST"]),
         Route("/v1/embeddings", openai_embeddings.create_embedding, methods=["POST"]),
@@ -109,8 +110,10 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
         Route("/api/chat", ollama_api.chat, methods=["POST"]),
         Route("/api/generate", ollama_api.generate, methods=["POST"]),
         Route("/api/embed", ollama_api.embed, methods=["POST"]),
+        Route("/api/embeddings", ollama_api.embeddings, methods=["POST"]),
         Route("/api/tags", ollama_models.tags, methods=["GET"]),
         Route("/api/show", ollama_models.show, methods=["POST"]),
+        Route("/api/ps", ollama_models.ps, methods=["GET"]),
         Route("/api/version", ollama_models.version, methods=["GET"]),
         Route("/v1/responses", openai_responses.create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", openai_responses.get_response, methods=["GET"]),
@@ -137,7 +140,7 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     log_error_answer(request.scope, exc)
-    return exc.response(request.url.path)
+    return exc.response(request.scope)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

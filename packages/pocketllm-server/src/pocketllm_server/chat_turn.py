@@ -194,7 +194,9 @@ async def start_turn(request: Request, state: ServerState, llm: AsyncLLM, req: C
     forced = _forced_calls(req, tools, tool_choice, parser or "generic", choice_field, names["response_format"])
     tool_parser = parser or ("generic" if forced is not None else None)
     # Without parallel_tool_calls, a forced reply is exactly one call, as vLLM's; a free-form one may hold several.
-    parallel = req.parallel_tool_calls is True if forced is not None else req.parallel_tool_calls is not False
+    # A reply to the legacy functions has one function_call.
+    parallel = req.functions is None and (req.parallel_tool_calls is True if forced is not None
+                                          else req.parallel_tool_calls is not False)
     if forced is not None:
         errors["structured_outputs"] = choice_field
         params = msgspec.structs.replace(params, structured_outputs=forced)

@@ -1,10 +1,11 @@
 """Errors: one exception type that carries its HTTP status, answered in the error format of the API that was asked
-(OpenAI's for /v1, Anthropic's for /v1/messages, Ollama's for /api)."""
+(OpenAI's for /v1, Anthropic's for /v1/messages and for Anthropic's clients on /v1/models, Ollama's for /api)."""
 
 from __future__ import annotations
 
 import msgspec
 from starlette.responses import Response
+from starlette.types import Scope
 
 from pocketllm.errors import (
     ConfigError,
@@ -41,9 +42,10 @@ class APIError(Exception):
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
         self.headers = headers or {}
 
-    def response(self, path: str = "") -> Response:
-        """The answer in the error format of the API that ``path`` belongs to."""
-        return Response(msgspec.json.encode(error_body(path, self)), status_code=self.status, headers=self.headers,
+    def response(self, scope: Scope) -> Response:
+        """The answer in the error format of the API that the request ``scope`` was made to."""
+        body = error_body(scope["path"], self, anthropic=anthropic_client(scope))
+        return Response(msgspec.json.encode(body), status_code=self.status, headers=self.headers,
                         media_type="application/json")
 
 
@@ -68,6 +70,13 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     503: "overloaded_error", 529: "overloaded_error"}
 ANTHROPIC_PREFIX = "/v1/messages"
 OLLAMA_PREFIX = "/api/"
+MODELS_PATH = "/v1/models"  # both OpenAI's API and Anthropic's have it, each in its own shapes
+_ANTHROPIC_VERSION = b"anthropic-version"  # sent by Anthropic's clients on every request, by nobody else's
+
+
+def anthropic_client(scope: Scope) -> bool:
+    """Whether the request comes from one of Anthropic's clients (ASGI gives header names in lower case)."""
+    return any(name == _ANTHROPIC_VERSION for name, _ in scope["headers"])
 
 
 def anthropic_error(error: APIError) -> AnthropicErrorBody:
@@ -75,17 +84,25 @@ def anthropic_error(error: APIError) -> AnthropicErrorBody:
     return AnthropicErrorBody(AnthropicErrorInfo(type=kind, message=error.info.message))
 
 
-def error_body_type(path: str) -> type[ErrorBody | AnthropicErrorBody | OllamaErrorBody]:
-    """The error format of the API that ``path`` belongs to."""
-    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+ErrorBodies = ErrorBody | AnthropicErrorBody | OllamaErrorBody
+
+
+def error_body_type(path: str, *, anthropic: bool = False) -> type[ErrorBodies]:
+    """The error format of the API that ``path`` belongs to; ``anthropic``: Anthropic's on the paths both APIs
+    have, for a request from Anthropic's clients."""
+    if _under(path, ANTHROPIC_PREFIX) or (anthropic and _under(path, MODELS_PATH)):
         return AnthropicErrorBody
     if path.startswith(OLLAMA_PREFIX):
         return OllamaErrorBody
     return ErrorBody
 
 
-def error_body(path: str, error: APIError) -> ErrorBody | AnthropicErrorBody | OllamaErrorBody:
-    kind = error_body_type(path)
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + "/")
+
+
+def error_body(path: str, error: APIError, *, anthropic: bool = False) -> ErrorBodies:
+    kind = error_body_type(path, anthropic=anthropic)
     if kind is AnthropicErrorBody:
         return anthropic_error(error)
     if kind is OllamaErrorBody:

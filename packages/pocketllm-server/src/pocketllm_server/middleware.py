@@ -43,7 +43,7 @@ class ApiKeyMiddleware:
                                   "'x-api-key: <key>'.", code="invalid_api_key",
                              headers={"WWW-Authenticate": "Bearer"})
             log_error_answer(scope, error)
-            await error.response(scope["path"])(scope, receive, send)
+            await error.response(scope)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -76,7 +76,7 @@ class UnexpectedErrorMiddleware:
             if not started:  # once headers are out, closing the connection is all that is left
                 error = APIError(500, f"The server had an error while processing the request ({type(e).__name__}).",
                                  type="internal_server_error")
-                await error.response(scope["path"])(scope, receive, send)
+                await error.response(scope)(scope, receive, send)
 
 
 class ClientRequestIdMiddleware:
@@ -219,6 +219,6 @@ class RequestBodyMiddleware:
             error = BodyTooLarge(self.max_body_bytes) if declared.isdigit() else APIError(
                 400, f"invalid Content-Length header {declared[:40]!r}")
             log_error_answer(scope, error)
-            await error.response(scope["path"])(scope, receive, closing_send)
+            await error.response(scope)(scope, receive, closing_send)
             return
         await self.app(scope, counting_receive, closing_send)

@@ -3,13 +3,13 @@
 ``/api/chat`` and templated ``/api/generate`` are chat turns (``chat_turn``): the request becomes an OpenAI chat
 request (a generate prompt a user message, after its ``system`` message), and the turn's replies or pieces become
 Ollama's JSON objects, or its stream of them as newline-delimited JSON. A ``raw`` generate prompt is tokenized as
-it is and run as the completions endpoint runs its prompts. ``/api/embed`` pools as ``/v1/embeddings`` does;
-``/api/tags``, ``/api/show`` and ``/api/version`` (``ollama_models``) describe the one served model and the API;
-``ollama_options`` maps Ollama's request fields onto the engine's.
+it is and run as the completions endpoint runs its prompts. ``/api/embed`` and the older ``/api/embeddings`` pool as
+``/v1/embeddings`` does; ``/api/tags``, ``/api/show``, ``/api/ps`` and ``/api/version`` (``ollama_models``) describe
+the one served model and the API; ``ollama_options`` maps Ollama's request fields onto the engine's.
 
 Ollama loads models on demand and unloads them after ``keep_alive``; this server loads its model at start and
-keeps it while it runs, so ``keep_alive`` is accepted and changes nothing, and an empty prompt (Ollama's way to
-load a model) is answered at once with ``done_reason`` "load".
+keeps it while it runs, so a ``keep_alive`` Ollama could read is accepted and changes nothing, and an empty prompt
+(Ollama's way to load a model) is answered at once with ``done_reason`` "load".
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from pocketllm_server.ollama_options import (
     OPTION_FIELDS,
     chat_message,
     check_generate,
+    check_keep_alive,
     check_logprobs,
     checked_options,
     context_size,
@@ -50,6 +51,8 @@ from pocketllm_server.ollama_options import (
 from pocketllm_server.ollama_protocol import (
     ChatRequest,
     ChatResponse,
+    EmbeddingsRequest,
+    EmbeddingsResponse,
     EmbedRequest,
     EmbedResponse,
     GenerateRequest,
@@ -80,6 +83,7 @@ _NS = 1_000_000_000
 async def chat(request: Request) -> Response:
     started = time.monotonic()
     state, req, llm = await read_model_request(request, ChatRequest)
+    check_keep_alive(req.keep_alive)
     check_logprobs(req.logprobs)
     opts = checked_options(req.options)
     chat_request = ChatCompletionRequest(
@@ -107,6 +111,7 @@ async def chat(request: Request) -> Response:
 async def generate(request: Request) -> Response:
     started = time.monotonic()
     state, req, llm = await read_model_request(request, GenerateRequest)
+    check_keep_alive(req.keep_alive)
     check_generate(req)
     opts = checked_options(req.options)
     response_format = format_of(req.format)
@@ -139,6 +144,7 @@ async def generate(request: Request) -> Response:
 async def embed(request: Request) -> Response:
     started = time.monotonic()
     state, req, llm = await read_model_request(request, EmbedRequest)
+    check_keep_alive(req.keep_alive)
     context = context_size(checked_options(req.options), llm.max_model_len)
     texts = ([req.input] if req.input else []) if isinstance(req.input, str) else req.input
     if len(texts) > MAX_PROMPTS:
@@ -159,6 +165,23 @@ async def embed(request: Request) -> Response:
                                        total_duration=_ns(time.monotonic() - started), load_duration=0,
                                        prompt_eval_count=num_tokens), headers={"X-Request-Id": rid})
 
+
+async def embeddings(request: Request) -> Response:
+    """The older embeddings route, as Ollama still serves it: one prompt, its vector not normalised, and a prompt
+    longer than the context refused rather than cut."""
+    state, req, llm = await read_model_request(request, EmbeddingsRequest)
+    check_keep_alive(req.keep_alive)
+    context = context_size(checked_options(req.options), llm.max_model_len)
+    if not req.prompt:  # Ollama's way to load the model
+        return json_response(EmbeddingsResponse(embedding=[]))
+    rid = request_id(request, "ollama")
+    try:  # off the event loop: tokenizing grows with the prompt
+        prompts = await asyncio.to_thread(_embedding_inputs, llm, [req.prompt], context, False, "prompt")
+    except PocketLLMError as e:
+        raise from_engine_error(e, fields={**EMBEDDING_FIELDS, "prompt": "prompt"}) from None
+    params = PoolingParams(pooling_type=state.pooling_type, normalize=False)
+    [output] = await embed_all(request, state, llm, prompts, params, rid)
+    return json_response(EmbeddingsResponse(embedding=output.embedding), headers={"X-Request-Id": rid})
 
 
 async def _start_chat(request: Request, state: ServerState, llm: AsyncLLM, chat_request: ChatCompletionRequest,
@@ -273,9 +296,11 @@ def _ns(seconds: float) -> int:
 
 # -- embeddings ----------------------------------------------------------------------------------------------------
 
-def _embedding_inputs(llm: AsyncLLM, texts: list[str], context: int, truncate: bool) -> list[list[int]]:
+def _embedding_inputs(llm: AsyncLLM, texts: list[str], context: int, truncate: bool,
+                      field: str = "input") -> list[list[int]]:
     """Each input's token ids. Longer than the context: its first tokens, as Ollama keeps; or, without
-    ``truncate``, refused. A text too long to tokenize whole is cut first, to what those tokens can span."""
+    ``truncate``, refused, naming the request's ``field``. A text too long to tokenize whole is cut first, to what
+    those tokens can span."""
     prompts = []
     for i, text in enumerate(texts):
         if truncate:
@@ -283,8 +308,9 @@ def _embedding_inputs(llm: AsyncLLM, texts: list[str], context: int, truncate: b
         else:
             ids = llm.encode_prompt(text)[1]
             if len(ids) > context:
-                raise invalid_request(f"input exceeds maximum context length: input {i} has {len(ids)} tokens, "
-                                      f"the context {context}", "input")
+                which = field if len(texts) == 1 else f"{field} {i}"
+                raise invalid_request(f"input exceeds maximum context length: {which} has {len(ids)} tokens, the "
+                                      f"context {context}", field)
         prompts.append(ids)
     return prompts
 

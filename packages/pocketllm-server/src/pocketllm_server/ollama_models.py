@@ -1,4 +1,5 @@
-"""GET /api/tags, POST /api/show and GET /api/version: the one served model as Ollama describes a model."""
+"""GET /api/tags, POST /api/show, GET /api/ps and GET /api/version: the one served model as Ollama describes a
+model."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import functools
 import json
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,8 @@ from pocketllm_server.ollama_protocol import (
     ListedModel,
     ListResponse,
     ModelDetails,
+    ProcessResponse,
+    RunningModel,
     ShowRequest,
     ShowResponse,
     VersionResponse,
@@ -34,6 +38,8 @@ from pocketllm_server.protocol import (
 
 # Sampling settings the checkpoint recommends (the server's defaults), by Ollama's names where they differ.
 _OLLAMA_NAMES = {"repetition_penalty": "repeat_penalty", "max_tokens": "num_predict"}
+# Ollama's "forever" (a negative keep_alive): the longest Go duration, which its /api/ps adds to the time now.
+_FOREVER_S = (2**63 - 1) / 1e9
 
 
 async def tags(request: Request) -> Response:
@@ -55,6 +61,21 @@ async def show(request: Request) -> Response:
         template=llm.tokenizer.chat_template or "", details=facts.details,
         model_info=_model_info(llm.model_config, facts.parameter_count),
         capabilities=_capabilities(llm, state), modified_at=facts.modified_at))
+
+
+async def ps(request: Request) -> Response:
+    """The loaded model: the served one once it is loaded, which stays loaded while the server runs, as a model
+    under Ollama's keep_alive -1 does."""
+    state = state_of(request)
+    llm = state.llm
+    if llm is None:  # still loading, or it failed to
+        return json_response(ProcessResponse(models=[]))
+    facts = await _facts(llm)
+    name = state.served_model_name
+    return json_response(ProcessResponse(models=[RunningModel(
+        name=name, model=name, size=facts.size, digest="", details=facts.details,
+        expires_at=timestamp(time.time() + _FOREVER_S), size_vram=facts.size if _on_accelerator(llm) else 0,
+        context_length=llm.max_model_len)]))
 
 
 async def version(request: Request) -> Response:
@@ -88,6 +109,14 @@ def _checkpoint_facts(path: str) -> _Facts:
     files = [Path(path)] if Path(path).is_file() else [f for f in Path(path).rglob("*") if f.is_file()]
     return _Facts(details=details, parameter_count=count, size=sum(f.stat().st_size for f in files),
                   modified_at=timestamp(max(f.stat().st_mtime for f in files)))
+
+
+def _on_accelerator(llm: AsyncLLM) -> bool:
+    """Whether the weights are in an accelerator's memory: on a device named so, or on a backend that runs on no
+    other. Device "auto" on a backend that also runs on the CPU (torch) counts as the CPU: the engine does not say
+    what it resolved "auto" to."""
+    device = llm.args.device.split(":")[0]
+    return "cpu" not in llm.capabilities.devices if device == "auto" else device != "cpu"
 
 
 def _human_count(count: int) -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pocketllm import AsyncLLM
@@ -13,6 +14,7 @@ from pocketllm_server.errors import APIError, invalid_request
 from pocketllm_server.ollama_protocol import (
     OLLAMA_VERSION,
     GenerateRequest,
+    KeepAlive,
     Message,
     Options,
 )
@@ -32,6 +34,13 @@ _NEUTRAL_OPTIONS = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0}
 # The engine's repetition penalty covers the whole context: Ollama's repeat_last_n -1. Ollama's default window, 64,
 # is accepted too, as clients send it unchanged with any repeat_penalty.
 _REPEAT_WINDOWS = (-1, 64)
+# A Go duration (time.ParseDuration): "0", or numbers with units ("300ms", "1.5h", "1h30m"), signed as a whole.
+_GO_DURATION = re.compile(r"[-+]?(?:0|(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+)", re.ASCII)
+_DURATION_PART = re.compile(r"(\d*)(?:\.(\d*))?(ns|us|µs|μs|ms|s|m|h)", re.ASCII)
+_UNIT_NS = {"ns": 1, "us": 10**3, "µs": 10**3, "μs": 10**3, "ms": 10**6, "s": 10**9, "m": 60 * 10**9,
+            "h": 3600 * 10**9}
+_MAX_DURATION_NS = 2**63 - 1  # Go's time.Duration is an int64 of nanoseconds
+_INT64_DIGITS = len(str(_MAX_DURATION_NS))
 
 
 def checked_options(options: Options | None) -> Options:
@@ -53,6 +62,30 @@ def checked_options(options: Options | None) -> Options:
         raise invalid_request("options.num_predict must be positive, -1 (until the context ends) or -2 (fill the "
                               f"context), got {opts.num_predict}", "options.num_predict")
     return opts
+
+
+def check_keep_alive(keep_alive: KeepAlive) -> None:
+    """Refuse a keep_alive Ollama could not read: it takes a number of seconds (negative: forever) or a Go duration
+    string, and answers anything else 400 with Go's error."""
+    if isinstance(keep_alive, str) and not _is_go_duration(keep_alive):
+        raise invalid_request(f'keep_alive: time: invalid duration "{keep_alive}" (give seconds, negative to keep the '
+                              'model loaded, or a duration such as "5m" or "1h30m")', "keep_alive")
+
+
+def _is_go_duration(text: str) -> bool:
+    """Whether Go's time.ParseDuration reads ``text``: its syntax, and at most an int64 of nanoseconds."""
+    if not _GO_DURATION.fullmatch(text):
+        return False
+    nanoseconds = 0
+    for whole, fraction, unit in _DURATION_PART.findall(text):
+        # Digits past an int64's are an overflow in the whole part, and below a nanosecond in the fraction (and
+        # Python refuses to read more than 4,300 digits as one int).
+        whole, fraction = whole.lstrip("0"), fraction[:_INT64_DIGITS]
+        if len(whole) > _INT64_DIGITS:
+            return False
+        scale = _UNIT_NS[unit]
+        nanoseconds += int(whole or 0) * scale + int(fraction or 0) * scale // 10 ** len(fraction)
+    return nanoseconds <= _MAX_DURATION_NS + text.startswith("-")  # the most negative int64 is one further from 0
 
 
 def unsupported(param: str, message: str) -> APIError:

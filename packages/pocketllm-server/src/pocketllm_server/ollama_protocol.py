@@ -27,8 +27,9 @@ def timestamp(seconds: float) -> str:
 # Every integer a request gives fits the engine's 64-bit fields (Go's int, as Ollama decodes them).
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 
-# keep_alive: how long Ollama keeps a model loaded after a request (a duration such as "5m", or seconds). This
-# server loads its one model at start and keeps it until it stops, so the field is accepted and has nothing to set.
+# keep_alive: how long Ollama keeps a model loaded after a request (a Go duration such as "5m", or seconds; negative:
+# forever). This server loads its one model at start and keeps it until it stops, so a keep_alive Ollama could read
+# (ollama_options.check_keep_alive) is accepted and has nothing to set.
 KeepAlive = str | float | None
 
 
@@ -140,6 +141,15 @@ class EmbedRequest(msgspec.Struct, kw_only=True):
     keep_alive: KeepAlive = None
 
 
+class EmbeddingsRequest(msgspec.Struct, kw_only=True):
+    """The older ``/api/embeddings``: one prompt, one vector."""
+
+    model: str | None = None
+    prompt: str = ""  # empty: only "load" the model
+    options: Options | None = None
+    keep_alive: KeepAlive = None
+
+
 class ShowRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     name: str | None = None  # the older spelling of ``model``
@@ -201,6 +211,10 @@ class EmbedResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
     total_duration: int | None = None
     load_duration: int | None = None
     prompt_eval_count: int | None = None
+
+
+class EmbeddingsResponse(msgspec.Struct, kw_only=True):
+    embedding: list[float]
 
 
 class ModelDetails(msgspec.Struct, kw_only=True):

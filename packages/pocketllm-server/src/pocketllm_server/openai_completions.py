@@ -146,8 +146,6 @@ def _prompt_requests(req: CompletionRequest, llm: AsyncLLM, defaults: dict[str, 
     """Each prompt's tokens and parameters. The parameters differ only in the room left for a completion: they
     are built and checked once for each distinct ``max_tokens``, not once per prompt."""
     prompts = _prompts(req.prompt, llm)
-    if req.echo and req.prompt_logprobs is None:  # what the engine's prompt scoring answers to here
-        fields["prompt_logprobs"] = "echo" if req.logprobs is None else "logprobs"
     params_for: dict[int, SamplingParams] = {}
     requests = []
     for i, (text, ids) in enumerate(prompts):

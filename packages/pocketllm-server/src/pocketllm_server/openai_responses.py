@@ -110,7 +110,10 @@ async def create_response(request: Request) -> Response:
         tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
         response_format=_response_format(req.text), logprobs=logprobs, top_logprobs=req.top_logprobs,
         chat_template_kwargs=thinking_kwargs(llm, state, _thinking(req), "reasoning.effort"))
-    turn = await start_turn(request, state, llm, chat, id_prefix="resp", id_separator="_", fields=_FIELDS)
+    # The prompt is the instructions and the conversation: one too long for the context names the longer of them.
+    conversation = sum(len(m.content) for m in history if isinstance(m.content, str))
+    fields = {**_FIELDS, "prompt": "instructions" if len(req.instructions or "") > conversation else "input"}
+    turn = await start_turn(request, state, llm, chat, id_prefix="resp", id_separator="_", fields=fields)
     asked = _Request(req, tools, history)
     text_of = TokenTexts(llm.tokenizer) if logprobs else None
     if req.stream:

@@ -32,8 +32,12 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
+# A structured output's schema name, as OpenAI allows one.
+SchemaName = Annotated[str, msgspec.Meta(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+
+
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
-    name: str | None = None
+    name: SchemaName | None = None
     description: str | None = None
     schema: dict[str, Any] | bool | None = None
     strict: bool | None = None  # the grammar enforces the schema exactly either way
@@ -81,6 +85,11 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
 class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
     type: str
     text: str | None = None
+
+    def __post_init__(self) -> None:
+        # Other types are refused when the conversation is rendered: only text parts are read.
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs its `text` field")
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -222,6 +231,7 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] = msgspec.field(default_factory=list)
+    function_call: FunctionCall | None = None  # the reply's call, where the request gave the legacy functions
     # --reasoning-parser: the <think> section, under both names clients read (vLLM's and the newer one).
     reasoning_content: str | None = None
     reasoning: str | None = None
@@ -249,6 +259,7 @@ class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     reasoning_content: str | None = None
     reasoning: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    function_call: FunctionCall | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
@@ -357,6 +368,9 @@ _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects a request body may have (tool schemas need a few levels, not 1,000)."""
 _STRUCTURE = re.compile(rb'[\[\]{}"\\]')
+# JSON's escapes, each matched from its backslash: a UTF-16 surrogate pair, half of one, or any other escape.
+_ESCAPE = re.compile(rb"\\(?:u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+                     rb"|(?P<half>u[dD][89a-fA-F][0-9a-fA-F]{2})|.)", re.DOTALL)
 
 
 def json_depth_exceeds(body: bytes, limit: int) -> bool:
@@ -397,7 +411,11 @@ def decode(body: bytes, type_: type[T]) -> T:
             path = f"{path}.{missing.group('field')}" if path else missing.group("field")
         raise invalid_request(message, path or None) from None
     except msgspec.DecodeError as e:
-        raise invalid_request(f"request body is not valid JSON: {e}") from None
+        # msgspec takes a lone high surrogate for the body being cut short: say what is wrong instead.
+        lone = next((m for m in _ESCAPE.finditer(body) if m.group("half")), None)
+        reason = e if lone is None else f"invalid unicode escape {lone.group().decode()} at byte {lone.start()}: " \
+            "half of a UTF-16 surrogate pair, which is no character"
+        raise invalid_request(f"request body is not valid JSON: {reason}") from None
 
 
 def json_response(payload: object, *, status: int = 200, headers: dict[str, str] | None = None) -> Response:

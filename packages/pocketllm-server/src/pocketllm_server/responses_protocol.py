@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from pocketllm.limits import INT64_MAX, INT64_MIN, MAX_LOGPROBS
-from pocketllm_server.protocol import ChatTokenLogprob  # an output_text's logprobs: chat's, field for field
+from pocketllm_server.protocol import ChatTokenLogprob, SchemaName  # as chat's: logprobs, and a format's name
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512
 MAX_INPUT_ITEMS = 4096
@@ -22,7 +22,7 @@ MAX_INPUT_ITEMS = 4096
 
 class TextFormat(msgspec.Struct, kw_only=True):
     type: Literal["text", "json_schema", "json_object"]
-    name: str | None = None
+    name: SchemaName | None = None
     schema: dict[str, Any] | None = None
     description: str | None = None
     strict: bool | None = None  # the grammar enforces the schema exactly either way
