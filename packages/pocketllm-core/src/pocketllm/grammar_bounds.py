@@ -25,6 +25,7 @@ from pocketllm.limits import (
     MAX_GRAMMAR_REPEAT,
     MAX_GRAMMAR_RULES,
     MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_OPTIONAL_PROPERTIES,
 )
 
 _COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
@@ -40,7 +41,8 @@ def refuse(message: str) -> ConfigError:
 
 def check_schema(schema: Any) -> None:
     """A JSON schema: subschemas nested at most MAX_SCHEMA_DEPTH deep, counting each ``$ref`` as its target's
-    depth; no cycle of ``$ref`` (or ``allOf``) that never reaches a value; regex patterns within their bounds."""
+    depth; no cycle of ``$ref`` (or ``allOf``) that never reaches a value; regex patterns within their bounds;
+    objects without a required property within MAX_SCHEMA_OPTIONAL_PROPERTIES."""
     _check_ref_cycles(schema)
     # Depth-first, iteratively; a finished node's depth is kept (a $defs entry reached from many places is
     # walked once), and a reference back into the current path is a recursive schema, compiled as a rule.
@@ -62,6 +64,7 @@ def check_schema(schema: Any) -> None:
                 raise _too_deep()
             if isinstance(node.get("pattern"), str):
                 check_regex(node["pattern"])
+            _check_optional_properties(node)
         on_path.add(id(node))
         stack.append((node, iter(_children(node, schema)), [0]))
         return True
@@ -87,6 +90,16 @@ def check_schema(schema: Any) -> None:
 
 
 _DONE = object()
+
+
+def _check_optional_properties(node: dict) -> None:
+    properties, required = node.get("properties"), node.get("required")
+    if not isinstance(properties, dict) or len(properties) <= MAX_SCHEMA_OPTIONAL_PROPERTIES:
+        return
+    if isinstance(required, list) and any(isinstance(r, str) and r in properties for r in required):
+        return
+    raise refuse(f"a JSON schema object has {len(properties)} properties and none is required; at most "
+                 f"{MAX_SCHEMA_OPTIONAL_PROPERTIES} without a required one (the limit)")
 
 
 def _too_deep() -> ConfigError:
