@@ -8,6 +8,7 @@ import json
 from collections import defaultdict
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
@@ -51,6 +52,15 @@ def test_models(sdk: openai.OpenAI) -> None:
         sdk.models.retrieve("gpt-4o")
     assert error.value.body == {"message": "The model `gpt-4o` does not exist; this server serves `tiny`.",
                                 "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+
+
+def test_a_model_named_with_slashes_is_retrieved_by_its_name(tiny_args: EngineArgs, echo_llm: AsyncLLM) -> None:
+    """vLLM serves a Hugging Face id ("org/model") by default: the SDK's retrieve puts it in the path as it is."""
+    with running(create_app(tiny_args, served_model_name="org/tiny-v1", llm=echo_llm)) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+        assert client.models.retrieve("org/tiny-v1").id == "org/tiny-v1"
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("org/other")
 
 
 def test_chat_completion(sdk: openai.OpenAI, echo_llm: AsyncLLM) -> None:
@@ -325,3 +335,15 @@ def test_legacy_functions_are_answered_in_the_legacy_shape(smol_sdk: openai.Open
     assert not any(d.tool_calls for d in deltas) and chunks[-1].choices[0].finish_reason == "function_call"
     calls = [d.function_call for d in deltas if d.function_call]
     assert (calls[0].name, "".join(c.arguments or "" for c in calls)) == (call.name, call.arguments)
+    # The conversation goes on as legacy clients send it: the call in the assistant message, its result in a
+    # "function" message; the template sees them as a tool call and the tool message that answers it.
+    history = [*fields["messages"], {"role": "assistant", "content": None,
+                                     "function_call": {"name": call.name, "arguments": call.arguments}},
+               {"role": "function", "name": call.name, "content": '{"temperature": "21 C, sunny"}'}]
+    follow_up = smol_sdk.chat.completions.create(**(fields | {"messages": history, "function_call": "none"}))
+    assert follow_up.choices[0].finish_reason in ("stop", "length") and follow_up.choices[0].message.content
+    root = str(smol_sdk.base_url).removesuffix("/").removesuffix("/v1")
+    rendered = httpx.post(f"{root}/tokenize", timeout=30, json={"model": "smol", "messages": history,
+                                                                "tools": [WEATHER, TIME]}).json()
+    text = httpx.post(f"{root}/detokenize", json={"model": "smol", "tokens": rendered["tokens"]}, timeout=30).json()
+    assert "21 C, sunny" in text["prompt"] and call.name in text["prompt"]

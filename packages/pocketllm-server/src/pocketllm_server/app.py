@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
@@ -46,6 +47,22 @@ from pocketllm_server.response_store import (
 )
 from pocketllm_server.tool_calls import TOOL_CALL_PARSERS
 from pocketllm_server.web_ui import routes as web_ui_routes
+
+
+class _ModelName(Convertor[str]):
+    """A served model's name in a path: any non-empty text, slashes included ("Qwen/Qwen3-0.6B", as vLLM serves a
+    Hugging Face id); "/v1/models/" itself still redirects to the list."""
+
+    regex = ".+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("model_name", _ModelName())
 
 # Status for a request whose client left before the answer (nginx's convention; nobody receives it).
 _CLIENT_CLOSED_REQUEST = 499
@@ -101,7 +118,7 @@ def create_app(engine_args: EngineArgs, *, served_model_name: str, api_key: str 
         Route("/ready", routes_health.ready, methods=["GET"]),
         Route("/metrics", routes_health.metrics, methods=["GET"]),
         Route("/v1/models", openai_models.list_models, methods=["GET"]),
-        Route("/v1/models/{model}", openai_models.retrieve_model, methods=["GET"]),
+        Route("/v1/models/{model:model_name}", openai_models.retrieve_model, methods=["GET"]),
         Route("/v1/chat/completions", openai_chat.create_chat_completion, methods=["POST"]),
         Route("/v1/completions", openai_completions.create_completion, methods=["POST"]),
         Route("/v1/embeddings", openai_embeddings.create_embedding, methods=["POST"]),

@@ -33,7 +33,7 @@ from pocketllm_server.generation import (
     sampling_params,
     start_all,
 )
-from pocketllm_server.protocol import ChatCompletionRequest
+from pocketllm_server.protocol import ChatCompletionRequest, ChatMessage
 from pocketllm_server.tool_calls import ToolCall, ToolCallStream, forcing_grammar, parser_for_template
 from pocketllm_server.tool_calls import parse as parse_tool_calls
 
@@ -263,10 +263,32 @@ def _render(llm: AsyncLLM, req: ChatCompletionRequest, tools: list[dict[str, Any
     system message that stands in for it asks for calls."""
     if tools and tool_choice == "none" and not llm.chat_builder.renders_tools:
         tools = None
-    messages = [msgspec.to_builtins(m) for m in req.messages]
-    return llm.render_chat(messages, add_generation_prompt=req.add_generation_prompt, tools=tools,
+    return llm.render_chat(conversation(req.messages), add_generation_prompt=req.add_generation_prompt, tools=tools,
                            chat_template_kwargs=req.chat_template_kwargs,
                            continue_final_message=req.continue_final_message)[1]
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """A request's messages as chat templates take them, those in the legacy functions form too: an assistant
+    message's ``function_call`` as its one tool call, and a ``function`` message (its result) as the ``tool``
+    message that answers it, by the call's id (the legacy form has none: each is named after its place)."""
+    out, call_id = [], None
+    for i, message in enumerate(msgspec.to_builtins(m) for m in messages):
+        call = message.pop("function_call", None)
+        if call is not None and message.get("role") == "assistant":
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                raise invalid_request(f"messages[{i}].function_call needs a name and arguments",
+                                      f"messages[{i}].function_call")
+            call_id = f"call_{i}"
+            message["tool_calls"] = [{"id": call_id, "type": "function", "function": {
+                "name": call["name"], "arguments": call.get("arguments", "")}}]
+        elif call is not None:
+            raise invalid_request(f"messages[{i}]: only an assistant message carries a function_call",
+                                  f"messages[{i}].function_call")
+        if message.get("role") == "function":
+            message = {**message, "role": "tool", **({"tool_call_id": call_id} if call_id else {})}
+        out.append(message)
+    return out
 
 
 def _reply_parser(parser: str, llm: AsyncLLM) -> str | None:

@@ -98,6 +98,7 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None  # an earlier reply's call in the legacy form (see chat_turn)
     reasoning_content: str | None = None  # an earlier reply's reasoning, for templates that show it
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from pocketllm import AsyncLLM, PocketLLMError
 from pocketllm_server.app_state import read_model_request, state_of
+from pocketllm_server.chat_turn import conversation
 from pocketllm_server.errors import from_engine_error, invalid_request
 from pocketllm_server.protocol import (
     DetokenizeRequest,
@@ -38,7 +38,7 @@ def _tokenize(req: TokenizeRequest, llm: AsyncLLM) -> list[int]:
         llm.check_text_length(req.prompt)
         return llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     assert req.messages is not None
-    text, ids = llm.render_chat([msgspec.to_builtins(m) for m in req.messages],
+    text, ids = llm.render_chat(conversation(req.messages),
                                 add_generation_prompt=req.add_generation_prompt, tools=req.tools,
                                 chat_template_kwargs=req.chat_template_kwargs)
     # On top of what the template already wrote, as vLLM does.
