@@ -61,6 +61,11 @@ def test_text_response(sdk: openai.OpenAI, echo_server: LiveServer, echo_llm: As
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello "},
                                                          {"type": "input_text", "text": "there"}]}])
     assert items.output_text == response.output_text
+    # The hosted service's settings are taken as the SDK sends them and change nothing here.
+    hosted = sdk.responses.create(model=MODEL, instructions="Be brief.", input="hello there", max_output_tokens=7,
+                                  max_tool_calls=1, service_tier="auto", prompt_cache_key="k", safety_identifier="u",
+                                  **GREEDY)
+    assert hosted.output_text == response.output_text
 
 
 def test_streamed_events(sdk: openai.OpenAI) -> None:
@@ -188,6 +193,8 @@ def test_errors_in_openai_s_shape(echo_server: LiveServer, echo_llm: AsyncLLM) -
                         ({"input": "hi", "instructions": too_long}, "instructions"),
                         ({"input": too_long, "instructions": "Be brief."}, "input"),
                         ({"input": []}, "input"),
+                        ({"input": "hi", "max_tool_calls": -1}, "max_tool_calls"),
+                        ({"input": "hi", "service_tier": "fastest"}, "service_tier"),
                         ({}, "input")]:
         response = httpx.post(url, json={"model": MODEL, **GREEDY, **body}, timeout=30)
         assert response.status_code == 400, (body, response.text)

@@ -75,6 +75,14 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     truncation: Literal["auto", "disabled"] | None = None
     background: bool | None = None
     user: str | None = None  # accepted for compatibility; not used
+    # Settings of OpenAI's hosted service, accepted and checked: this server has no built-in tools for
+    # max_tool_calls to bound (function calls are not counted by it), no service tiers, a prefix cache that needs
+    # no routing key, no abuse tracking, and no obfuscation of stream events.
+    max_tool_calls: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    stream_options: dict[str, bool] | None = None
     # Refused by name when given: they need OpenAI's hosted state (stored prompts, conversations).
     prompt: dict[str, Any] | None = None
     conversation: str | dict[str, Any] | None = None
