@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pocketllm.errors import ConfigError
-from pocketllm.limits import MAX_SCHEMA_OPTIONAL_PROPERTIES
+from pocketllm.limits import MAX_SCHEMA_OBJECT_PROPERTIES
 from pocketllm.structured import GrammarCompiler, StructuredOutputs, bitmask_words
 from pocketllm.testing.checkpoints import make_tiny_llama
 from pocketllm.tokenizer import Tokenizer
@@ -89,8 +89,13 @@ def test_deep_but_flat_grammars_compile_or_are_refused_and_never_crash(tmp_path:
     ({"grammar": "start: " + " | ".join(f'"a{i}"' for i in range(2001))}, "more than 2000 alternatives"),
     ({"grammar": "start: (" + " | ".join(f'"a{i}"' for i in range(2001)) + ")"}, "more than 2000 alternatives"),
     ({"grammar": 'root ::= "' + "a" * (1 << 18) + '"'}, "GBNF grammar is longer than 131072 characters"),
-    ({"json": optional_properties(MAX_SCHEMA_OPTIONAL_PROPERTIES + 1)}, "at most 500 without a required one"),
-    ({"json": {"type": "array", "items": optional_properties(600)}}, "has 600 properties and none is required"),
+    ({"json": optional_properties(MAX_SCHEMA_OBJECT_PROPERTIES + 1)}, "has 501 properties"),
+    ({"json": {"type": "array", "items": optional_properties(600)}}, "has 600 properties"),
+    ({"json": optional_properties(1200, required=("p0",))}, "has 1200 properties"),
+    *(({"json": {combinator: [optional_properties(400), optional_properties(400)]}}, "has 800 properties")
+      for combinator in ("anyOf", "allOf", "oneOf")),
+    ({"json": {"$defs": {"half": optional_properties(300)}, "allOf": [{"$ref": "#/$defs/half"}],
+               **optional_properties(300)}}, "has 600 properties"),
 ])
 def test_grammars_past_a_bound_are_refused_before_compiling(compiler: GrammarCompiler, fields: dict,
                                                              limit: str) -> None:
@@ -109,11 +114,13 @@ def test_recursive_schemas_and_wide_grammars_within_the_bounds_compile(compiler:
 
 
 def test_objects_of_optional_properties_within_the_bound_open_and_go_on(compiler: GrammarCompiler) -> None:
-    """llguidance offers an object's first property as an alternative per property when none is required: 503 of
-    them failed its row bound as the object opened (a request then failed by the first token it sampled). At the
-    bound the object opens; with a required property, far more optional ones do."""
-    for schema, text in ((optional_properties(MAX_SCHEMA_OPTIONAL_PROPERTIES), '{"p'),
-                         (optional_properties(1200, required=("p600",)), '{"p600":"a","p')):
+    """llguidance offers the properties an object may go on with as one alternative each: 503 optional ones failed
+    its row bound as the object opened (a request then failed or not by the tokens it sampled), 1,200 after a
+    required first one failed after it. At the bound, each of these opens and goes on."""
+    half = MAX_SCHEMA_OBJECT_PROPERTIES // 2
+    for schema, text in ((optional_properties(MAX_SCHEMA_OBJECT_PROPERTIES), '{"p'),
+                         (optional_properties(MAX_SCHEMA_OBJECT_PROPERTIES, required=("p0",)), '{"p0":"a","p'),
+                         ({"anyOf": [optional_properties(half), optional_properties(half)]}, '{"p')):
         constraint = compiler.constraint(StructuredOutputs(json=schema))
         for token in compiler._tokenizer.encode(text, add_special_tokens=False):
             assert allowed(compiler, constraint) and constraint.error is None

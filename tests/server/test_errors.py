@@ -60,6 +60,9 @@ def test_a_lone_surrogate_escape_is_named(client: httpx.Client) -> None:
         assert f"invalid unicode escape {escape} at byte {body.index(escape)}" in error["message"], error
     assert client.post(CHAT, content=json.dumps(chat(messages=[{"role": "user", "content": "\\ud800"}])),
                        headers=JSON).status_code == 200
+    # An earlier mistake is the one reported.
+    error = assert_error(client.post(CHAT, content=b'{"n": , "x": "\\ud800"}', headers=JSON), 400, None)
+    assert "invalid character (byte 6)" in error["message"], error
 
 
 def test_body_must_be_an_object(client: httpx.Client) -> None:

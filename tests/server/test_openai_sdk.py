@@ -347,3 +347,7 @@ def test_legacy_functions_are_answered_in_the_legacy_shape(smol_sdk: openai.Open
                                                                 "tools": [WEATHER, TIME]}).json()
     text = httpx.post(f"{root}/detokenize", json={"model": "smol", "tokens": rendered["tokens"]}, timeout=30).json()
     assert "21 C, sunny" in text["prompt"] and call.name in text["prompt"]
+    both = [*fields["messages"], {**history[1], "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": call.name, "arguments": call.arguments}}]}]
+    with pytest.raises(openai.BadRequestError, match="both tool_calls and the legacy function_call"):
+        smol_sdk.chat.completions.create(**(fields | {"messages": both}))

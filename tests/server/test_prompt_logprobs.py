@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from pocketllm import AsyncLLM, ConfigError, EngineArgs, SamplingParams
-from pocketllm.limits import MAX_PROMPT_LOGPROB_ENTRIES
+from pocketllm.limits import MAX_PROMPT_LOGPROB_ENTRIES, MAX_REQUEST_PROMPT_LOGPROB_ENTRIES
 from pocketllm_server import create_app
 from tests.server.conftest import LiveServer
 
@@ -100,20 +100,20 @@ def test_scoring_needs_echo_or_prompt_logprobs(scorer: tuple[LiveServer, AsyncLL
 
 
 def test_prompt_logprobs_are_bounded_by_what_they_cost(scorer: tuple[LiveServer, AsyncLLM]) -> None:
-    """Prompt tokens x (alternatives + 1) x choices, summed over a request's prompts, at most
-    MAX_PROMPT_LOGPROB_ENTRIES: 16 prompts of 40 tokens with 20 alternatives and 16 choices ask for 215,040 (each
-    prompt alone for 13,440); the 400 names prompt_logprobs, as echo's scoring is."""
+    """Prompt tokens x (alternatives + 1) x choices: at most MAX_PROMPT_LOGPROB_ENTRIES a prompt, and
+    MAX_REQUEST_PROMPT_LOGPROB_ENTRIES summed over a request's prompts. 80 prompts of 40 tokens with 20 alternatives
+    and 16 choices ask for 1,075,200 (each prompt for 13,440); the 400 names prompt_logprobs, as echo's scoring is."""
     server, llm = scorer
     ids = [llm.tokenizer.encode("the cat sat on the mat", add_special_tokens=False)[i % 3] for i in range(40)]
-    body = {"model": MODEL, "prompt": [ids] * 16, "n": 16, "max_tokens": 1, "temperature": 0}
+    assert 80 * 40 * 21 * 16 > MAX_REQUEST_PROMPT_LOGPROB_ENTRIES >= 40 * 40 * 21 * 16
+    body = {"model": MODEL, "prompt": [ids] * 80, "n": 16, "max_tokens": 1, "temperature": 0}
     for extra in ({"echo": True, "logprobs": 20}, {"prompt_logprobs": 20}):
         response = httpx.post(f"{server.url}/v1/completions", timeout=30, json=body | extra)
         assert response.status_code == 400, response.text
         error = response.json()["error"]
-        assert error["param"] == "prompt_logprobs" and "215,040 prompt logprobs" in error["message"]
-    assert 16 * 40 * 21 * 16 > MAX_PROMPT_LOGPROB_ENTRIES >= 40 * 21 * 16
-    alone = httpx.post(f"{server.url}/v1/completions", timeout=60, json=body | {"prompt": ids, "n": 16,
-                                                                              "prompt_logprobs": 20})
+        assert error["param"] == "prompt_logprobs" and "1,075,200 prompt logprobs" in error["message"], error
+    assert 400 * 21 * 16 > MAX_PROMPT_LOGPROB_ENTRIES >= 40 * 21 * 16
+    alone = httpx.post(f"{server.url}/v1/completions", timeout=60, json=body | {"prompt": ids, "prompt_logprobs": 20})
     assert alone.status_code == 200 and len(alone.json()["choices"]) == 16
     with pytest.raises(ConfigError, match="prompt_logprobs"):  # the library's own bound, for one prompt
         asyncio.run(llm.complete(ids * 10, SamplingParams(max_tokens=1, n=16, prompt_logprobs=20)))

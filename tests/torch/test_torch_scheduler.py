@@ -93,6 +93,21 @@ def test_prefill_chunks_share_the_token_budget_and_take_turns_with_decode() -> N
     assert (batch.seqs, batch.num_new_tokens) == ([a, b, c], [1, 1, 1])
 
 
+def test_a_prefill_beside_decodes_stays_within_the_step_budget() -> None:
+    """A chunk larger than the step's budget: the prompt beside a decode gets the budget, not the chunk."""
+    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=8, prefill_chunk_size=32)
+    a = make_seq("a", 3)
+    scheduler.add(a)
+    scheduler.mark_computed(scheduler.schedule())
+    a.token_ids.append(1)
+    b = make_seq("b", 40)
+    scheduler.add(b)
+    scheduler.mark_computed(scheduler.schedule())  # the decode step (a prefill step came last)
+    a.token_ids.append(1)  # a decodes on
+    batch = scheduler.schedule()
+    assert (batch.seqs, batch.num_new_tokens) == ([b], [8])
+
+
 def test_preemption_frees_the_newest_and_requeues_it_first() -> None:
     manager = BlockManager(num_blocks=4, block_size=4)
     scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=64)

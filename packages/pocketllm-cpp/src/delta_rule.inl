@@ -1,8 +1,9 @@
 // The one implementation of delta_rule.h's kernels, included by delta_rule_<isa>.cpp after it defines
 // PLLM_GATED_DELTA (the name of its table function). Written with GCC/Clang vector extensions, 8 floats a vector,
 // which each file's flags lower to that ISA's registers: two SSE registers on baseline x86-64, one AVX register
-// with AVX2, two NEON registers on AArch64. Columns of the state are independent, so every loop runs over blocks of
-// columns, with a scalar tail for sizes that are not a multiple of 8.
+// with AVX2, two NEON registers on AArch64. Columns of the state are independent, so every loop runs over 8 columns
+// at a time (a chunk over blocks of them, one token over whole rows), with a scalar tail for sizes that are not a
+// multiple of 8.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

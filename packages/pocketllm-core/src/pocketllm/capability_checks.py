@@ -111,10 +111,10 @@ def prompt_logprob_entries(prompt_tokens: int, params: SamplingParams) -> int:
     return 0 if params.prompt_logprobs is None else prompt_tokens * (params.prompt_logprobs + 1) * params.n
 
 
-def check_prompt_logprob_entries(entries: int, field: str = "prompt_logprobs") -> None:
-    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
-        raise ConfigError(field, f"asks for {entries:,} prompt logprobs (prompt tokens x (alternatives + 1) x "
-                                 f"choices); at most {MAX_PROMPT_LOGPROB_ENTRIES:,} a request")
+def check_prompt_logprob_entries(entries: int, limit: int = MAX_PROMPT_LOGPROB_ENTRIES, what: str = "prompt") -> None:
+    if entries > limit:
+        raise ConfigError("prompt_logprobs", f"asks for {entries:,} prompt logprobs (prompt tokens x (alternatives + "
+                                             f"1) x choices); at most {limit:,} a {what}")
 
 
 def check_embedding_request(backend: str, caps: Capabilities, prompt_ids: list[int], params: PoolingParams, *,

@@ -25,7 +25,7 @@ from pocketllm.limits import (
     MAX_GRAMMAR_REPEAT,
     MAX_GRAMMAR_RULES,
     MAX_SCHEMA_DEPTH,
-    MAX_SCHEMA_OPTIONAL_PROPERTIES,
+    MAX_SCHEMA_OBJECT_PROPERTIES,
 )
 
 _COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
@@ -42,12 +42,13 @@ def refuse(message: str) -> ConfigError:
 def check_schema(schema: Any) -> None:
     """A JSON schema: subschemas nested at most MAX_SCHEMA_DEPTH deep, counting each ``$ref`` as its target's
     depth; no cycle of ``$ref`` (or ``allOf``) that never reaches a value; regex patterns within their bounds;
-    objects without a required property within MAX_SCHEMA_OPTIONAL_PROPERTIES."""
+    objects within MAX_SCHEMA_OBJECT_PROPERTIES."""
     _check_ref_cycles(schema)
     # Depth-first, iteratively; a finished node's depth is kept (a $defs entry reached from many places is
     # walked once), and a reference back into the current path is a recursive schema, compiled as a rule.
     depths: dict[int, int] = {}
     on_path: set[int] = set()
+    objects: list[dict] = []  # every subschema, for the width check once the depth is known to be bounded
     stack: list[tuple[Any, Iterator[Any], list[int]]] = []
 
     def enter(node: Any, path_depth: int) -> bool:
@@ -64,7 +65,7 @@ def check_schema(schema: Any) -> None:
                 raise _too_deep()
             if isinstance(node.get("pattern"), str):
                 check_regex(node["pattern"])
-            _check_optional_properties(node)
+            objects.append(node)
         on_path.add(id(node))
         stack.append((node, iter(_children(node, schema)), [0]))
         return True
@@ -87,19 +88,32 @@ def check_schema(schema: Any) -> None:
             path_depth += 1 if isinstance(child, dict) else 0
         elif id(child) in depths:
             deepest[0] = max(deepest[0], depths[id(child)])
+    widths: dict[int, int] = {}
+    for node in objects:
+        if _width(node, schema, widths) > MAX_SCHEMA_OBJECT_PROPERTIES:
+            raise refuse(f"a JSON schema object has {widths[id(node)]} properties, counting those its allOf, anyOf "
+                         f"and oneOf branches add; at most {MAX_SCHEMA_OBJECT_PROPERTIES} (the limit)")
 
 
 _DONE = object()
 
 
-def _check_optional_properties(node: dict) -> None:
-    properties, required = node.get("properties"), node.get("required")
-    if not isinstance(properties, dict) or len(properties) <= MAX_SCHEMA_OPTIONAL_PROPERTIES:
-        return
-    if isinstance(required, list) and any(isinstance(r, str) and r in properties for r in required):
-        return
-    raise refuse(f"a JSON schema object has {len(properties)} properties and none is required; at most "
-                 f"{MAX_SCHEMA_OPTIONAL_PROPERTIES} without a required one (the limit)")
+def _width(node: dict, root: Any, widths: dict[int, int]) -> int:
+    """The properties llguidance may offer at one point of the object ``node`` describes: its own, and those of
+    the branches (allOf, anyOf, oneOf, a $ref beside them) that describe the same object. Recursion is bounded by
+    MAX_SCHEMA_DEPTH, checked before; a branch back into its own path adds nothing."""
+    known = widths.get(id(node))
+    if known is not None:
+        return known
+    widths[id(node)] = 0  # while its branches are counted: a cycle through them adds nothing
+    properties = node.get("properties")
+    width = len(properties) if isinstance(properties, dict) else 0
+    branches = [b for key in ("allOf", "anyOf", "oneOf") if isinstance(node.get(key), list) for b in node[key]]
+    for branch in [*branches, _resolve(root, node.get("$ref"))]:
+        if isinstance(branch, dict):
+            width += _width(branch, root, widths)
+    widths[id(node)] = width
+    return width
 
 
 def _too_deep() -> ConfigError:

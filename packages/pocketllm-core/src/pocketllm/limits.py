@@ -12,10 +12,13 @@ MAX_N = 16
 """Most choices one request may fan out to; a backend may declare fewer."""
 
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 17
-"""Most prompt logprobs one request may ask for, counted as prompt tokens x (``prompt_logprobs`` + 1) x ``n``
-(summed over a request's prompts): each is a token with its logprob and rank, ~100 bytes of JSON in a reply, and
-every choice scores its prompt again. 600 prompt tokens with 20 alternatives for 16 choices came to 19 MB and 28 s
-here. lm-eval's loglikelihood requests (one alternative over a few thousand tokens) need a tenth of this."""
+"""Most prompt logprobs one prompt may ask for, counted as prompt tokens x (``prompt_logprobs`` + 1) x ``n``: each
+is a token with its logprob and rank, ~100 bytes of JSON in a reply, and every choice scores its prompt again. 600
+prompt tokens with 20 alternatives for 16 choices came to 19 MB and 28 s here."""
+
+MAX_REQUEST_PROMPT_LOGPROB_ENTRIES = 1 << 20
+"""The same, summed over the prompts of one HTTP request (a completions request may hold 2,048): lm-eval's batched
+loglikelihood requests (echo with one alternative: 2 a token) fit 128 prompts of 4,096 tokens."""
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Seeds and other integers that reach native code must fit a signed 64-bit integer."""
@@ -50,11 +53,12 @@ MAX_GRAMMAR_ALTERNATIVES = 2000
 holds a rule's alternatives in one row of at most this many items (its ``max_items_in_row``), and a request whose
 grammar passes it fails after its first token."""
 
-MAX_SCHEMA_OPTIONAL_PROPERTIES = 500
-"""Most properties of a JSON schema object none of which is required. llguidance offers such an object's first
-property as one alternative per property, about 4 items each in its parser's row, whose size it bounds by
-MAX_GRAMMAR_ALTERNATIVES: 503 properties failed as the object opened (so a request failed or not by the first
-token it sampled). With a required property, it lays the optional ones out one by one: 1,199 of them passed."""
+MAX_SCHEMA_OBJECT_PROPERTIES = 500
+"""Most properties of a JSON schema object, counting those its allOf, anyOf and oneOf branches add. Where it may
+choose among several (no required property yet, or those after the last required one), llguidance offers one
+alternative per property, about 4 items each in its parser's row, whose size it bounds by MAX_GRAMMAR_ALTERNATIVES:
+503 optional properties failed as the object opened, 1,200 after a required first one failed after it, and two
+anyOf branches of 400 each as well (a request then failed or not by the tokens it sampled)."""
 
 MAX_GBNF_CHARS = 128 << 10
 """A GBNF grammar's length at most: llguidance converts GBNF to Lark in Python, holding the GIL, at ~20 us per

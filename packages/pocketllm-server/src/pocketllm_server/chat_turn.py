@@ -279,6 +279,9 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 raise invalid_request(f"messages[{i}].function_call needs a name and arguments",
                                       f"messages[{i}].function_call")
+            if message.get("tool_calls"):
+                raise invalid_request(f"messages[{i}] has both tool_calls and the legacy function_call: give one",
+                                      f"messages[{i}].function_call")
             call_id = f"call_{i}"
             message["tool_calls"] = [{"id": call_id, "type": "function", "function": {
                 "name": call["name"], "arguments": call.get("arguments", "")}}]
@@ -287,6 +290,7 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                                   f"messages[{i}].function_call")
         if message.get("role") == "function":
             message = {**message, "role": "tool", **({"tool_call_id": call_id} if call_id else {})}
+            call_id = None  # a call is answered once
         out.append(message)
     return out
 

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from pocketllm import ConfigError, PocketLLMError, RequestOutput, SamplingParams
 from pocketllm.capability_checks import check_prompt_logprob_entries, prompt_logprob_entries
 from pocketllm.client import OutputCollector
+from pocketllm.limits import MAX_REQUEST_PROMPT_LOGPROB_ENTRIES
 from pocketllm.structured import StructuredOutputs
 from pocketllm_server.app_state import state_of
 from pocketllm_server.engine_stream import EngineStream
@@ -146,8 +147,9 @@ async def start_all(request: Request, prompts: Sequence[PromptRequest], fields: 
     """
     state = state_of(request)
     too_many = fields.get("prompt", "prompt") if len(prompts) > 1 else "n"  # what a request too large names
-    try:  # the core bounds each prompt's; a request's prompts together have the same bound
-        check_prompt_logprob_entries(sum(prompt_logprob_entries(len(p.ids), p.params) for p in prompts))
+    try:  # the core bounds each prompt's; a request's prompts together have a bound of their own
+        check_prompt_logprob_entries(sum(prompt_logprob_entries(len(p.ids), p.params) for p in prompts),
+                                     MAX_REQUEST_PROMPT_LOGPROB_ENTRIES, "request")
     except ConfigError as e:
         raise from_engine_error(e, fields=fields) from None
     llm = state.check_queue(sum(p.params.n for p in prompts), too_many)

@@ -413,7 +413,9 @@ def decode(body: bytes, type_: type[T]) -> T:
         raise invalid_request(message, path or None) from None
     except msgspec.DecodeError as e:
         # msgspec takes a lone high surrogate for the body being cut short: say what is wrong instead.
-        lone = next((m for m in _ESCAPE.finditer(body) if m.group("half")), None)
+        # Only where msgspec's error is about that (another error earlier in the body is reported as it is).
+        about_it = "truncated" in str(e) or "surrogate" in str(e)
+        lone = next((m for m in _ESCAPE.finditer(body) if m.group("half")), None) if about_it else None
         reason = e if lone is None else f"invalid unicode escape {lone.group().decode()} at byte {lone.start()}: " \
             "half of a UTF-16 surrogate pair, which is no character"
         raise invalid_request(f"request body is not valid JSON: {reason}") from None

@@ -64,7 +64,8 @@ class Scheduler:
         decoding = any(s.num_pending_tokens == 1 for s in self.running)
         batch = ScheduledBatch([], [])
         if not (decoding and self._prefilled_last):
-            batch = self._schedule_prefill(self.prefill_chunk_size if decoding else self.max_num_batched_tokens)
+            budget = self.max_num_batched_tokens
+            batch = self._schedule_prefill(min(self.prefill_chunk_size, budget) if decoding else budget)
         self._prefilled_last = bool(batch.seqs)
         if not batch.seqs:
             batch = self._schedule_running(prefill=False, budget=self.max_num_batched_tokens)
