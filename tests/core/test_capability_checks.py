@@ -109,6 +109,24 @@ def test_an_unknown_backend_option_names_the_keys_the_backend_takes(pocketllm_ti
         check_engine_args("b", CAPS, EngineArgs(backend_options={"size": 4}), checkpoint)
 
 
+class _Renamed(BackendOptions, kw_only=True, rename="camel"):
+    block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
+    num_threads: int = msgspec.field(default=1, name="num-threads")
+
+
+def test_backend_options_are_keyed_as_their_struct_encodes_them(pocketllm_tiny_llama: Path) -> None:
+    """A plugin's options class that renames its fields (rename="camel", msgspec.field(name=...)) takes the
+    renamed keys; they used to fail the check with a bare KeyError."""
+    checkpoint = load_checkpoint(str(pocketllm_tiny_llama))
+    caps = Capabilities(architectures=("llama",), backend_options=_Renamed)
+    given = EngineArgs(backend_options={"blockSize": 32, "num-threads": 2})
+    assert check_engine_args("b", caps, given, checkpoint) == _Renamed(block_size=32, num_threads=2)
+    with pytest.raises(ConfigError, match="backend 'b' takes an integer >= 1, got 0"):
+        check_engine_args("b", caps, EngineArgs(backend_options={"blockSize": 0}), checkpoint)
+    with pytest.raises(UnsupportedOptionError, match="accepted keys: blockSize, num-threads"):
+        check_engine_args("b", caps, EngineArgs(backend_options={"block_size": 32}), checkpoint)
+
+
 def test_max_model_len_beyond_the_model_is_refused(pocketllm_tiny_llama: Path) -> None:
     with pytest.raises(ConfigError, match="exceeds the model's limit of 512"):
         LLM(str(pocketllm_tiny_llama), backend="echo", max_model_len=513)

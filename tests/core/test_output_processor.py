@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from pocketllm.backend import RequestDelta, SampledLogprobs
 from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
-from pocketllm.output_processor import OutputProcessor, RequestState, new_choice
+from pocketllm.errors import EngineDeadError, RequestFailedError
+from pocketllm.output_processor import MAX_STRAY_REQUESTS, OutputProcessor, RequestState, new_choice
 from pocketllm.outputs import StreamEvent
 from pocketllm.sampling_params import SamplingParams
 
@@ -162,3 +164,39 @@ def test_a_backend_that_declares_prompt_logprobs_but_sends_the_wrong_number_fail
         assert isinstance(sink[-1], Exception) and "prompt logprobs" in str(sink[-1])
     else:
         assert sink[-1].prompt_logprobs == [None, *sent]
+
+
+def test_an_engine_that_goes_on_sending_deltas_for_a_dropped_request_is_broken() -> None:
+    """One delta out of turn is counted and logged; a second for the same request (the engine never dropped it), or
+    deltas for too many requests, end the engine, naming its backend: such an engine flooded the log and kept the
+    engine thread busy for ever."""
+    processor = OutputProcessor(lambda r, c: None, lambda r: None, "flawed")
+    processor.process([RequestDelta(request_id="gone", new_token_ids=[1])])
+    assert processor.num_stray_deltas == 1
+    with pytest.raises(EngineDeadError, match="backend 'flawed' went on sending deltas for request gone"):
+        processor.process([RequestDelta(request_id="gone", new_token_ids=[1])])
+    many = OutputProcessor(lambda r, c: None, lambda r: None, "flawed")
+    many.process([RequestDelta(request_id=f"r{i}", new_token_ids=[1]) for i in range(MAX_STRAY_REQUESTS)])
+    with pytest.raises(EngineDeadError):
+        many.process([RequestDelta(request_id="one-more", new_token_ids=[1])])
+
+
+@pytest.mark.parametrize(("delta", "message"), [
+    (RequestDelta(request_id="r", new_token_ids=[np.int64(3)]), "Python ints, got int64"),
+    (RequestDelta(request_id="r", new_token_ids=[3, 12]), "token id 12, outside the vocabulary [0, 12)"),
+    (RequestDelta(request_id="r", new_token_ids=[-1]), "token id -1, outside"),
+    (RequestDelta(request_id="r", new_token_ids=[3], logprobs=[SampledLogprobs(3, np.float32(-0.5), 1, [])]),
+     "Python floats, got float32"),
+])
+def test_a_delta_outside_the_contract_fails_its_request_naming_the_backend(delta: RequestDelta, message: str) -> None:
+    """NumPy scalars (an engine written in NumPy) reached users as such and failed the server's JSON in the middle
+    of a reply; an id past the vocabulary passed silently."""
+    sampling = SamplingParams(max_tokens=4)
+    events: list[Any] = []
+    choice = new_choice(0, "r", IncrementalDetokenizer(ScriptedTokenizer(), [0], True), sampling)  # type: ignore[arg-type]
+    request = RequestState("r", [0], sampling, events.append, StopMatcher([], False), [choice])
+    processor = OutputProcessor(lambda r, c: None, lambda r: None, "numpy", vocab_size=len(PIECES))
+    processor.choices["r"] = (request, choice)
+    processor.process([delta])
+    [error] = events
+    assert isinstance(error, RequestFailedError) and "backend 'numpy'" in str(error) and message in str(error)

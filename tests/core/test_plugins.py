@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from pocketllm import API_VERSION, BackendNotFoundError, Capabilities, EngineArgs, UnsupportedOptionError, hookimpl
+from pocketllm import (
+    API_VERSION,
+    BackendNotFoundError,
+    BrokenBackendError,
+    Capabilities,
+    EngineArgs,
+    UnsupportedOptionError,
+    hookimpl,
+)
 from pocketllm.plugins import BackendRegistry
 from tests.conftest import requires_default_model
 
@@ -61,6 +69,25 @@ def _registry(*backends: _Fake) -> BackendRegistry:
 
     registry.register_plugin(Plugin(), name="fakes", distribution="fake-dist")
     return registry
+
+
+def test_a_name_two_distributions_claim_runs_neither_and_names_both() -> None:
+    """Which of two installed plugins registered last (and so ran) depended on the order of sys.path: a plugin
+    could take over a built-in backend's name without a word."""
+    registry = _registry(_Fake("shared", 5), _Fake("other", 1))
+
+    class Impostor:
+        @staticmethod
+        def pocketllm_register_backends(register):
+            register(_Fake("shared", 9))
+
+    registry.register_plugin(Impostor(), name="impostor", distribution="impostor-dist")
+    with pytest.raises(BrokenBackendError, match="claimed by both fake-dist and impostor-dist"):
+        registry.get("shared")
+    assert registry.select(EngineArgs()).name == "other"  # auto skips it
+    assert [f.distribution for f in registry.failures] == ["impostor-dist"]
+    registry.register_plugin(Impostor(), name="again", distribution="?")  # programmatic: replaces, as before
+    assert registry.get("shared").probe() == 9
 
 
 def test_auto_picks_the_highest_score_and_breaks_ties_by_name() -> None:
@@ -285,3 +312,24 @@ def test_an_observer_that_raises_is_isolated_from_the_engine(pocketllm_tiny_llam
     [failure] = registry.failures
     assert (failure.entry_point, failure.distribution, failure.broken) == ("observer", "observer-dist", True)
     assert "pocketllm_request_finished raised RuntimeError: observer crashed" in failure.error
+
+
+def test_an_engine_a_backend_fails_to_create_is_an_error_naming_the_backend(pocketllm_tiny_llama: Path) -> None:
+    """A plugin's create_engine that raises (a runtime it imports lazily is missing, say), or returns nothing:
+    a BrokenBackendError naming the backend and where it comes from, not a bare ModuleNotFoundError."""
+    from pocketllm import LLM
+
+    class Lazy(_Fake):
+        def create_engine(self, args, checkpoint, options):
+            import pocketllm_missing_runtime  # noqa: F401
+
+    class Nothing(_Fake):
+        def create_engine(self, args, checkpoint, options):
+            return None
+
+    registry = _registry(Lazy("lazy", 5), Nothing("nothing", 5))
+    with pytest.raises(BrokenBackendError, match=r"backend 'lazy' \(from tests\) failed to create its engine: "
+                                                 "ModuleNotFoundError"):
+        LLM(str(pocketllm_tiny_llama), backend="lazy", registry=registry)
+    with pytest.raises(BrokenBackendError, match="backend 'nothing' returned no engine"):
+        LLM(str(pocketllm_tiny_llama), backend="nothing", registry=registry)

@@ -51,12 +51,15 @@ def resolve(backend: str, spec: type[BackendOptions], given: dict[str, Any]) -> 
     an UnsupportedOptionError, a value of the wrong type or out of range a ConfigError."""
     options = {o.name: o for o in describe(spec)}
     hints = typing.get_type_hints(spec, include_extras=True)
+    info = mi.type_info(spec)
+    assert isinstance(info, mi.StructType)
+    attribute = {f.encode_name: f.name for f in info.fields}  # a key is as the struct encodes it (rename=...)
     for key, value in given.items():
         if key not in options:
             raise UnsupportedOptionError(f"backend_options.{key}", backend,
                                          f"accepted keys: {', '.join(options) or 'none'}")
         try:
-            msgspec.convert(value, hints[key])  # strict: true is no integer, nor "8"
+            msgspec.convert(value, hints[attribute[key]])  # strict: true is no integer, nor "8"
         except msgspec.ValidationError:
             raise ConfigError(f"backend_options.{key}", f"backend {backend!r} takes {options[key].expects}, "
                                                         f"got {reprlib.repr(value)}") from None

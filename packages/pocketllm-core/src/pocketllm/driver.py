@@ -55,7 +55,8 @@ class EngineDriver:
         self.backend_name, self.capabilities = backend.plugin.name, backend.capabilities
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                         cache_bytes=self.args.grammar_cache_mb << 20)
-        self._loop = EngineLoop(self.backend_name, self.args.max_num_seqs, self._choice_finished)
+        self._loop = EngineLoop(self.backend_name, self.args.max_num_seqs, self._choice_finished,
+                                self.model_config.vocab_size)
         self._ranks = start_ranks(self.args, backend.plugin)
         built: Future[None] = Future()
         self._thread = threading.Thread(target=self._run, args=(model, backend, built), name="pocketllm-engine",

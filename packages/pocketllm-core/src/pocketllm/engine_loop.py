@@ -51,7 +51,7 @@ class EngineLoop:
     """Runs ``engine`` on the calling thread (:meth:`run`) until :meth:`close`; safe to call from any thread."""
 
     def __init__(self, backend_name: str, max_num_seqs: int,
-                 finished: Callable[[RequestState, ChoiceState], None]) -> None:
+                 finished: Callable[[RequestState, ChoiceState], None], vocab_size: int | None = None) -> None:
         self.backend_name = backend_name
         self._max_num_seqs = max_num_seqs
         self._cond = threading.Condition()
@@ -60,7 +60,7 @@ class EngineLoop:
         self._backend_ids: set[str] = set()  # the engine request ids of those requests' choices
         self._error: BaseException | None = None
         self._closing = False
-        self.outputs = OutputProcessor(finished, self._forget)
+        self.outputs = OutputProcessor(finished, self._forget, backend_name, vocab_size)
         self.stats_snapshot = BackendStats()  # the engine's counters as of its latest step
 
     # -- called from any thread ------------------------------------------------

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pocketllm.backend import RequestDelta, SampledLogprobs
 from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
-from pocketllm.errors import GrammarError, RequestFailedError
+from pocketllm.errors import EngineDeadError, GrammarError, RequestFailedError
 from pocketllm.outputs import StreamEvent, Usage
 from pocketllm.pooling import EmbeddingOutput, PoolingParams
 from pocketllm.reasoning import ReasoningSplitter
@@ -24,6 +24,9 @@ from pocketllm.sampling_params import SamplingParams
 from pocketllm.structured import Constraint, short_error
 
 log = logging.getLogger(__name__)
+
+MAX_STRAY_REQUESTS = 64
+"""Requests an engine may send one delta out of turn for before the core takes it for broken."""
 
 Sink = Callable[[StreamEvent | EmbeddingOutput | BaseException], None]
 """Fed a generation's StreamEvents, or an embedding request's one EmbeddingOutput (a StreamEvent with
@@ -96,10 +99,11 @@ class OutputProcessor:
     ``finished(request, choice)`` is called as each choice ends, ``forget(request)`` once a request holds nothing."""
 
     def __init__(self, finished: Callable[[RequestState, ChoiceState], None],
-                 forget: Callable[[RequestState], None]) -> None:
-        self._finished, self._forget = finished, forget
+                 forget: Callable[[RequestState], None], backend: str = "?", vocab_size: int | None = None) -> None:
+        self._finished, self._forget, self._backend, self._vocab_size = finished, forget, backend, vocab_size
         self.choices: dict[str, tuple[RequestState, ChoiceState]] = {}  # running choices by engine request id
         self.num_stray_deltas = 0  # deltas the engine sent for requests it had finished or been told to abort
+        self._stray_ids: set[str] = set()
         self._gone: list[RequestState] = []  # requests whose sink raised: nobody reads them any more
 
     def process(self, deltas: list[RequestDelta]) -> list[str]:
@@ -111,9 +115,7 @@ class OutputProcessor:
             if entry is None and delta.request_id in to_abort:
                 continue  # a sibling choice of a request that failed earlier in this step
             if entry is None:  # the engine broke its contract; the tokens have no one to go to
-                self.num_stray_deltas += 1
-                log.warning("engine sent a delta for request %s, which it had finished or was told to abort",
-                            delta.request_id)
+                self._stray(delta.request_id)
                 continue
             request, choice = entry
             if delta.finish_reason == "error":
@@ -121,8 +123,8 @@ class OutputProcessor:
             elif request.pooling is not None:
                 if not self._emit_embedding(request, choice, delta):
                     to_abort.append(choice.backend_id)
-            elif (broken := _unscored(request, choice, delta)) is not None:
-                to_abort += self.fail(request, broken)
+            elif (broken := _malformed(delta, self._vocab_size) or _unscored(request, choice, delta)) is not None:
+                to_abort += self.fail(request, f"backend {self._backend!r}: {broken}")
             else:
                 if request.params.prompt_logprobs is not None and not choice.token_ids and delta.new_token_ids:
                     choice.prompt_logprobs = [None, *(delta.prompt_logprobs or [])]
@@ -135,6 +137,17 @@ class OutputProcessor:
         for request in gone:
             to_abort += self.cancel(request)
         return to_abort
+
+    def _stray(self, request_id: str) -> None:
+        """One delta out of turn is logged; an engine that goes on sending them for a request (it never dropped
+        it), or sends many, is broken: it would flood the log and keep the engine thread busy for ever."""
+        self.num_stray_deltas += 1
+        if request_id in self._stray_ids or len(self._stray_ids) >= MAX_STRAY_REQUESTS:
+            raise EngineDeadError(f"backend {self._backend!r} went on sending deltas for request {request_id}, "
+                                  "which it had finished or was told to abort (it broke the engine contract)")
+        self._stray_ids.add(request_id)
+        log.warning("backend %r sent a delta for request %s, which it had finished or was told to abort",
+                    self._backend, request_id)
 
     def cancel(self, request: RequestState) -> list[str]:
         """End a request's running choices with finish_reason "abort"; returns their engine ids, to drop."""
@@ -257,6 +270,23 @@ class OutputProcessor:
         except Exception:
             log.warning("could not tell request %s that it failed", request.request_id)
         return others
+
+
+def _malformed(delta: RequestDelta, vocab_size: int | None) -> str | None:
+    """Why a delta's tokens or logprobs are not what the contract says (Python ints in the vocabulary, Python
+    floats), or None. A NumPy scalar (the usual slip of an engine written in NumPy) would reach users as such, and
+    fail the server's JSON encoding in the middle of a reply."""
+    ids = delta.new_token_ids
+    if not isinstance(ids, list) or any(type(t) is not int for t in ids):
+        kinds = sorted({type(t).__name__ for t in ids} - {"int"}) if isinstance(ids, list) else [type(ids).__name__]
+        return f"its new_token_ids must be a list of Python ints, got {', '.join(kinds)}"
+    if ids and vocab_size is not None and not (min(ids) >= 0 and max(ids) < vocab_size):
+        return f"it sent token id {min(ids) if min(ids) < 0 else max(ids)}, outside the vocabulary [0, {vocab_size})"
+    for entry in delta.logprobs or ():  # the first alternative's types stand for the rest of its list
+        top = entry.top[:1] if isinstance(entry.top, list) else [entry.top]
+        if type(entry.logprob) is not float or any(type(t.logprob) is not float for t in top):
+            return f"its logprobs must be Python floats, got {type(entry.logprob).__name__}"
+    return None
 
 
 def _unscored(request: RequestState, choice: ChoiceState, delta: RequestDelta) -> str | None:

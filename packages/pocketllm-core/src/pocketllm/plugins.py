@@ -107,7 +107,15 @@ class BackendRegistry:
             self.pm.unregister(plugin)
             self._fail(name, "", f"pocketllm_register_backends raised {type(e).__name__}: {e}", broken=False)
             return
-        for backend in collected:  # one registered under a taken name replaces the earlier one
+        for backend in collected:
+            taken = self._backends.get(backend.name)
+            if taken is not None and "?" not in (taken[1], distribution) and taken[1] != distribution:
+                # Two installed distributions claim one name: which one ran would depend on the order of sys.path.
+                # Neither runs; both are named, so that one of them can be uninstalled.
+                self._fail(name, backend.name, f"the backend name {backend.name!r} is claimed by both {taken[1]} and "
+                                               f"{distribution}: uninstall one of them")
+                continue
+            # Registered again by the same distribution (or programmatically), it replaces the earlier one.
             self._backends[backend.name] = (backend, distribution, version)
             self._plugin_of[backend.name] = name
             self._capabilities.pop(backend.name, None)

@@ -14,7 +14,14 @@ from pocketllm.backend_options import BackendOptions
 from pocketllm.capability_checks import check_engine_args
 from pocketllm.checkpoint import Checkpoint, load_checkpoint
 from pocketllm.checkpoint.shapes import check_model
-from pocketllm.errors import CheckpointError, ConfigError, EngineDeadError, UnsupportedOptionError
+from pocketllm.errors import (
+    BrokenBackendError,
+    CheckpointError,
+    ConfigError,
+    EngineDeadError,
+    PocketLLMError,
+    UnsupportedOptionError,
+)
 from pocketllm.plugins import BackendRegistry
 from pocketllm.pooling import DEFAULT_POOLING_TYPE
 from pocketllm.progress import LoadProgress
@@ -83,7 +90,18 @@ def start_ranks(args: EngineArgs, plugin: BackendPlugin) -> LocalRanks | None:
 def build_engine(model: LoadedModel, backend: ChosenBackend) -> Engine:
     """Create the engine (on the thread that will step it) and warm it up; a model that computes NaN is refused
     here, its engine closed."""
-    engine = backend.plugin.create_engine(model.args, model.checkpoint, backend.options)
+    plugin = backend.plugin
+    try:
+        engine = plugin.create_engine(model.args, model.checkpoint, backend.options)
+    except PocketLLMError:  # the backend's own refusal (an option, the checkpoint) says what it is about
+        raise
+    except Exception as e:  # anything else is the backend's failure: say whose, not only what
+        module = type(plugin).__module__.split(".")[0]
+        raise BrokenBackendError(f"backend {plugin.name!r} (from {module}) failed to create its engine: "
+                                 f"{type(e).__name__}: {e}", plugin.name, module) from e
+    if engine is None:
+        raise BrokenBackendError(f"backend {plugin.name!r} returned no engine from create_engine", plugin.name,
+                                 type(plugin).__module__.split(".")[0])
     try:
         warm_up(engine, backend.capabilities, model.checkpoint.config, model.checkpoint.path)
     except BaseException:

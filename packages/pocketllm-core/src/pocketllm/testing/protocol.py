@@ -242,6 +242,17 @@ class ProtocolConformance(CheckpointKit):
             return
         [out] = llm.generate(PROMPTS[0], params)
         assert out.outputs[0].finish_reason in ("stop", "length") and out.outputs[0].token_ids
+        # Where an option's effect is certain, it must show: a declared option must not be ignored.
+        four = {"max_tokens": 4, "ignore_eos": True}
+        if option == "logit_bias":
+            [biased] = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, logit_bias={5: 100.0}, **four))
+            assert biased.outputs[0].token_ids == [5] * 4, "a logit_bias of +100 must make its token the greedy one"
+        narrow = {"top_k": {"top_k": 1}, "top_p": {"top_p": 1e-9}, "min_p": {"min_p": 1.0}}.get(option)
+        if narrow is not None:
+            [greedy] = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, **four))
+            [drawn] = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, **narrow, **four))
+            assert drawn.outputs[0].token_ids == greedy.outputs[0].token_ids, (
+                f"{option} {narrow[option]} leaves only the most likely token: sampling must then be greedy")
 
     def test_declared_limits_are_refused_beyond(self, llm: Any) -> None:
         caps = self.caps(llm)
