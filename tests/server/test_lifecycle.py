@@ -213,7 +213,9 @@ def test_engine_death_is_reported_not_hidden(serve_app, tiny_args: EngineArgs) -
             assert events[-1] == "[DONE]"
             error = json.loads(events[-2])["error"]
             assert error["code"] == "engine_dead" and "accelerator fell off" in error["message"]
-            assert client.get("/health").json()["status"] == "dead"
+            health = client.get("/health").json()
+            assert health["status"] == "dead" and "RuntimeError: the accelerator fell off" in health["error"]
+            assert health["num_requests_running"] == health["num_requests_waiting"] == 0
             assert client.get("/health").status_code == client.get("/ready").status_code == 503
             after = client.post("/v1/chat/completions", json=CHAT)
             assert after.status_code == 503 and after.json()["error"]["code"] == "engine_dead"

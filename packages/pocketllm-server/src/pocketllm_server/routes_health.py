@@ -19,8 +19,8 @@ async def health(request: Request) -> Response:
         status, error = "failed", f"{type(state.load_error).__name__}: {state.load_error}"
     elif llm is None:
         status, error = "loading", None
-    elif not llm.is_alive:
-        status, error = "dead", None
+    elif not llm.is_alive:  # what killed it; its requests were all failed with it
+        status, error, stats = "dead", f"{type(llm.error).__name__}: {llm.error}" if llm.error else None, None
     else:
         status, error = "ok", None
     body = HealthResponse(
