@@ -91,17 +91,17 @@ def build_engine(model: LoadedModel, backend: ChosenBackend) -> Engine:
     """Create the engine (on the thread that will step it) and warm it up; a model that computes NaN is refused
     here, its engine closed."""
     plugin = backend.plugin
+    package = type(plugin).__module__.split(".")[0]
     try:
         engine = plugin.create_engine(model.args, model.checkpoint, backend.options)
     except PocketLLMError:  # the backend's own refusal (an option, the checkpoint) says what it is about
         raise
     except Exception as e:  # anything else is the backend's failure: say whose, not only what
-        module = type(plugin).__module__.split(".")[0]
-        raise BrokenBackendError(f"backend {plugin.name!r} (from {module}) failed to create its engine: "
-                                 f"{type(e).__name__}: {e}", plugin.name, module) from e
+        raise BrokenBackendError(f"backend {plugin.name!r} (from {package}) failed to create its engine: "
+                                 f"{type(e).__name__}: {e}", plugin.name, package) from e
     if engine is None:
         raise BrokenBackendError(f"backend {plugin.name!r} returned no engine from create_engine", plugin.name,
-                                 type(plugin).__module__.split(".")[0])
+                                 package)
     try:
         warm_up(engine, backend.capabilities, model.checkpoint.config, model.checkpoint.path)
     except BaseException:
