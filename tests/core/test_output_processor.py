@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pocketllm.backend import RequestDelta, SampledLogprobs
+from pocketllm.backend import RequestDelta, SampledLogprobs, TokenLogprob
 from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
 from pocketllm.errors import EngineDeadError, RequestFailedError
 from pocketllm.output_processor import MAX_STRAY_REQUESTS, OutputProcessor, RequestState, new_choice
@@ -187,6 +187,11 @@ def test_an_engine_that_goes_on_sending_deltas_for_a_dropped_request_is_broken()
     (RequestDelta(request_id="r", new_token_ids=[-1]), "token id -1, outside"),
     (RequestDelta(request_id="r", new_token_ids=[3], logprobs=[SampledLogprobs(3, np.float32(-0.5), 1, [])]),
      "Python floats, got float32"),
+    (RequestDelta(request_id="r", new_token_ids=[3], logprobs=[SampledLogprobs(3, -0.5, 1, (TokenLogprob(3, -0.5),))]),
+     "whose top is a list of TokenLogprob"),
+    (RequestDelta(request_id="r", new_token_ids=[3],
+                  logprobs=[SampledLogprobs(3, -0.5, 1, [TokenLogprob(3, np.float32(-0.5))])]),
+     "whose top is a list of TokenLogprob"),
 ])
 def test_a_delta_outside_the_contract_fails_its_request_naming_the_backend(delta: RequestDelta, message: str) -> None:
     """NumPy scalars (an engine written in NumPy) reached users as such and failed the server's JSON in the middle

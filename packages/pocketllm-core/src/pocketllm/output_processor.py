@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pocketllm.backend import RequestDelta, SampledLogprobs
+from pocketllm.backend import RequestDelta, SampledLogprobs, TokenLogprob
 from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
 from pocketllm.errors import EngineDeadError, GrammarError, RequestFailedError
 from pocketllm.outputs import StreamEvent, Usage
@@ -282,9 +282,11 @@ def _malformed(delta: RequestDelta, vocab_size: int | None) -> str | None:
         return f"its new_token_ids must be a list of Python ints, got {', '.join(kinds)}"
     if ids and vocab_size is not None and not (min(ids) >= 0 and max(ids) < vocab_size):
         return f"it sent token id {min(ids) if min(ids) < 0 else max(ids)}, outside the vocabulary [0, {vocab_size})"
-    for entry in delta.logprobs or ():  # the first alternative's types stand for the rest of its list
-        top = entry.top[:1] if isinstance(entry.top, list) else [entry.top]
-        if type(entry.logprob) is not float or any(type(t.logprob) is not float for t in top):
+    for entry in delta.logprobs or ():  # the first alternative stands for the rest of its list
+        if not (isinstance(entry, SampledLogprobs) and isinstance(entry.top, list)
+                and all(isinstance(t, TokenLogprob) and type(t.logprob) is float for t in entry.top[:1])):
+            return "its logprobs must be SampledLogprobs whose top is a list of TokenLogprob"
+        if type(entry.logprob) is not float:
             return f"its logprobs must be Python floats, got {type(entry.logprob).__name__}"
     return None
 
