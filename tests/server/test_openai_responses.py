@@ -194,6 +194,7 @@ def test_errors_in_openai_s_shape(echo_server: LiveServer, echo_llm: AsyncLLM) -
                         ({"input": too_long, "instructions": "Be brief."}, "input"),
                         ({"input": []}, "input"),
                         ({"input": "hi", "max_tool_calls": -1}, "max_tool_calls"),
+                        ({"input": "hi", "max_tool_calls": 2**64}, "max_tool_calls"),
                         ({"input": "hi", "service_tier": "fastest"}, "service_tier"),
                         ({}, "input")]:
         response = httpx.post(url, json={"model": MODEL, **GREEDY, **body}, timeout=30)

@@ -78,7 +78,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     # Settings of OpenAI's hosted service, accepted and checked: this server has no built-in tools for
     # max_tool_calls to bound (function calls are not counted by it), no service tiers, a prefix cache that needs
     # no routing key, no abuse tracking, and no obfuscation of stream events.
-    max_tool_calls: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    max_tool_calls: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
