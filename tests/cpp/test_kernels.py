@@ -64,7 +64,8 @@ def test_matmul_rows_ending_in_a_partial_group_of_blocks(isa: str, storage_type:
 
 
 @pytest.mark.parametrize(("storage_type", "cols"), [(q, 512) for q in ("F32", "F16", "BF16", *QUANTIZED_TYPES)]
-                         + [(q, 608) for q in BLOCK32_TYPES])  # 608: a last, partial group of blocks
+                         # a last, partial group of 3, 2 (the default model's 576) and 7 blocks
+                         + [(q, cols) for q in BLOCK32_TYPES for cols in (608, 576, 480)])
 def test_a_row_is_the_same_bits_alone_and_in_any_batch(isa: str, storage_type: str, cols: int) -> None:
     # One row is the decode path, 2 and more the batched tiles (2, 4, their remainders): a row's products must
     # not depend on the rows beside it, or a seeded request samples differently when others share its step.

@@ -219,6 +219,21 @@ inline __m256i block_sums(const __m256i (&sums)[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(low4, high4, 0x20), _mm256_permute2x128_si256(low4, high4, 0x31));
 }
 
+// With VNNI, the signed types' integer dot products take w + 128 (0..255: vpdpbusd's products of those with 8-bit
+// activations fit its int32 lanes, where maddubs' int16 pairs would not), and 128 times each block's activation sum
+// comes off the block sums: one byte add per block instead of two sign moves (|w|, and w's sign onto x). The block
+// sums are the same integers either way, so every path's results stay the same bits.
+template <StorageType T>
+constexpr bool kBiased = PLLM_VNNI && kSigned<T>;
+
+inline __m256i biased(__m256i codes) { return _mm256_add_epi8(codes, _mm256_set1_epi8(static_cast<char>(-128))); }
+
+// Lane k: the sum of activation row r's codes in block b0 + k (from its per-16 sums), for the biased groups.
+inline __m256i block_code_sums(const QuantizedRows& act, int64_t r, int64_t b0) {
+    const __m256i sums16 = load(act.sums16.data() + r * (act.cols / 16) + 2 * b0);
+    return _mm256_madd_epi16(sums16, _mm256_set1_epi16(1));
+}
+
 // C weight rows from `row` against R activation rows from `r0`, each decoded block used from registers: the
 // decode path (one activation row) of the 32-value block types.
 template <StorageType T, int R, int C>
@@ -250,10 +265,15 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
                 prefetch<T>(base + c * stride, b0 + k);
                 const Sub sub = decode<T>(base + c * stride, b0 + k);
                 __m256i x = load(act.codes(r0, b0 + k));
+                if constexpr (kBiased<T>) {
+                    sums[k] = udot(biased(sub.codes), x);
+                    continue;
+                }
                 if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, sub.codes);
                 sums[k] = udot(kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes, x);
             }
-            const __m256i blocks = block_sums(sums);
+            __m256i blocks = block_sums(sums);
+            if constexpr (kBiased<T>) blocks = _mm256_sub_epi32(blocks, _mm256_slli_epi32(block_code_sums(act, r0, b0), 7));
             const int64_t at = r0 * nb + b0;
             const __m256 scale = _mm256_mul_ps(_mm256_load_ps(dw[c]), _mm256_loadu_ps(act.d.data() + at));
             acc[0][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), scale, acc[0][c]);
@@ -368,10 +388,13 @@ void k_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows
 #pragma GCC unroll 8
             for (int j = 0; j < 8; ++j) {
                 const __m256i xj = load(x + j * kBlock);
-                sums[j] = kSigned<T> ? udot(_mm256_sign_epi8(codes[j], codes[j]), _mm256_sign_epi8(xj, codes[j]))
-                                     : udot(codes[j], xj);
+                sums[j] = kBiased<T>   ? udot(biased(codes[j]), xj)
+                          : kSigned<T> ? udot(_mm256_sign_epi8(codes[j], codes[j]), _mm256_sign_epi8(xj, codes[j]))
+                                       : udot(codes[j], xj);
             }
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums(sums)), _mm256_mul_ps(dw, dx), acc[c]);
+            __m256i blocks = block_sums(sums);
+            if constexpr (kBiased<T>) blocks = _mm256_sub_epi32(blocks, _mm256_slli_epi32(block_code_sums(act, 0, 8 * k), 7));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), _mm256_mul_ps(dw, dx), acc[c]);
             acc[c] = _mm256_fmadd_ps(mw, sx, acc[c]);
         }
     }
@@ -385,12 +408,8 @@ void k_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows
 // 4-byte words, as the activations' `grouped` plane is: vector v holds word v of each of the 8 blocks, so that
 // 8 accumulating dot products leave each block's sum in its own lane. A last, partial group keeps block order.
 //
-// With VNNI, a full group of a signed type holds w + 128 instead (0..255: vpdpbusd's products of those with 8-bit
-// activations fit its int32 lanes, where maddubs' int16 pairs would not), and 128 times each block's activation sum
-// comes off the integer sums: no sign moves onto x per product, and pairs of rows take 512-bit vectors. The
-// integer block sums are the same, so the results are the same bits as the decode path's.
-template <StorageType T>
-constexpr bool kBiased = PLLM_VNNI && kSigned<T>;
+// With VNNI, a full group of a signed type holds w + 128 instead (kBiased): no sign moves onto x per product, and
+// pairs of rows take 512-bit vectors.
 
 template <StorageType T, int C>
 struct PackedGroup {
@@ -398,12 +417,6 @@ struct PackedGroup {
     alignas(64) int8_t signs[8][kSigned<T> ? C : 1][kBlock];
     alignas(64) float dw[C][8], mw[C][8];
 };
-
-// Lane k: the sum of activation row r's codes in block b0 + k (from its per-16 sums), for the biased groups.
-inline __m256i block_code_sums(const QuantizedRows& act, int64_t r, int64_t b0) {
-    const __m256i sums16 = load(act.sums16.data() + r * (act.cols / 16) + 2 * b0);
-    return _mm256_madd_epi16(sums16, _mm256_set1_epi16(1));
-}
 
 template <StorageType T, int C>
 void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* groups) {
@@ -421,7 +434,7 @@ void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* gro
                 for (int k = 0; k < 8; ++k) {  // the integer dot takes |w|, its signs apart, or w + 128
                     signs[k] = codes[k];
                     if constexpr (kBiased<T>) {
-                        codes[k] = _mm256_add_epi8(codes[k], _mm256_set1_epi8(static_cast<char>(-128)));
+                        codes[k] = biased(codes[k]);
                     } else if constexpr (kSigned<T>) {
                         codes[k] = _mm256_sign_epi8(codes[k], codes[k]);
                     }
@@ -438,7 +451,7 @@ void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* gro
                     prefetch<T>(row, b0 + k);
                     const Sub sub = decode<T>(row, b0 + k);
                     codes[k] = kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes;
-                    if (kBiased<T> && count == 8) codes[k] = _mm256_add_epi8(sub.codes, _mm256_set1_epi8(static_cast<char>(-128)));
+                    if (kBiased<T> && count == 8) codes[k] = biased(sub.codes);
                     signs[k] = sub.codes;
                     if (count < 8) {
                         p.dw[c][k] = sub.dw;
