@@ -234,28 +234,35 @@ inline __m256i block_code_sums(const QuantizedRows& act, int64_t r, int64_t b0) 
     return _mm256_madd_epi16(sums16, _mm256_set1_epi16(1));
 }
 
-// C weight rows from `row` against R activation rows from `r0`, each decoded block used from registers: the
-// decode path (one activation row) of the 32-value block types.
-template <StorageType T, int R, int C>
-void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t r0, float* y,
-          int64_t y_stride) {
+// The sum of v's 8 int32 lanes (exact).
+inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+
+// A row's blocks after its last whole group of 8 are its tail (the last 2 of a 576-value row's 18). Each tail block
+// adds its exact integer dot product times its scale, one fused multiply-add after another from zero, and the
+// row's result is (groups + tail) + offsets. The decode path (tile) and the batched one (tail_rows) compute exactly
+// that, each its own way, so that a row's results are the same bits in both.
+
+// C weight rows from `row` against the one activation row, each decoded block used from registers: the decode path
+// of the 32-value block types. Groups of 8 blocks: per weight row 8 integer dot products with the activation row
+// summed across lanes by one hadd tree, converted and scaled as one vector of 8 block scales (instead of a
+// conversion, a broadcast and a scalar offset per block); then the tail's blocks one by one.
+template <StorageType T, int C>
+void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, float* y) {
     const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
-    __m256 acc[R][C];
-    float extra[R][C];
+    __m256 acc[C];
+    float tail[C], extra[C];
 #pragma GCC unroll 16
-    for (int i = 0; i < R; ++i) {
-#pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) {
-            acc[i][c] = _mm256_setzero_ps();
-            extra[i][c] = 0.0f;
-        }
+    for (int c = 0; c < C; ++c) {
+        acc[c] = _mm256_setzero_ps();
+        tail[c] = extra[c] = 0.0f;
     }
-    const int64_t nb = w.cols / kBlock;
-    const int64_t grouped = R == 1 ? nb / 8 * 8 : 0;
-    // Groups of 8 blocks: per weight row 8 integer dot products with the activation row summed across lanes by
-    // one hadd tree, converted and scaled as one vector of 8 block scales (instead of a conversion, a broadcast
-    // and a scalar offset per block).
-    for (int64_t b0 = 0; b0 < grouped; b0 += 8) {
+    const int64_t nb = w.cols / kBlock, full = nb / 8 * 8;
+    for (int64_t b0 = 0; b0 < full; b0 += 8) {
         alignas(32) float dw[C][8], mw[C][8];
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
@@ -264,7 +271,7 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
             for (int k = 0; k < 8; ++k) {
                 prefetch<T>(base + c * stride, b0 + k);
                 const Sub sub = decode<T>(base + c * stride, b0 + k);
-                __m256i x = load(act.codes(r0, b0 + k));
+                __m256i x = load(act.codes(0, b0 + k));
                 if constexpr (kBiased<T>) {
                     sums[k] = udot(biased(sub.codes), x);
                     continue;
@@ -273,40 +280,40 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
                 sums[k] = udot(kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes, x);
             }
             __m256i blocks = block_sums(sums);
-            if constexpr (kBiased<T>) blocks = _mm256_sub_epi32(blocks, _mm256_slli_epi32(block_code_sums(act, r0, b0), 7));
-            const int64_t at = r0 * nb + b0;
-            const __m256 scale = _mm256_mul_ps(_mm256_load_ps(dw[c]), _mm256_loadu_ps(act.d.data() + at));
-            acc[0][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), scale, acc[0][c]);
+            if constexpr (kBiased<T>) blocks = _mm256_sub_epi32(blocks, _mm256_slli_epi32(block_code_sums(act, 0, b0), 7));
+            const __m256 scale = _mm256_mul_ps(_mm256_load_ps(dw[c]), _mm256_loadu_ps(act.d.data() + b0));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), scale, acc[c]);
             if constexpr (kOffset<T>) {
-                acc[0][c] = _mm256_fmadd_ps(_mm256_load_ps(mw[c]), _mm256_loadu_ps(act.s.data() + at), acc[0][c]);
+                acc[c] = _mm256_fmadd_ps(_mm256_load_ps(mw[c]), _mm256_loadu_ps(act.s.data() + b0), acc[c]);
             }
         }
     }
-    for (int64_t b = grouped; b < nb; ++b) {
-        Sub s[C];
-        __m256i codes[C];
+    __m128 tail4 = _mm_setzero_ps();  // C = 4: the 4 rows' tails in its lanes
+    for (int64_t b = full; b < nb; ++b) {
+        const __m256i xq = load(act.codes(0, b));
+        const float dx = act.scale(0, b);
+        const float sx = kOffset<T> ? act.offset(0, b) : 0.0f;
+        __m256i dots[C];
+        alignas(16) float dw[C];
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
             prefetch<T>(base + c * stride, b);
-            s[c] = decode<T>(base + c * stride, b);
-            codes[c] = kSigned<T> ? _mm256_sign_epi8(s[c].codes, s[c].codes) : s[c].codes;
+            const Sub sub = decode<T>(base + c * stride, b);
+            dots[c] = dot32<T>(sub, kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes, xq);
+            dw[c] = sub.dw;
+            if constexpr (kOffset<T>) extra[c] = std::fma(sub.mw, sx, extra[c]);
         }
-#pragma GCC unroll 16
-        for (int i = 0; i < R; ++i) {
-            const __m256i xq = load(act.codes(r0 + i, b));
-            const float dx = act.scale(r0 + i, b);
-            const float sx = kOffset<T> ? act.offset(r0 + i, b) : 0.0f;
-#pragma GCC unroll 16
-            for (int c = 0; c < C; ++c) {
-                const __m256 sums = _mm256_cvtepi32_ps(dot32<T>(s[c], codes[c], xq));
-                acc[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(s[c].dw * dx), sums, acc[i][c]);
-                if constexpr (kOffset<T>) extra[i][c] = std::fma(s[c].mw, sx, extra[i][c]);
-            }
+        if constexpr (C == 4) {  // the 4 dot products' sums side by side (one hadd tree), then as the scalar steps
+            const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3]));
+            const __m128i lanes = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+            tail4 = _mm_fmadd_ps(_mm_cvtepi32_ps(lanes), _mm_mul_ps(_mm_load_ps(dw), _mm_set1_ps(dx)), tail4);
+        } else {
+            for (int c = 0; c < C; ++c) tail[c] = std::fma(static_cast<float>(hsum_epi32(dots[c])), dw[c] * dx, tail[c]);
         }
     }
-    for (int i = 0; i < R; ++i) {
-        for (int c = 0; c < C; ++c) y[(r0 + i) * y_stride + row + c] = hsum(acc[i][c]) + extra[i][c];
-    }
+    if constexpr (C == 4) _mm_storeu_ps(tail, tail4);
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) y[row + c] = kOffset<T> ? hsum(acc[c]) + tail[c] + extra[c] : hsum(acc[c]) + tail[c];
 }
 
 // The 8 sub-blocks' 6-bit scales and mins of a Q4_K/Q5_K block as float lanes, k_scale_min for all 8 at once:
@@ -368,7 +375,7 @@ inline void k_block<StorageType::IQ4_XS>(const BlockIQ4_XS& blk, __m256i (&codes
 }
 
 // Decode (one activation row) for Q4_K and Q5_K: C weight rows a 256-value block at a time (k_block), rather
-// than sub-block by sub-block. The arithmetic is tile<T, 1, C>'s groups of 8 blocks (a block is one group), so
+// than sub-block by sub-block. The arithmetic is tile<T, C>'s groups of 8 blocks (a block is one group), so
 // the results are those of the batched path's packed_tile bit for bit.
 template <StorageType T, int C>
 void k_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, float* y) {
@@ -418,11 +425,11 @@ struct PackedGroup {
     alignas(64) float dw[C][8], mw[C][8];
 };
 
+// The whole groups of blocks [0, full) of C weight rows.
 template <StorageType T, int C>
-void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* groups) {
-    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+void pack(const uint8_t* base, size_t stride, int64_t full, PackedGroup<T, C>* groups) {
+    for (int64_t b0 = 0; b0 < full; b0 += 8) {
         PackedGroup<T, C>& p = groups[b0 / 8];
-        const int64_t count = std::min<int64_t>(8, nb - b0);
         for (int c = 0; c < C; ++c) {
             const uint8_t* row = base + c * stride;
             __m256i codes[8], signs[8];
@@ -440,29 +447,18 @@ void pack(const uint8_t* base, size_t stride, int64_t nb, PackedGroup<T, C>* gro
                     }
                 }
             } else {
-                // The gather reads 8 blocks' heads: only where all 8 are in the row.
-                if (count == 8) scales8<T>(row, b0, p.dw[c], p.mw[c]);
+                scales8<T>(row, b0, p.dw[c], p.mw[c]);
                 for (int64_t k = 0; k < 8; ++k) {
-                    if (k >= count) {
-                        codes[k] = signs[k] = _mm256_setzero_si256();
-                        p.dw[c][k] = p.mw[c][k] = 0.0f;
-                        continue;
-                    }
                     prefetch<T>(row, b0 + k);
                     const Sub sub = decode<T>(row, b0 + k);
-                    codes[k] = kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes;
-                    if (kBiased<T> && count == 8) codes[k] = biased(sub.codes);
+                    codes[k] = kBiased<T>   ? biased(sub.codes)
+                               : kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes)
+                                            : sub.codes;
                     signs[k] = sub.codes;
-                    if (count < 8) {
-                        p.dw[c][k] = sub.dw;
-                        p.mw[c][k] = sub.mw;
-                    }
                 }
             }
-            if (count == 8) {
-                transpose8(codes);
-                if constexpr (kSigned<T>) transpose8(signs);
-            }
+            transpose8(codes);
+            if constexpr (kSigned<T>) transpose8(signs);
             for (int k = 0; k < 8; ++k) {
                 _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes[k][c]), codes[k]);
                 if constexpr (kSigned<T>) _mm256_store_si256(reinterpret_cast<__m256i*>(p.signs[k][c]), signs[k]);
@@ -543,22 +539,19 @@ void packed_pairs(const PackedGroup<T, C>* groups, int64_t full, const Quantized
 }
 #endif
 
-// R activation rows from `r0` against C packed weight rows, each row with the arithmetic of tile<T, 1, C> (the
-// decode path): groups of 8 blocks as one vector of integer block sums (exact, however they are summed), scaled
-// and offset as vectors, then the blocks past the last full group one by one. A row's result is then the same bits whatever rows share its
-// product, so that a request's logits, and its seeded samples, do not depend on what else runs in its step.
+// R activation rows from `r0` against C packed weight rows' whole groups, each row with the arithmetic of
+// tile<T, C> (the decode path): groups of 8 blocks as one vector of integer block sums (exact, however they are
+// summed), scaled and offset as vectors; a tail is added after (tail_rows). A row's result is then the same bits
+// whatever rows share its product, so that a request's logits, and its seeded samples, do not depend on what else
+// runs in its step.
 template <StorageType T, int R, int C>
 void packed_tile(const PackedGroup<T, C>* groups, int64_t nb, const QuantizedRows& act, int64_t r0, float* y,
                  int64_t y_stride, int64_t row) {
     __m256 acc[R][C];
-    float extra[R][C];
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) {
-            acc[i][c] = _mm256_setzero_ps();
-            extra[i][c] = 0.0f;
-        }
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
     }
     const int64_t full = nb / 8 * 8;
 #if PLLM_VNNI
@@ -610,25 +603,99 @@ void packed_tile(const PackedGroup<T, C>* groups, int64_t nb, const QuantizedRow
             }
         }
     }
-    for (int64_t b = full; b < nb; ++b) {  // the last, partial group: as tile's blocks past its groups
-        const PackedGroup<T, C>& p = groups[full / 8];
-        const int k = static_cast<int>(b - full);
+    for (int i = 0; i < R; ++i) {
+        for (int c = 0; c < C; ++c) y[(r0 + i) * y_stride + row + c] = hsum(acc[i][c]);
+    }
+}
+
+// The tail blocks (at most 7) of C weight rows, each as the dot product takes it: w + 128 for the biased types, |w|
+// with w kept for its signs for the other signed ones.
+template <StorageType T, int C>
+struct TailBlocks {
+    alignas(32) uint8_t codes[C][7][kBlock];
+    alignas(32) int8_t signs[kSigned<T> ? C : 1][7][kBlock];
+    float dw[C][7], mw[C][7];
+};
+
+// rows[i] = lane i of each of v[0..3]: a 4 x 8 transpose.
+inline void transpose4x8(const __m256 (&v)[4], __m128 (&rows)[8]) {
+    const __m256 lo01 = _mm256_unpacklo_ps(v[0], v[1]), hi01 = _mm256_unpackhi_ps(v[0], v[1]);
+    const __m256 lo23 = _mm256_unpacklo_ps(v[2], v[3]), hi23 = _mm256_unpackhi_ps(v[2], v[3]);
+    // Rows (0, 4), (1, 5), (2, 6), (3, 7) in the low and high halves.
+    const __m256 r04 = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(lo01), _mm256_castps_pd(lo23)));
+    const __m256 r15 = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(lo01), _mm256_castps_pd(lo23)));
+    const __m256 r26 = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(hi01), _mm256_castps_pd(hi23)));
+    const __m256 r37 = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(hi01), _mm256_castps_pd(hi23)));
+    const __m256 pairs[4] = {r04, r15, r26, r37};
+    for (int i = 0; i < 4; ++i) {
+        rows[i] = _mm256_castps256_ps128(pairs[i]);
+        rows[i + 4] = _mm256_extractf128_ps(pairs[i], 1);
+    }
+}
+
+inline __m256i broadcast_word(const void* p) {
+    int32_t word;
+    std::memcpy(&word, p, 4);
+    return _mm256_set1_epi32(word);
+}
+
+// Adds the tail of C weight rows from `row` to y (which holds their groups' sums: packed_tile) for all n activation
+// rows, 8 at a time in a vector's lanes (the activations' tail plane), each weight word broadcast to the 8: every
+// product a useful one. Block by block, each activation and weight row's product took 8 lanes of a vector for
+// 4 bytes of work: a quarter of a 576-value row's time went to 2 of its 18 blocks.
+template <StorageType T, int C>
+void tail_rows(const TailBlocks<T, C>& w, int64_t tail, const QuantizedRows& act, int64_t n, float* y,
+               int64_t y_stride, int64_t row) {
+    for (int64_t g = 0; 8 * g < n; ++g) {
+        __m256 sums[C], extra[C];
 #pragma GCC unroll 16
-        for (int i = 0; i < R; ++i) {
-            const __m256i x = load(act.codes(r0 + i, b));
-            const float dx = act.scale(r0 + i, b);
-            const float sx = kOffset<T> ? act.offset(r0 + i, b) : 0.0f;
+        for (int c = 0; c < C; ++c) sums[c] = extra[c] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < tail; ++b) {
+            const int64_t at = (g * tail + b) * 8;  // the 8 rows' block b
+            const int8_t* x = act.tail_codes.data() + at * kBlock;
+            const __m256 dx = _mm256_loadu_ps(act.tail_d.data() + at);
 #pragma GCC unroll 16
             for (int c = 0; c < C; ++c) {
-                const __m256i w8 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.codes[k][c]));
-                const __m256i dot = udot(w8, kSigned<T> ? _mm256_sign_epi8(x, load(p.signs[k][c])) : x);
-                acc[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(p.dw[c][k] * dx), _mm256_cvtepi32_ps(dot), acc[i][c]);
-                if constexpr (kOffset<T>) extra[i][c] = std::fma(p.mw[c][k], sx, extra[i][c]);
+                __m256i dot = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                for (int v = 0; v < 8; ++v) {
+                    __m256i xv = load(x + v * kBlock);
+                    if constexpr (kSigned<T> && !kBiased<T>) xv = _mm256_sign_epi8(xv, broadcast_word(w.signs[c][b] + 4 * v));
+                    dot = udot(broadcast_word(w.codes[c][b] + 4 * v), xv, dot);
+                }
+                if constexpr (kBiased<T>) {
+                    dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(load(act.tail_sums.data() + at), 7));
+                }
+                sums[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_set1_ps(w.dw[c][b]), dx), sums[c]);
+                if constexpr (kOffset<T>) {
+                    extra[c] = _mm256_fmadd_ps(_mm256_set1_ps(w.mw[c][b]), _mm256_loadu_ps(act.tail_s.data() + at), extra[c]);
+                }
             }
         }
-    }
-    for (int i = 0; i < R; ++i) {
-        for (int c = 0; c < C; ++c) y[(r0 + i) * y_stride + row + c] = hsum(acc[i][c]) + extra[i][c];
+        const int64_t rows = std::min<int64_t>(8, n - 8 * g);
+        float* out = y + 8 * g * y_stride + row;
+        if constexpr (C == 4) {  // 8 rows' 4 results at once: lane c of rows[i] is row i's result c
+            __m128 tails[8], offsets[8];
+            transpose4x8(sums, tails);
+            if constexpr (kOffset<T>) transpose4x8(extra, offsets);
+            for (int64_t i = 0; i < rows; ++i) {
+                __m128 o = _mm_add_ps(_mm_loadu_ps(out + i * y_stride), tails[i]);
+                if constexpr (kOffset<T>) o = _mm_add_ps(o, offsets[i]);
+                _mm_storeu_ps(out + i * y_stride, o);
+            }
+        } else {
+            alignas(32) float t[C][8], e[C][8];
+            for (int c = 0; c < C; ++c) {
+                _mm256_store_ps(t[c], sums[c]);
+                _mm256_store_ps(e[c], extra[c]);
+            }
+            for (int64_t i = 0; i < rows; ++i) {
+                for (int c = 0; c < C; ++c) {
+                    out[i * y_stride + c] += t[c][i];
+                    if constexpr (kOffset<T>) out[i * y_stride + c] += e[c][i];
+                }
+            }
+        }
     }
 }
 
@@ -669,15 +736,32 @@ constexpr int64_t kDecodeAhead32 = 8;
 template <StorageType T, int C>
 void packed_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, int64_t n, float* y,
                  int64_t y_stride) {
-    const int64_t nb = w.cols / kBlock;
+    const int64_t nb = w.cols / kBlock, full = nb / 8 * 8;
+    const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
     thread_local std::vector<PackedGroup<T, C>> groups;
-    groups.resize(static_cast<size_t>((nb + 7) / 8));
-    pack<T, C>(w.data + row * static_cast<int64_t>(stride), stride, nb, groups.data());
+    groups.resize(static_cast<size_t>(full / 8));
+    pack<T, C>(base, stride, full, groups.data());
+    thread_local TailBlocks<T, C> tail;
+    if constexpr (kBlock32<T>) {  // the 256-value block types have no tail
+        for (int c = 0; c < C; ++c) {
+            for (int64_t b = 0; b < nb - full; ++b) {
+                const Sub sub = decode<T>(base + c * static_cast<int64_t>(stride), full + b);
+                const __m256i codes = kBiased<T>   ? biased(sub.codes)
+                                      : kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes)
+                                                   : sub.codes;
+                _mm256_store_si256(reinterpret_cast<__m256i*>(tail.codes[c][b]), codes);
+                if constexpr (kSigned<T>) _mm256_store_si256(reinterpret_cast<__m256i*>(tail.signs[c][b]), sub.codes);
+                tail.dw[c][b] = sub.dw;
+                tail.mw[c][b] = sub.mw;
+            }
+        }
+    }
     prefetch_rows(w, stride, row + C, C);
     int64_t r = 0;
     for (; r + PLLM_TILE_ACT <= n; r += PLLM_TILE_ACT) packed_tile<T, PLLM_TILE_ACT, C>(groups.data(), nb, act, r, y, y_stride, row);
     for (; r + 2 <= n; r += 2) packed_tile<T, 2, C>(groups.data(), nb, act, r, y, y_stride, row);
     if (r < n) packed_tile<T, 1, C>(groups.data(), nb, act, r, y, y_stride, row);
+    if (nb > full) tail_rows<T, C>(tail, nb - full, act, n, y, y_stride, row);
 }
 
 // The super-block types with a scale per 16 values, a 256-value block at a time: Q6_K and Q3_K (signed codes,
@@ -1087,9 +1171,9 @@ void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const 
         } else {
             for (; row + 4 <= row_end; row += 4) {
                 prefetch_rows(w, stride, row + kDecodeAhead32, 4);
-                tile<T, 1, 4>(w, stride, row, act, 0, y, y_stride);
+                tile<T, 4>(w, stride, row, act, y);
             }
-            for (; row < row_end; ++row) tile<T, 1, 1>(w, stride, row, act, 0, y, y_stride);
+            for (; row < row_end; ++row) tile<T, 1>(w, stride, row, act, y);
         }
         return;
     }

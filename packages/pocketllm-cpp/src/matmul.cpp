@@ -68,6 +68,11 @@ void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows
     out.s.resize(out.d.size());
     out.grouped.resize(grouped ? out.qs.size() : 0);
     out.sums16.resize(sums16 ? out.qs.size() / 16 : 0);
+    const int64_t nb = cols / kBlock, tail = grouped ? nb % 8 : 0, tails = (n + 7) / 8 * 8 * tail;  // rows x blocks
+    out.tail_codes.assign(static_cast<size_t>(tails * kBlock), 0);
+    out.tail_d.assign(static_cast<size_t>(tails), 0.0f);
+    out.tail_s.assign(static_cast<size_t>(tails), 0.0f);
+    out.tail_sums.assign(static_cast<size_t>(tails), 0);
     auto quantize = kernels::quantize_row_scalar;
 #ifdef POCKETLLM_HAVE_X86
     if (current_isa() != Isa::Scalar) quantize = kernels::quantize_row_avx2;
@@ -94,6 +99,18 @@ void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows
                 for (int v = 0; v < 8; ++v) {
                     for (int k = 0; k < 8; ++k) std::memcpy(to + g + v * kBlock + 4 * k, from + g + k * kBlock + 4 * v, 4);
                 }
+            }
+            for (int64_t k = 0; k < tail; ++k) {
+                const int64_t block = nb - tail + k, at = ((r / 8) * tail + k) * 8 + r % 8;
+                const int8_t* codes = from + block * kBlock;
+                for (int v = 0; v < 8; ++v) {
+                    std::memcpy(&out.tail_codes[static_cast<size_t>(((at - r % 8) + v) * kBlock + 4 * (r % 8))], codes + 4 * v, 4);
+                }
+                int32_t sum = 0;
+                for (int j = 0; j < kBlock; ++j) sum += codes[j];
+                out.tail_d[static_cast<size_t>(at)] = out.d[static_cast<size_t>(r * nb + block)];
+                out.tail_s[static_cast<size_t>(at)] = out.s[static_cast<size_t>(r * nb + block)];
+                out.tail_sums[static_cast<size_t>(at)] = sum;
             }
         }
     };

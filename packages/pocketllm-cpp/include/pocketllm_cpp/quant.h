@@ -74,6 +74,13 @@ struct QuantizedRows {
     // Each 16 codes' sum, for the kernels whose weights carry an offset per 16 values (Q2_K, Q3_K, Q6_K); empty
     // unless asked for.
     std::vector<int16_t> sums16;
+    // The blocks after a row's last whole group of 8 (its tail, fewer than 8) with 8 rows in a vector's lanes, for
+    // the x86 batched kernels; filled with `grouped`. Per group of 8 rows and tail block: 8 vectors of 32 bytes
+    // (vector v: each row's word v, row i in bytes 4i..4i + 3) in tail_codes, and 8 values (row i at i) in
+    // tail_d, tail_s and tail_sums (the block's code sum); rows past the last are zero.
+    std::vector<int8_t> tail_codes;
+    std::vector<float> tail_d, tail_s;
+    std::vector<int32_t> tail_sums;
     int64_t blocks_per_row() const { return cols / kBlock; }
     const int8_t* codes(int64_t row, int64_t block) const { return qs.data() + row * cols + block * kBlock; }
     float scale(int64_t row, int64_t block) const { return d[static_cast<size_t>(row * blocks_per_row() + block)]; }
