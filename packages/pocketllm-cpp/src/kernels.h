@@ -92,8 +92,11 @@ struct Attention {
     // scores[i * count + k] = scale * q_i . keys[k] for nq query rows q_i = q + i * dim.
     void (*scores)(const float* q, int64_t nq, const float* keys, int64_t count, int64_t dim, float scale,
                    float* scores);
-    // out += sum_k weights[k] * values[k]
-    void (*accumulate)(const float* weights, const float* values, int64_t count, int64_t dim, float* out);
+    // For each of `rows` rows r: out + r * out_stride += sum_k weights[r * count + k] * values[k], each value in
+    // one fused multiply-add chain over k in order (so a row's result does not depend on the rows beside it).
+    void (*accumulate)(const float* weights, int64_t rows, const float* values, int64_t count, int64_t dim, float* out,
+                       int64_t out_stride);
+    float (*maximum)(const float* x, int64_t count);  // of count >= 1 values
     // x[k] = exp(x[k] - shift); returns their sum
     float (*exp_shifted)(float* x, int64_t count, float shift);
 };

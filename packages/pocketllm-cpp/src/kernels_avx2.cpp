@@ -6,6 +6,7 @@
 #define PLLM_TILE_ACT 2  // activation rows per batched tile: 2 x 2 sums and accumulators stay in registers
 #include "kernels_x86.inl"
 
+#include <algorithm>
 #include <cmath>
 
 namespace pocketllm::kernels {
@@ -60,33 +61,52 @@ void load_f16(const void* rows, int64_t count, int64_t dim, float* out) {
     }
 }
 
-// The 8 sums of 8 vectors' lanes, in order: a transpose by hadd, one vector op per input instead of a full
-// horizontal sum each.
-inline __m256 hsum8(const __m256* v) {
-    const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
-    const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
-    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-    // Lanes: [v0..v3 low halves, v0..v3 high halves] and the same for v4..v7: add the halves across.
-    const __m256 low = _mm256_permute2f128_ps(s0123, s4567, 0x20), high = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-    return _mm256_add_ps(low, high);
+// The 4 sums of 4 vectors' lanes, in order: a transpose by hadd (pairs of lanes, then pairs of pairs, in each half),
+// then the halves added: one vector op per input instead of a full horizontal sum each.
+inline __m128 hsum4(const __m256* v) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// R query rows against keys [0, whole) (a multiple of 4), 4 keys at a time: 4R dot products in registers, each key
+// vector loaded once for the R rows (one row at a time loaded each key vector once per row). Each dot product: 8
+// lanes over the dimension, then hsum4's tree.
+template <int R>
+void scores_rows(const float* q, const float* keys, int64_t whole, int64_t count, int64_t dim, float scale,
+                 float* out) {
+    const __m128 factor = _mm_set1_ps(scale);
+    for (int64_t k = 0; k < whole; k += 4) {
+        __m256 acc[R][4];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+        }
+        for (int64_t j = 0; j < dim; j += 8) {
+            __m256 qv[R];
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) qv[r] = _mm256_loadu_ps(q + r * dim + j);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) {
+                const __m256 kv = _mm256_loadu_ps(keys + (k + c) * dim + j);
+#pragma GCC unroll 16
+                for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(qv[r], kv, acc[r][c]);
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) _mm_storeu_ps(out + r * count + k, _mm_mul_ps(hsum4(acc[r]), factor));
+    }
 }
 
 void scores(const float* q, int64_t nq, const float* keys, int64_t count, int64_t dim, float scale, float* out) {
-    const __m256 factor = _mm256_set1_ps(scale);
-    for (int64_t i = 0; i < nq; ++i) {
+    const int64_t whole = count / 4 * 4;  // keys by hsum4's tree; the last few by hsum's
+    int64_t i = 0;
+    for (; i + 3 <= nq; i += 3) scores_rows<3>(q + i * dim, keys, whole, count, dim, scale, out + i * count);
+    if (nq - i == 2) scores_rows<2>(q + i * dim, keys, whole, count, dim, scale, out + i * count);
+    if (nq - i == 1) scores_rows<1>(q + i * dim, keys, whole, count, dim, scale, out + i * count);
+    for (i = 0; i < nq; ++i) {
         const float* qi = q + i * dim;
-        int64_t k = 0;
-        for (; k + 8 <= count; k += 8) {
-            __m256 acc[8];
-            for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < dim; j += 8) {
-                const __m256 qv = _mm256_loadu_ps(qi + j);
-#pragma GCC unroll 8
-                for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + (k + r) * dim + j), acc[r]);
-            }
-            _mm256_storeu_ps(out + i * count + k, _mm256_mul_ps(hsum8(acc), factor));
-        }
-        for (; k < count; ++k) {
+        for (int64_t k = whole; k < count; ++k) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t j = 0; j < dim; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + j), _mm256_loadu_ps(keys + k * dim + j), acc);
             out[i * count + k] = hsum(acc) * scale;
@@ -94,27 +114,68 @@ void scores(const float* q, int64_t nq, const float* keys, int64_t count, int64_
     }
 }
 
-// out += sum_k weights[k] * values[k] with out in CHUNKS registers: one broadcast per key, not one per 8 values.
-template <int CHUNKS>
-void accumulate_in_registers(const float* weights, const float* values, int64_t count, float* out) {
-    __m256 acc[CHUNKS];
-    for (int j = 0; j < CHUNKS; ++j) acc[j] = _mm256_loadu_ps(out + 8 * j);
-    for (int64_t k = 0; k < count; ++k) {
-        const __m256 w = _mm256_broadcast_ss(weights + k);
+// R rows against 32 values of each value row (4 vectors) from column j: 4R sums in registers, each value vector
+// loaded once for the R rows (one row at a time loaded it once per row, and its 8 chains of 4-cycle fused
+// multiply-adds waited on each other).
+template <int R>
+void accumulate_rows(const float* weights, const float* values, int64_t count, int64_t dim, int64_t j, float* out,
+                     int64_t out_stride) {
+    __m256 acc[R][4];
 #pragma GCC unroll 16
-        for (int j = 0; j < CHUNKS; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values + k * 8 * CHUNKS + 8 * j), acc[j]);
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_loadu_ps(out + r * out_stride + j + 8 * c);
     }
-    for (int j = 0; j < CHUNKS; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+    for (int64_t k = 0; k < count; ++k) {
+        __m256 w[R];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) w[r] = _mm256_broadcast_ss(weights + r * count + k);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+            const __m256 v = _mm256_loadu_ps(values + k * dim + j + 8 * c);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(w[r], v, acc[r][c]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + r * out_stride + j + 8 * c, acc[r][c]);
+    }
 }
 
-void accumulate(const float* weights, const float* values, int64_t count, int64_t dim, float* out) {
-    if (dim == 64) return accumulate_in_registers<8>(weights, values, count, out);
-    if (dim == 128) return accumulate_in_registers<16>(weights, values, count, out);
-    for (int64_t j = 0; j < dim; j += 8) {
-        __m256 acc = _mm256_loadu_ps(out + j);
-        for (int64_t k = 0; k < count; ++k) acc = _mm256_fmadd_ps(_mm256_set1_ps(weights[k]), _mm256_loadu_ps(values + k * dim + j), acc);
-        _mm256_storeu_ps(out + j, acc);
+void accumulate(const float* weights, int64_t rows, const float* values, int64_t count, int64_t dim, float* out,
+                int64_t out_stride) {
+    int64_t j = 0;
+    for (; j + 32 <= dim; j += 32) {
+        int64_t r = 0;
+        for (; r + 3 <= rows; r += 3) accumulate_rows<3>(weights + r * count, values, count, dim, j, out + r * out_stride, out_stride);
+        if (rows - r == 2) accumulate_rows<2>(weights + r * count, values, count, dim, j, out + r * out_stride, out_stride);
+        if (rows - r == 1) accumulate_rows<1>(weights + r * count, values, count, dim, j, out + r * out_stride, out_stride);
     }
+    for (; j < dim; j += 8) {  // dim is a multiple of 8
+        for (int64_t r = 0; r < rows; ++r) {
+            __m256 acc = _mm256_loadu_ps(out + r * out_stride + j);
+            for (int64_t k = 0; k < count; ++k) {
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(weights[r * count + k]), _mm256_loadu_ps(values + k * dim + j), acc);
+            }
+            _mm256_storeu_ps(out + r * out_stride + j, acc);
+        }
+    }
+}
+
+float maximum(const float* x, int64_t count) {
+    int64_t k = 0;
+    float best = x[0];
+    if (count >= 8) {
+        __m256 m = _mm256_loadu_ps(x);
+        for (k = 8; k + 8 <= count; k += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + k));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    }
+    for (; k < count; ++k) best = std::max(best, x[k]);
+    return best;
 }
 
 // exp over 8 lanes (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2]; relative error ~1e-7).
@@ -172,8 +233,8 @@ void silu_avx2(float* x, int64_t n) {
 
 Attention attention_avx2(KvType kv) {
     const Attention scalar = attention_scalar(kv);
-    if (kv == KvType::F16) return {store_f16, load_f16, scores, accumulate, exp_shifted};
-    return {scalar.store, scalar.load, scores, accumulate, exp_shifted};
+    if (kv == KvType::F16) return {store_f16, load_f16, scores, accumulate, maximum, exp_shifted};
+    return {scalar.store, scalar.load, scores, accumulate, maximum, exp_shifted};
 }
 
 }  // namespace pocketllm::kernels

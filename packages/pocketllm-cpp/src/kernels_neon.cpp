@@ -145,11 +145,16 @@ void scores(const float* q, int64_t nq, const float* keys, int64_t count, int64_
     }
 }
 
-void accumulate(const float* weights, const float* values, int64_t count, int64_t dim, float* out) {
-    for (int64_t j = 0; j < dim; j += 4) {
-        float32x4_t acc = vld1q_f32(out + j);
-        for (int64_t k = 0; k < count; ++k) acc = vfmaq_n_f32(acc, vld1q_f32(values + k * dim + j), weights[k]);
-        vst1q_f32(out + j, acc);
+void accumulate(const float* weights, int64_t rows, const float* values, int64_t count, int64_t dim, float* out,
+                int64_t out_stride) {
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < dim; j += 4) {
+            float32x4_t acc = vld1q_f32(out + r * out_stride + j);
+            for (int64_t k = 0; k < count; ++k) {
+                acc = vfmaq_n_f32(acc, vld1q_f32(values + k * dim + j), weights[r * count + k]);
+            }
+            vst1q_f32(out + r * out_stride + j, acc);
+        }
     }
 }
 
@@ -189,8 +194,8 @@ void quantize_row_neon(const float* x, int64_t cols, int8_t* qs, float* d, float
 
 Attention attention_neon(KvType kv) {
     const Attention scalar = attention_scalar(kv);
-    if (kv == KvType::F16) return {store_f16, load_f16, scores, accumulate, scalar.exp_shifted};
-    return {scalar.store, scalar.load, scores, accumulate, scalar.exp_shifted};
+    if (kv == KvType::F16) return {store_f16, load_f16, scores, accumulate, scalar.maximum, scalar.exp_shifted};
+    return {scalar.store, scalar.load, scores, accumulate, scalar.maximum, scalar.exp_shifted};
 }
 
 }  // namespace pocketllm::kernels

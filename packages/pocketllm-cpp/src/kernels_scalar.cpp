@@ -1,4 +1,5 @@
 // Portable kernels: the reference every other ISA is tested against, and the path on any other CPU.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -114,11 +115,18 @@ void scores(const float* q, int64_t nq, const float* keys, int64_t count, int64_
     }
 }
 
-void accumulate(const float* weights, const float* values, int64_t count, int64_t dim, float* out) {
-    for (int64_t k = 0; k < count; ++k) {
-        for (int64_t j = 0; j < dim; ++j) out[j] += weights[k] * values[k * dim + j];
+void accumulate(const float* weights, int64_t rows, const float* values, int64_t count, int64_t dim, float* out,
+                int64_t out_stride) {
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t k = 0; k < count; ++k) {
+            for (int64_t j = 0; j < dim; ++j) {
+                out[r * out_stride + j] = std::fma(weights[r * count + k], values[k * dim + j], out[r * out_stride + j]);
+            }
+        }
     }
 }
+
+float maximum(const float* x, int64_t count) { return *std::max_element(x, x + count); }
 
 float exp_shifted(float* x, int64_t count, float shift) {
     float sum = 0.0f;
@@ -129,8 +137,8 @@ float exp_shifted(float* x, int64_t count, float shift) {
 }  // namespace
 
 Attention attention_scalar(KvType kv) {
-    if (kv == KvType::F16) return {store_f16, load_f16, scores, accumulate, exp_shifted};
-    return {store_f32, load_f32, scores, accumulate, exp_shifted};
+    if (kv == KvType::F16) return {store_f16, load_f16, scores, accumulate, maximum, exp_shifted};
+    return {store_f32, load_f32, scores, accumulate, maximum, exp_shifted};
 }
 
 }  // namespace pocketllm::kernels

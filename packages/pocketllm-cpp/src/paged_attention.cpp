@@ -209,10 +209,11 @@ void PagedAttention::attend(int64_t l, int64_t num_heads, const float* q, float*
                 for (int64_t g = 0; g < group; ++g) {
                     float* sc = &scores[static_cast<size_t>(g * count)];
                     const int64_t at = g * job.count + i;
-                    part_max[at] = *std::max_element(sc, sc + count);
+                    part_max[at] = ops.maximum(sc, count);
                     part_sum[at] = ops.exp_shifted(sc, count, part_max[at]);
-                    ops.accumulate(sc, values.data(), count, dim, part_out + at * dim);
                 }
+                // The group's heads at once: each value row is read once for all of them.
+                ops.accumulate(scores.data(), group, values.data(), count, dim, part_out + i * dim, job.count * dim);
             }
             if (split) continue;
             for (int64_t g = 0; g < group; ++g) {

@@ -485,9 +485,10 @@ int main() {
         CHECK(refused);
     }
 
-    // Attention kernels of every ISA against the scalar ones: scores, weighted sums, and float16 KV rows.
+    // Attention kernels of every ISA against the scalar ones: scores, weighted sums (of 6 rows: a tile of 3, then
+    // 2 and 1), maxima, and float16 KV rows; a row's weighted sum is the same bits with others as alone.
     for (const KvType kv : {KvType::F32, KvType::F16}) {
-        const int64_t dim = 64, keys = 5, nq = 3;
+        const int64_t dim = 64, keys = 5, nq = 6;
         std::vector<float> q(nq * dim), block(keys * dim), stored(keys * dim * 2), loaded(keys * dim);
         for (auto& v : q) v = normal(rng);
         for (auto& v : block) v = normal(rng);
@@ -498,8 +499,14 @@ int main() {
             ops.load(stored.data(), keys, dim, loaded.data());
             scores.assign(nq * keys, 0.0f);
             ops.scores(q.data(), nq, loaded.data(), keys, dim, 0.125f, scores.data());
-            out.assign(dim, 0.5f);
-            ops.accumulate(scores.data(), loaded.data(), keys, dim, out.data());
+            out.assign(nq * dim, 0.5f);
+            ops.accumulate(scores.data(), nq, loaded.data(), keys, dim, out.data(), dim);
+            for (int64_t r = 0; r < nq; ++r) {
+                std::vector<float> alone(dim, 0.5f);
+                ops.accumulate(&scores[r * keys], 1, loaded.data(), keys, dim, alone.data(), dim);
+                CHECK(std::equal(alone.begin(), alone.end(), out.begin() + r * dim));
+                CHECK(ops.maximum(&scores[r * keys], keys) == *std::max_element(&scores[r * keys], &scores[(r + 1) * keys]));
+            }
         };
         std::vector<float> want_scores, want_out, got_scores, got_out;
         run("scalar", want_scores, want_out);
