@@ -294,7 +294,7 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
         const float dx = act.scale(0, b);
         const float sx = kOffset<T> ? act.offset(0, b) : 0.0f;
         __m256i dots[C];
-        alignas(16) float dw[C];
+        float dw[C];
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
             prefetch<T>(base + c * stride, b);
@@ -306,7 +306,9 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
         if constexpr (C == 4) {  // the 4 dot products' sums side by side (one hadd tree), then as the scalar steps
             const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3]));
             const __m128i lanes = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-            tail4 = _mm_fmadd_ps(_mm_cvtepi32_ps(lanes), _mm_mul_ps(_mm_load_ps(dw), _mm_set1_ps(dx)), tail4);
+            // The scales from registers: 4 scalar stores read back as one vector would miss store forwarding.
+            const __m128 scales = _mm_mul_ps(_mm_setr_ps(dw[0], dw[1], dw[2], dw[3]), _mm_set1_ps(dx));
+            tail4 = _mm_fmadd_ps(_mm_cvtepi32_ps(lanes), scales, tail4);
         } else {
             for (int c = 0; c < C; ++c) tail[c] = std::fma(static_cast<float>(hsum_epi32(dots[c])), dw[c] * dx, tail[c]);
         }
