@@ -24,6 +24,18 @@ inline float hsum(__m256 v) {
 
 inline float half(uint16_t h) { return _cvtsh_ss(h); }
 
+// hsum of each of 4 vectors, in one vector's lanes, by the same tree (so the same bits): the halves added, then
+// lanes 0 + 2 and 1 + 3, then those two. A third of the ops of 4 hsums, and one store.
+inline __m128 hsum4(const __m256 (&v)[4]) {
+    const __m256 u01 = _mm256_add_ps(_mm256_permute2f128_ps(v[0], v[1], 0x20), _mm256_permute2f128_ps(v[0], v[1], 0x31));
+    const __m256 u23 = _mm256_add_ps(_mm256_permute2f128_ps(v[2], v[3], 0x20), _mm256_permute2f128_ps(v[2], v[3], 0x31));
+    // Per half: [u0 or u1 lanes 0 + 2, 1 + 3, u2 or u3 lanes 0 + 2, 1 + 3].
+    const __m256 z = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(u01), _mm256_castps_pd(u23))),
+                                   _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(u01), _mm256_castps_pd(u23))));
+    const __m256 sums = _mm256_hadd_ps(z, z);  // per half: [v0 or v1, v2 or v3, ...]
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+}
+
 inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 // Bytes of `v` shifted right by `bits`, masked to `mask`: 16-bit shifts leak the neighbour byte's bits into the
@@ -289,34 +301,42 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
             }
         }
     }
-    __m128 tail4 = _mm_setzero_ps();  // C = 4: the 4 rows' tails in its lanes
+    __m128 tail4 = _mm_setzero_ps(), extra4 = _mm_setzero_ps();  // C = 4: the 4 rows' in its lanes
     for (int64_t b = full; b < nb; ++b) {
         const __m256i xq = load(act.codes(0, b));
         const float dx = act.scale(0, b);
         const float sx = kOffset<T> ? act.offset(0, b) : 0.0f;
         __m256i dots[C];
-        float dw[C];
+        float dw[C], mw[C];
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
             prefetch<T>(base + c * stride, b);
             const Sub sub = decode<T>(base + c * stride, b);
             dots[c] = dot32<T>(sub, kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes, xq);
             dw[c] = sub.dw;
-            if constexpr (kOffset<T>) extra[c] = std::fma(sub.mw, sx, extra[c]);
+            mw[c] = sub.mw;
         }
         if constexpr (C == 4) {  // the 4 dot products' sums side by side (one hadd tree), then as the scalar steps
             const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3]));
             const __m128i lanes = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-            // The scales from registers: 4 scalar stores read back as one vector would miss store forwarding.
+            // Scales and offsets from registers: 4 scalar stores read back as one vector would miss store forwarding.
             const __m128 scales = _mm_mul_ps(_mm_setr_ps(dw[0], dw[1], dw[2], dw[3]), _mm_set1_ps(dx));
             tail4 = _mm_fmadd_ps(_mm_cvtepi32_ps(lanes), scales, tail4);
+            if constexpr (kOffset<T>) extra4 = _mm_fmadd_ps(_mm_setr_ps(mw[0], mw[1], mw[2], mw[3]), _mm_set1_ps(sx), extra4);
         } else {
-            for (int c = 0; c < C; ++c) tail[c] = std::fma(static_cast<float>(hsum_epi32(dots[c])), dw[c] * dx, tail[c]);
+            for (int c = 0; c < C; ++c) {
+                tail[c] = std::fma(static_cast<float>(hsum_epi32(dots[c])), dw[c] * dx, tail[c]);
+                if constexpr (kOffset<T>) extra[c] = std::fma(mw[c], sx, extra[c]);
+            }
         }
     }
-    if constexpr (C == 4) _mm_storeu_ps(tail, tail4);
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) y[row + c] = kOffset<T> ? hsum(acc[c]) + tail[c] + extra[c] : hsum(acc[c]) + tail[c];
+    if constexpr (C == 4) {  // lane by lane, as the scalar sums below
+        __m128 out = _mm_add_ps(hsum4(acc), tail4);
+        if constexpr (kOffset<T>) out = _mm_add_ps(out, extra4);
+        _mm_storeu_ps(y + row, out);
+    } else {
+        for (int c = 0; c < C; ++c) y[row + c] = kOffset<T> ? hsum(acc[c]) + tail[c] + extra[c] : hsum(acc[c]) + tail[c];
+    }
 }
 
 // The 8 sub-blocks' 6-bit scales and mins of a Q4_K/Q5_K block as float lanes, k_scale_min for all 8 at once:
@@ -408,8 +428,11 @@ void k_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows
             acc[c] = _mm256_fmadd_ps(mw, sx, acc[c]);
         }
     }
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) y[row + c] = hsum(acc[c]);
+    if constexpr (C == 4) {
+        _mm_storeu_ps(y + row, hsum4(acc));
+    } else {
+        for (int c = 0; c < C; ++c) y[row + c] = hsum(acc[c]);
+    }
 }
 
 // Batched products (prefill, several sequences decoding): C weight rows are decoded once for all n activation
@@ -607,7 +630,11 @@ void packed_tile(const PackedGroup<T, C>* groups, int64_t nb, const QuantizedRow
         }
     }
     for (int i = 0; i < R; ++i) {
-        for (int c = 0; c < C; ++c) y[(r0 + i) * y_stride + row + c] = hsum(acc[i][c]);
+        if constexpr (C == 4) {
+            _mm_storeu_ps(y + (r0 + i) * y_stride + row, hsum4(acc[i]));
+        } else {
+            for (int c = 0; c < C; ++c) y[(r0 + i) * y_stride + row + c] = hsum(acc[i][c]);
+        }
     }
 }
 
@@ -955,8 +982,11 @@ void k16_decode_rows(const WeightView& w, size_t stride, int64_t row, const Quan
             }
         }
     }
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) y[row + c] = hsum(acc[c]);
+    if constexpr (C == 4) {
+        _mm_storeu_ps(y + row, hsum4(acc));
+    } else {
+        for (int c = 0; c < C; ++c) y[row + c] = hsum(acc[c]);
+    }
 }
 
 #if PLLM_VNNI
@@ -1122,7 +1152,11 @@ void k16_tile(const Packed16<T, C>* blocks, int64_t supers, const QuantizedRows&
         }
     }
     for (int i = 0; i < R; ++i) {
-        for (int c = 0; c < C; ++c) y[(r0 + i) * y_stride + row + c] = hsum(acc[i][c]);
+        if constexpr (C == 4) {
+            _mm_storeu_ps(y + (r0 + i) * y_stride + row, hsum4(acc[i]));
+        } else {
+            for (int c = 0; c < C; ++c) y[(r0 + i) * y_stride + row + c] = hsum(acc[i][c]);
+        }
     }
 }
 
