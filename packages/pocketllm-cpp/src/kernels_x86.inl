@@ -301,7 +301,7 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
             }
         }
     }
-    __m128 tail4 = _mm_setzero_ps(), extra4 = _mm_setzero_ps();  // C = 4: the 4 rows' in its lanes
+    __m128 tail4 = _mm_setzero_ps(), extra4 = _mm_setzero_ps();  // C = 4: the 4 rows' tails and offsets in lanes
     for (int64_t b = full; b < nb; ++b) {
         const __m256i xq = load(act.codes(0, b));
         const float dx = act.scale(0, b);
