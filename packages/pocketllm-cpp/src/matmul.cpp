@@ -100,17 +100,20 @@ void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows
                     for (int k = 0; k < 8; ++k) std::memcpy(to + g + v * kBlock + 4 * k, from + g + k * kBlock + 4 * v, 4);
                 }
             }
+            // The tail plane: row r is lane r % 8 of its group of 8 rows, in each of the group's tail blocks.
+            const int64_t lane = r % 8;
             for (int64_t k = 0; k < tail; ++k) {
-                const int64_t block = nb - tail + k, at = ((r / 8) * tail + k) * 8 + r % 8;
+                const int64_t block = nb - tail + k, first = ((r / 8) * tail + k) * 8;  // the group's block k
                 const int8_t* codes = from + block * kBlock;
                 for (int v = 0; v < 8; ++v) {
-                    std::memcpy(&out.tail_codes[static_cast<size_t>(((at - r % 8) + v) * kBlock + 4 * (r % 8))], codes + 4 * v, 4);
+                    std::memcpy(&out.tail_codes[static_cast<size_t>((first + v) * kBlock + 4 * lane)], codes + 4 * v, 4);
                 }
                 int32_t sum = 0;
                 for (int j = 0; j < kBlock; ++j) sum += codes[j];
-                out.tail_d[static_cast<size_t>(at)] = out.d[static_cast<size_t>(r * nb + block)];
-                out.tail_s[static_cast<size_t>(at)] = out.s[static_cast<size_t>(r * nb + block)];
-                out.tail_sums[static_cast<size_t>(at)] = sum;
+                const size_t at = static_cast<size_t>(first + lane);
+                out.tail_d[at] = out.d[static_cast<size_t>(r * nb + block)];
+                out.tail_s[at] = out.s[static_cast<size_t>(r * nb + block)];
+                out.tail_sums[at] = sum;
             }
         }
     };
