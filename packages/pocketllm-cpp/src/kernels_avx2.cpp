@@ -62,15 +62,16 @@ void load_f16(const void* rows, int64_t count, int64_t dim, float* out) {
 }
 
 // The 4 sums of 4 vectors' lanes, in order: a transpose by hadd (pairs of lanes, then pairs of pairs, in each half),
-// then the halves added: one vector op per input instead of a full horizontal sum each.
-inline __m128 hsum4(const __m256* v) {
+// then the halves added: one vector op per input instead of a full horizontal sum each. (A cheaper tree than
+// kernels_x86.inl's hsum4, which must be hsum's: the attention scores need only be the same wherever computed.)
+inline __m128 hadd_sums4(const __m256* v) {
     const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
 // R query rows against keys [0, whole) (a multiple of 4), 4 keys at a time: 4R dot products in registers, each key
 // vector loaded once for the R rows (one row at a time loaded each key vector once per row). Each dot product: 8
-// lanes over the dimension, then hsum4's tree.
+// lanes over the dimension, then hadd_sums4's tree.
 template <int R>
 void scores_rows(const float* q, const float* keys, int64_t whole, int64_t count, int64_t dim, float scale,
                  float* out) {
@@ -94,12 +95,12 @@ void scores_rows(const float* q, const float* keys, int64_t whole, int64_t count
             }
         }
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) _mm_storeu_ps(out + r * count + k, _mm_mul_ps(hsum4(acc[r]), factor));
+        for (int r = 0; r < R; ++r) _mm_storeu_ps(out + r * count + k, _mm_mul_ps(hadd_sums4(acc[r]), factor));
     }
 }
 
 void scores(const float* q, int64_t nq, const float* keys, int64_t count, int64_t dim, float scale, float* out) {
-    const int64_t whole = count / 4 * 4;  // keys by hsum4's tree; the last few by hsum's
+    const int64_t whole = count / 4 * 4;  // keys by hadd_sums4's tree; the last few by hsum's
     int64_t i = 0;
     for (; i + 3 <= nq; i += 3) scores_rows<3>(q + i * dim, keys, whole, count, dim, scale, out + i * count);
     if (nq - i == 2) scores_rows<2>(q + i * dim, keys, whole, count, dim, scale, out + i * count);

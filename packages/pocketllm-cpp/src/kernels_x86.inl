@@ -241,6 +241,15 @@ constexpr bool kBiased = PLLM_VNNI && kSigned<T>;
 
 inline __m256i biased(__m256i codes) { return _mm256_add_epi8(codes, _mm256_set1_epi8(static_cast<char>(-128))); }
 
+// A block's codes as the batched paths' integer dot takes them: w + 128 (kBiased), |w| with its signs kept apart
+// (the other signed types), or the unsigned codes themselves.
+template <StorageType T>
+inline __m256i dot_codes(__m256i codes) {
+    if constexpr (kBiased<T>) return biased(codes);
+    if constexpr (kSigned<T>) return _mm256_sign_epi8(codes, codes);
+    return codes;
+}
+
 // Lane k: the sum of activation row r's codes in block b0 + k (from its per-16 sums), for the biased groups.
 inline __m256i block_code_sums(const QuantizedRows& act, int64_t r, int64_t b0) {
     const __m256i sums16 = load(act.sums16.data() + r * (act.cols / 16) + 2 * b0);
@@ -464,22 +473,16 @@ void pack(const uint8_t* base, size_t stride, int64_t full, PackedGroup<T, C>* g
                 k_block<T>(reinterpret_cast<const KBlock<T>*>(row)[b0 / 8], codes, dw, mw);
                 _mm256_store_ps(p.dw[c], dw);
                 _mm256_store_ps(p.mw[c], mw);
-                for (int k = 0; k < 8; ++k) {  // the integer dot takes |w|, its signs apart, or w + 128
+                for (int k = 0; k < 8; ++k) {
                     signs[k] = codes[k];
-                    if constexpr (kBiased<T>) {
-                        codes[k] = biased(codes[k]);
-                    } else if constexpr (kSigned<T>) {
-                        codes[k] = _mm256_sign_epi8(codes[k], codes[k]);
-                    }
+                    codes[k] = dot_codes<T>(codes[k]);
                 }
             } else {
                 scales8<T>(row, b0, p.dw[c], p.mw[c]);
                 for (int64_t k = 0; k < 8; ++k) {
                     prefetch<T>(row, b0 + k);
                     const Sub sub = decode<T>(row, b0 + k);
-                    codes[k] = kBiased<T>   ? biased(sub.codes)
-                               : kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes)
-                                            : sub.codes;
+                    codes[k] = dot_codes<T>(sub.codes);
                     signs[k] = sub.codes;
                 }
             }
@@ -776,10 +779,7 @@ void packed_rows(const WeightView& w, size_t stride, int64_t row, const Quantize
         for (int c = 0; c < C; ++c) {
             for (int64_t b = 0; b < nb - full; ++b) {
                 const Sub sub = decode<T>(base + c * static_cast<int64_t>(stride), full + b);
-                const __m256i codes = kBiased<T>   ? biased(sub.codes)
-                                      : kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes)
-                                                   : sub.codes;
-                _mm256_store_si256(reinterpret_cast<__m256i*>(tail.codes[c][b]), codes);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(tail.codes[c][b]), dot_codes<T>(sub.codes));
                 if constexpr (kSigned<T>) _mm256_store_si256(reinterpret_cast<__m256i*>(tail.signs[c][b]), sub.codes);
                 tail.dw[c][b] = sub.dw;
                 tail.mw[c][b] = sub.mw;
