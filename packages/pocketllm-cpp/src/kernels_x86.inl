@@ -38,6 +38,19 @@ inline __m128 hsum4(const __m256 (&v)[4]) {
 
 inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
+// _mm256_hadd_epi32's result: per 128-bit half [a0 + a1, a2 + a3, b0 + b1, b2 + b3]. vphaddd has no EVEX form, so
+// in the AVX-512 build, whose kernels hold their sums in ymm16-31, each one cost moves into ymm0-15; two shuffles
+// and an add take any register. Measured on a Zen 4 (one row against a matrix in cache, two threads): Q4_K
+// 1024 x 1024 24.5 -> 21.7 us, Q8_0 1536 x 576 22.9 -> 19.2. Integer sums: the same bits either way.
+inline __m256i hadd32(__m256i a, __m256i b) {
+#if PLLM_VNNI
+    const __m256 fa = _mm256_castsi256_ps(a), fb = _mm256_castsi256_ps(b);
+    return _mm256_add_epi32(_mm256_castps_si256(_mm256_shuffle_ps(fa, fb, 0x88)), _mm256_castps_si256(_mm256_shuffle_ps(fa, fb, 0xDD)));
+#else
+    return _mm256_hadd_epi32(a, b);
+#endif
+}
+
 // Bytes of `v` shifted right by `bits`, masked to `mask`: 16-bit shifts leak the neighbour byte's bits into the
 // top of each byte, and the mask drops them.
 inline __m256i bits(__m256i v, int shift, int mask) {
@@ -136,6 +149,22 @@ inline Sub decode(const uint8_t* row, int64_t b) {
 // Measured on the default model's shapes: 512-1024 bytes ahead doubles Q8_0's rate from DRAM; 4096 is too far.
 constexpr int64_t kPrefetchBytes = 1024;
 
+// Decode's distance: the same block 4 rows on (the next group's) where rows are wide, since 1 KB ahead stays inside
+// the row being read. Measured on a Zen 4 (one row against a cold matrix, two threads, interleaved with the 1 KB
+// build): Q4_K 1024 x 3584 17 -> 26 GB/s and 1024 x 2048 20 -> 25, Q6_K 1024 x 3584 21 -> 26 and its
+// 16384 x 1024 30 -> 35; Q8_0 576 x 1536 42 -> 30 us, Q4_0 and Q5_0 576 x 1536 0.83-0.92x. Rows of under 768
+// bytes (the default model's 576-wide rows) measured 1.0-1.05x slower so, and keep 1 KB.
+inline int64_t decode_prefetch_distance(size_t stride) {
+    return stride >= 768 ? 4 * static_cast<int64_t>(stride) : kPrefetchBytes;
+}
+
+// A block's bytes `distance` further on, asked for into L1.
+template <typename Block>
+inline void prefetch_ahead(const Block& blk, int64_t distance) {
+    const char* ahead = reinterpret_cast<const char*>(&blk) + distance;
+    for (size_t at = 0; at < sizeof(blk); at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+}
+
 template <StorageType T>
 constexpr int64_t kStorageBytes = T == StorageType::Q4_0     ? sizeof(BlockQ4_0)
                                   : T == StorageType::Q4_1   ? sizeof(BlockQ4_1)
@@ -183,8 +212,8 @@ inline void scales8(const uint8_t* row, int64_t b0, float* dw, float* mw) {
 }
 
 template <StorageType T>
-inline void prefetch(const uint8_t* row, int64_t b) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + b * kStorageBytes<T> + kPrefetchBytes), _MM_HINT_T0);
+inline void prefetch(const uint8_t* row, int64_t b, int64_t distance = kPrefetchBytes) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + b * kStorageBytes<T> + distance), _MM_HINT_T0);
 }
 
 // acc + sum(w8 * x) of unsigned codes w8 and signed x, in 8 int32 lanes of 4 products each.
@@ -225,10 +254,10 @@ inline void transpose8(__m256i (&rows)[8]) {
 
 // Lane k: the sum of sums[k]'s 8 lanes (8 blocks' integer dot products), by one hadd tree.
 inline __m256i block_sums(const __m256i (&sums)[8]) {
-    const __m256i p01 = _mm256_hadd_epi32(sums[0], sums[1]), p23 = _mm256_hadd_epi32(sums[2], sums[3]);
-    const __m256i p45 = _mm256_hadd_epi32(sums[4], sums[5]), p67 = _mm256_hadd_epi32(sums[6], sums[7]);
+    const __m256i p01 = hadd32(sums[0], sums[1]), p23 = hadd32(sums[2], sums[3]);
+    const __m256i p45 = hadd32(sums[4], sums[5]), p67 = hadd32(sums[6], sums[7]);
     // Blocks 0-3 and 4-7 in each 128-bit half, added across the halves.
-    const __m256i low4 = _mm256_hadd_epi32(p01, p23), high4 = _mm256_hadd_epi32(p45, p67);
+    const __m256i low4 = hadd32(p01, p23), high4 = hadd32(p45, p67);
     return _mm256_add_epi32(_mm256_permute2x128_si256(low4, high4, 0x20), _mm256_permute2x128_si256(low4, high4, 0x31));
 }
 
@@ -275,6 +304,7 @@ inline int32_t hsum_epi32(__m256i v) {
 // conversion, a broadcast and a scalar offset per block); then the tail's blocks one by one.
 template <StorageType T, int C>
 void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, float* y) {
+    const int64_t ahead = decode_prefetch_distance(stride);
     const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
     __m256 acc[C];
     float tail[C], extra[C];
@@ -291,7 +321,7 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
             scales8<T>(base + c * stride, b0, dw[c], mw[c]);
             __m256i sums[8];
             for (int k = 0; k < 8; ++k) {
-                prefetch<T>(base + c * stride, b0 + k);
+                prefetch<T>(base + c * stride, b0 + k, ahead);
                 const Sub sub = decode<T>(base + c * stride, b0 + k);
                 __m256i x = load(act.codes(0, b0 + k));
                 if constexpr (kBiased<T>) {
@@ -319,14 +349,14 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
         float dw[C], mw[C];
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
-            prefetch<T>(base + c * stride, b);
+            prefetch<T>(base + c * stride, b, ahead);
             const Sub sub = decode<T>(base + c * stride, b);
             dots[c] = dot32<T>(sub, kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes, xq);
             dw[c] = sub.dw;
             mw[c] = sub.mw;
         }
         if constexpr (C == 4) {  // the 4 dot products' sums side by side (one hadd tree), then as the scalar steps
-            const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3]));
+            const __m256i sums = hadd32(hadd32(dots[0], dots[1]), hadd32(dots[2], dots[3]));
             const __m128i lanes = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
             // Scales and offsets from registers: 4 scalar stores read back as one vector would miss store forwarding.
             const __m128 scales = _mm_mul_ps(_mm_setr_ps(dw[0], dw[1], dw[2], dw[3]), _mm_set1_ps(dx));
@@ -370,8 +400,6 @@ using KBlock = std::conditional_t<T == StorageType::Q4_K, BlockQ4_K,
 // decode_sub_block's form) as 8 float lanes.
 template <StorageType T>
 inline void k_block(const KBlock<T>& blk, __m256i (&codes)[8], __m256& dw, __m256& mw) {
-    const char* ahead = reinterpret_cast<const char*>(&blk) + kPrefetchBytes;
-    for (size_t at = 0; at < sizeof(blk); at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256i high = _mm256_setzero_si256();
     if constexpr (T == StorageType::Q5_K) high = load(blk.qh);
@@ -393,8 +421,6 @@ inline void k_block(const KBlock<T>& blk, __m256i (&codes)[8], __m256& dw, __m25
 
 template <>
 inline void k_block<StorageType::IQ4_XS>(const BlockIQ4_XS& blk, __m256i (&codes)[8], __m256& dw, __m256& mw) {
-    const char* ahead = reinterpret_cast<const char*>(&blk) + kPrefetchBytes;
-    for (size_t at = 0; at < sizeof(blk); at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
     alignas(32) float scales[8];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
@@ -411,6 +437,7 @@ inline void k_block<StorageType::IQ4_XS>(const BlockIQ4_XS& blk, __m256i (&codes
 // the results are those of the batched path's packed_tile bit for bit.
 template <StorageType T, int C>
 void k_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, float* y) {
+    const int64_t ahead = decode_prefetch_distance(stride);
     const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
     __m256 acc[C];
 #pragma GCC unroll 16
@@ -423,7 +450,9 @@ void k_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows
         for (int c = 0; c < C; ++c) {
             __m256i codes[8], sums[8];
             __m256 dw, mw;
-            k_block<T>(reinterpret_cast<const KBlock<T>*>(base + c * stride)[k], codes, dw, mw);
+            const KBlock<T>& blk = reinterpret_cast<const KBlock<T>*>(base + c * stride)[k];
+            prefetch_ahead(blk, ahead);
+            k_block<T>(blk, codes, dw, mw);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; ++j) {
                 const __m256i xj = load(x + j * kBlock);
@@ -470,7 +499,9 @@ void pack(const uint8_t* base, size_t stride, int64_t full, PackedGroup<T, C>* g
             __m256i codes[8], signs[8];
             if constexpr (!kBlock32<T>) {  // a group is one whole 256-value block (cols are a multiple of 256)
                 __m256 dw, mw;
-                k_block<T>(reinterpret_cast<const KBlock<T>*>(row)[b0 / 8], codes, dw, mw);
+                const KBlock<T>& blk = reinterpret_cast<const KBlock<T>*>(row)[b0 / 8];
+                prefetch_ahead(blk, kPrefetchBytes);
+                k_block<T>(blk, codes, dw, mw);
                 _mm256_store_ps(p.dw[c], dw);
                 _mm256_store_ps(p.mw[c], mw);
                 for (int k = 0; k < 8; ++k) {
@@ -742,20 +773,21 @@ inline void prefetch_rows(const WeightView& w, size_t stride, int64_t first, int
     for (size_t at = 0; at < bytes; at += 64) _mm_prefetch(from + at, _MM_HINT_T1);
 }
 
-// Decode's next weight rows for the 256-value block types: each 4 rows in turn ask for the window of
-// kDecodeWindowBytes after them (at least the next 4 rows) into L2. One core reads a
-// cold matrix at memory speed only with several KB in flight; the next 4 rows alone are too few when rows are short
-// (840 bytes for a 1024-wide Q6_K row). Measured on a Zen 4 (`pocketbench.gemm --rows 1`, two threads): the
-// Qwen3.5-0.8B file's 1024- and 2048-wide Q4_K and Q6_K matrices 1.2-1.4x, the 3584-wide ones about even; a
-// single-stream decode step 31.4 -> 24.8 ms. The window overlaps the last one's (asking again for lines in flight
-// or cached costs little, and a window of new rows alone gained less). The window runs on past the range's end,
-// into the rows that the pool's next chunk reads: clamped to the range, the same matrices ran 0.6-0.9x. The 32-value
-// block types ask for 4 rows two groups ahead instead (kDecodeAhead32): with the window the default model's small
-// matrices lost 10 %.
+// Decode's next weight rows for the 256-value block types: the window of kDecodeWindowBytes (at least 4 rows) after
+// the rows being read is asked for into L2, the whole window as a range starts and then, each 4 rows in turn, the
+// 4 rows that enter it. One core reads a cold matrix at memory speed only with several KB in flight; the next 4
+// rows alone are too few when rows are short (840 bytes for a 1024-wide Q6_K row). Measured on a Zen 4
+// (`pocketbench.gemm --rows 1`, two threads): the Qwen3.5-0.8B file's 1024- and 2048-wide Q4_K and Q6_K matrices
+// 1.2-1.4x, the 3584-wide ones about even; a single-stream decode step 31.4 -> 24.8 ms. Asking for the whole window
+// again every 4 rows, as this did first, cost the prefetches' issue: a 1024 x 1024 Q4_K matrix in cache 21.5 ->
+// 18.3 us, Q6_K 27.4 -> 22.7, with the cold rates the same. The window runs on past the range's end, into the rows
+// that the pool's next chunk reads: clamped to the range, the same matrices ran 0.6-0.9x. The 32-value block types
+// ask for 4 rows two groups ahead instead (kDecodeAhead32): with the window the default model's small matrices lost
+// 10 %.
 constexpr int64_t kDecodeWindowBytes = 8192;
-inline void prefetch_decode(const WeightView& w, size_t stride, int64_t row) {
+inline int64_t decode_ahead(size_t stride) {
     const auto bytes = static_cast<int64_t>(stride);
-    prefetch_rows(w, stride, row + 4, std::max<int64_t>(4, (kDecodeWindowBytes + bytes - 1) / bytes));
+    return std::max<int64_t>(4, (kDecodeWindowBytes + bytes - 1) / bytes);
 }
 
 // The 32-value types' decode: each group of 4 rows asks for the 4 rows two groups on, not the next 4, which were
@@ -895,21 +927,15 @@ inline void sub_blocks16(const Block16<T>& blk, F&& f) {
 // leave (sub-block, half) sums in lanes (j, h) of four sub-blocks a vector; the scales, laid out alike, multiply
 // them as int32 (exact: |sum| < 2^17 per half, scales < 2^7), and the halves add.
 inline __m256i scaled_halves(const __m256i (&sums)[8], __m128i scales) {
-    const __m256i p01 = _mm256_hadd_epi32(sums[0], sums[1]), p23 = _mm256_hadd_epi32(sums[2], sums[3]);
-    const __m256i p45 = _mm256_hadd_epi32(sums[4], sums[5]), p67 = _mm256_hadd_epi32(sums[6], sums[7]);
+    const __m256i p01 = hadd32(sums[0], sums[1]), p23 = hadd32(sums[2], sums[3]);
+    const __m256i p45 = hadd32(sums[4], sums[5]), p67 = hadd32(sums[6], sums[7]);
     // 128-bit halves: [sub-blocks 0-3, values 0-15] and [sub-blocks 0-3, values 16-31]; then 4-7 alike.
-    const __m256i halves03 = _mm256_hadd_epi32(p01, p23), halves47 = _mm256_hadd_epi32(p45, p67);
+    const __m256i halves03 = hadd32(p01, p23), halves47 = hadd32(p45, p67);
     const __m128i split = _mm_shuffle_epi8(scales, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
     const __m256i scaled03 = _mm256_mullo_epi32(halves03, _mm256_cvtepi8_epi32(split));
     const __m256i scaled47 = _mm256_mullo_epi32(halves47, _mm256_cvtepi8_epi32(_mm_srli_si128(split, 8)));
     return _mm256_add_epi32(_mm256_permute2x128_si256(scaled03, scaled47, 0x20),
                             _mm256_permute2x128_si256(scaled03, scaled47, 0x31));
-}
-
-template <StorageType T>
-inline void prefetch16(const Block16<T>& blk) {
-    const char* ahead = reinterpret_cast<const char*>(&blk) + kPrefetchBytes;
-    for (size_t at = 0; at < sizeof(blk); at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
 }
 
 template <StorageType T, int C>
@@ -918,7 +944,7 @@ void k16_pack(const uint8_t* base, size_t stride, int64_t supers, Packed16<T, C>
         Packed16<T, C>& p = out[k];
         for (int c = 0; c < C; ++c) {
             const Block16<T>& blk = reinterpret_cast<const Block16<T>*>(base + c * stride)[k];
-            prefetch16<T>(blk);
+            prefetch_ahead(blk, kPrefetchBytes);
             __m256i codes[8];
             sub_blocks16<T>(blk, [&](int j, __m256i unsigned_codes) { codes[j] = unsigned_codes; });
             transpose8(codes);
@@ -952,6 +978,7 @@ void k16_pack(const uint8_t* base, size_t stride, int64_t supers, Packed16<T, C>
 // against x, and the bias (or Q2_K's mins) through the activation row's per-16 sums.
 template <StorageType T, int C>
 void k16_decode_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& act, float* y) {
+    const int64_t ahead = decode_prefetch_distance(stride);
     const uint8_t* base = w.data + row * static_cast<int64_t>(stride);
     __m256 acc[C];
 #pragma GCC unroll 16
@@ -964,7 +991,7 @@ void k16_decode_rows(const WeightView& w, size_t stride, int64_t row, const Quan
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
             const Block16<T>& blk = reinterpret_cast<const Block16<T>*>(base + c * stride)[k];
-            prefetch16<T>(blk);
+            prefetch_ahead(blk, ahead);
             __m256i sums[8];
             sub_blocks16<T>(blk, [&](int j, __m256i codes) { sums[j] = udot(codes, load(x + j * kBlock)); });
             const __m128i scales = scales16<T>(blk);
@@ -1180,8 +1207,10 @@ void gemm_k16(const WeightView& w, int64_t row_begin, int64_t row_end, const Qua
     const size_t stride = row_bytes(w.type, w.cols);
     int64_t row = row_begin;
     if (n == 1) {
+        const int64_t ahead = decode_ahead(stride);
+        prefetch_rows(w, stride, row, ahead);
         for (; row + 4 <= row_end; row += 4) {
-            prefetch_decode(w, stride, row);
+            prefetch_rows(w, stride, row + ahead, 4);
             k16_decode_rows<T, 4>(w, stride, row, act, y);
         }
         for (; row < row_end; ++row) k16_decode_rows<T, 1>(w, stride, row, act, y);
@@ -1200,8 +1229,10 @@ void gemm_blocks(const WeightView& w, int64_t row_begin, int64_t row_end, const 
     int64_t row = row_begin;
     if (n == 1) {  // decode: 4 weight rows in flight, whose blocks stream from memory
         if constexpr (!kBlock32<T>) {  // Q4_K, Q5_K, IQ4_XS
+            const int64_t ahead = decode_ahead(stride);
+            prefetch_rows(w, stride, row, ahead);
             for (; row + 4 <= row_end; row += 4) {
-                prefetch_decode(w, stride, row);
+                prefetch_rows(w, stride, row + ahead, 4);
                 k_rows<T, 4>(w, stride, row, act, y);
             }
             for (; row < row_end; ++row) k_rows<T, 1>(w, stride, row, act, y);
