@@ -220,9 +220,10 @@ void Engine::draft_with_model(ScheduledBatch& batch) {
 int32_t Engine::draw_draft(const Sequence& seq, const float* logits, int64_t j) const {
     std::vector<int32_t> context = seq.tokens;
     context.insert(context.end(), seq.draft.begin(), seq.draft.begin() + j);
-    std::vector<float> row(logits, logits + model_->vocab_size());
+    std::vector<float> scratch;
     Rng rng(draw_seed(seq.seed, seq.num_output() + j));
-    return sample(row, seq.sampling, context, seq.num_prompt, rng, nullptr, seq.allowed);
+    return sample_row(logits, model_->vocab_size(), scratch, seq.sampling, context, seq.num_prompt, rng, nullptr,
+                      seq.allowed);
 }
 
 void Engine::catch_up_draft_model(const ScheduledBatch& batch, const std::vector<SequenceSlice>& slices,
@@ -349,11 +350,10 @@ Delta Engine::sample_rows(const SeqPtr& seq, const float* logits, int64_t rows, 
     int64_t accepted = 0;
     for (int64_t j = 0; j < rows; ++j) {
         // Row j's context is the sequence with drafts 0..j-1 already in it: the rows before kept them.
-        std::vector<float> row(logits + j * vocab, logits + (j + 1) * vocab);
         TokenLogprobs logprobs{};
         Rng rng(draw_seed(seq->seed, seq->num_output()));
-        const int32_t token = sample(row, seq->sampling, seq->tokens, seq->num_prompt, rng,
-                                     wants_logprobs ? &logprobs : nullptr, seq->allowed);
+        const int32_t token = sample_row(logits + j * vocab, vocab, sample_row_, seq->sampling, seq->tokens,
+                                         seq->num_prompt, rng, wants_logprobs ? &logprobs : nullptr, seq->allowed);
         if (token < 0) {  // the grammar and min_tokens left no token: this request fails, alone
             delta.finish = Finish::Error;
             break;

@@ -49,6 +49,8 @@ void dequantize_row(const WeightView& w, int64_t row, float* out);
 
 // x[i] = exp(x[i] - shift) with the current ISA's vector exp; returns their sum (softmax, sampling).
 float exp_shifted(float* x, int64_t n, float shift);
+// The largest of x[0..n) (n >= 1), with the ISA's vector max.
+float maximum(const float* x, int64_t n);
 
 // gate[i] = silu(gate[i]) * up[i] (SwiGLU) with the current ISA's vector exp.
 void silu_mul(float* gate, const float* up, int64_t n);

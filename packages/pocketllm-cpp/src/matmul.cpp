@@ -206,6 +206,8 @@ float exp_shifted(float* x, int64_t n, float shift) {
     return kernels::attention_for(KvType::F32, 8).exp_shifted(x, n, shift);
 }
 
+float maximum(const float* x, int64_t n) { return kernels::attention_for(KvType::F32, 8).maximum(x, n); }
+
 kernels::Attention kernels::attention_for(KvType kv, int64_t dim) {
 #ifdef POCKETLLM_HAVE_X86
     if (current_isa() != Isa::Scalar && dim % 8 == 0) return attention_avx2(kv);

@@ -369,10 +369,47 @@ static void qwen3_5_tests() {
     CHECK(refused(weights, wider));
 }
 
+// Greedy picks the first maximum, as std::max_element (and torch's argmax) do, on every ISA: ties in one run of
+// the vectorised search, across runs, at the ends, and a row of equal values.
+static void greedy_tests() {
+    SamplingConfig greedy;
+    greedy.temperature = 0.0f;
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal;
+    for (const char* isa : {"scalar", "auto"}) {
+        set_isa(isa);
+        for (const int64_t vocab : {1, 7, 64, 65, 1000}) {
+            for (const std::vector<int64_t>& tied : std::vector<std::vector<int64_t>>{{0}, {vocab - 1}, {vocab / 2, vocab - 1},
+                                                                                    {63 % vocab, 64 % vocab}, {}}) {
+                std::vector<float> logits(static_cast<size_t>(vocab));
+                for (float& v : logits) v = normal(rng);
+                for (int64_t at : tied) logits[static_cast<size_t>(at)] = 9.0f;
+                const int64_t expected = std::max_element(logits.begin(), logits.end()) - logits.begin();
+                std::vector<float> scratch;
+                Rng draw(1);
+                CHECK(sample_row(logits.data(), vocab, scratch, greedy, {}, 0, draw, nullptr, {}) == expected);
+                CHECK(scratch.empty());  // read in place
+                // A processor (a bias that moves the maximum) runs on the copy and leaves the row as it was.
+                SamplingConfig biased = greedy;
+                biased.logit_bias = {{static_cast<int32_t>(vocab - 1), 100.0f}};
+                const std::vector<float> before = logits;
+                CHECK(sample_row(logits.data(), vocab, scratch, biased, {}, 0, draw, nullptr, {}) == vocab - 1);
+                CHECK(logits == before);
+                CHECK(sample(logits, greedy, {}, 0, draw, nullptr, {}) == expected);
+            }
+            std::vector<float> flat(static_cast<size_t>(vocab), -0.5f);
+            Rng draw(1);
+            CHECK(sample(flat, greedy, {}, 0, draw, nullptr, {}) == 0);
+        }
+    }
+    set_isa("auto");
+}
+
 int main() {
     speculative_tests();
     state_slot_tests();
     qwen3_5_tests();
+    greedy_tests();
     const int64_t rows = 48, cols = 96, n = 3;
     std::mt19937 rng(7);
     std::uniform_int_distribution<int> byte(0, 255);

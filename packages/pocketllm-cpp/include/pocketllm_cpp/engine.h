@@ -112,6 +112,9 @@ private:
     Scheduler scheduler_;
     Drafter drafter_;
     std::vector<float> verify_states_;  // this step's verification captures, state_bytes / 4 floats each
+    // sample_row's copy of a row that a processor changes: one buffer for every row, not a vocabulary-sized
+    // allocation per token.
+    std::vector<float> sample_row_;
     std::vector<int64_t> verify_rows_;  // this step's sampled rows per slice (captures_of), for commit_states
     Profile profile_;  // step, sample, steps and tokens; the model keeps its own share
 };

@@ -83,4 +83,13 @@ TokenLogprobs logprobs_of(const std::vector<double>& raw, int32_t token, int k);
 int32_t sample(std::vector<float>& logits, const SamplingConfig& config, const std::vector<int32_t>& tokens,
                size_t num_prompt, Rng& rng, TokenLogprobs* logprobs, const std::vector<uint32_t>& allowed = {});
 
+// sample() of the `vocab` logits at `logits`, which stay as they are: a plain greedy token (no processor, no
+// logprobs) is their argmax, read in place; any other is sampled from a copy in `scratch`.
+int32_t sample_row(const float* logits, int64_t vocab, std::vector<float>& scratch, const SamplingConfig& config,
+                   const std::vector<int32_t>& tokens, size_t num_prompt, Rng& rng, TokenLogprobs* logprobs,
+                   const std::vector<uint32_t>& allowed = {});
+
+// The first position of the largest of x[0..n) (n >= 1), as std::max_element and torch's argmax find it.
+int32_t argmax(const float* x, int64_t n);
+
 }  // namespace pocketllm
