@@ -4,6 +4,7 @@
 #include <cstring>
 #include <cstdio>
 #include <map>
+#include <numeric>
 #include <ctime>
 #include <random>
 #include <stdexcept>
@@ -405,8 +406,69 @@ static void greedy_tests() {
     set_isa("auto");
 }
 
+// truncate() finds the tokens a cut can keep from a histogram before it sorts them: its candidates are those of
+// sorting the whole vocabulary, best first and ties by id, then top-k, min-p and top-p in turn.
+static void truncate_tests() {
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal;
+    for (const int64_t vocab : {1, 10, 1000, 50000}) {
+        for (const float spread : {0.5f, 4.0f, 30.0f}) {  // flat to peaked
+            std::vector<float> logits(static_cast<size_t>(vocab));
+            for (float& v : logits) v = std::round(normal(rng) * spread * 8.0f) / 8.0f;  // with ties
+            for (const int top_k : {0, 1, 5, 50, static_cast<int>(vocab) - 1}) {
+                for (const float top_p : {1.0f, 0.95f, 0.5f, 1e-9f}) {
+                    for (const float min_p : {0.0f, 0.05f, 1.0f}) {
+                        SamplingConfig c;
+                        c.temperature = 0.7f;
+                        c.top_k = top_k;
+                        c.top_p = top_p;
+                        c.min_p = min_p;
+                        std::vector<float> p(logits.size());
+                        for (size_t i = 0; i < p.size(); ++i) p[i] = logits[i] * (1.0f / c.temperature);
+                        const double everything = exp_shifted(p.data(), vocab, *std::max_element(p.begin(), p.end()));
+                        std::vector<int32_t> order(static_cast<size_t>(vocab));
+                        std::iota(order.begin(), order.end(), 0);
+                        std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+                            return p[a] > p[b] || (p[a] == p[b] && a < b);
+                        });
+                        int64_t keep = vocab;
+                        double total = everything;
+                        if (top_k > 0 && top_k < vocab) {
+                            keep = top_k;
+                            total = 0.0;
+                            for (int64_t i = 0; i < keep; ++i) total += p[order[i]];
+                        }
+                        if (min_p > 0.0f) {
+                            int64_t kept = 0;
+                            while (kept < keep && p[order[kept]] >= min_p) ++kept;
+                            keep = kept;
+                        }
+                        if (top_p < 1.0f) {
+                            double above = 0.0;
+                            int64_t end = 1;
+                            for (; end < keep; ++end) {
+                                above += static_cast<double>(p[order[end - 1]]) / total;
+                                if (above >= top_p) break;
+                            }
+                            keep = std::min(keep, end);
+                        }
+                        const Candidates got = truncate(logits, c);
+                        const bool cut = (top_k > 0 && top_k < vocab) || top_p < 1.0f || min_p > 0.0f;
+                        if (cut) {
+                            CHECK(got.ids == std::vector<int32_t>(order.begin(), order.begin() + keep));
+                        } else {
+                            CHECK(static_cast<int64_t>(got.ids.size()) == vocab && got.ids.back() == vocab - 1);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 int main() {
     speculative_tests();
+    truncate_tests();
     state_slot_tests();
     qwen3_5_tests();
     greedy_tests();
