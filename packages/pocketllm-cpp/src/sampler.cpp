@@ -23,8 +23,9 @@ uint64_t draw_seed(uint64_t seed, int64_t index) {
     return Rng(seed + static_cast<uint64_t>(index) * 0x9E3779B97F4A7C15ull).next();
 }
 
-// The vector maximum, then the first 64-value run holding it (a compare per value without a branch, which vectorises), then that run value by value.
-// std::max_element's compare and branch per value took about 240 us of a 248,320-value row on a Zen 4.
+// The vector maximum, then the first 64-value run holding it (a compare per value without a branch, which
+// vectorises), then that run value by value. std::max_element's compare and branch per value took about 240 us of a
+// 248,320-value row on a Zen 4. (Rows with NaNs, from a broken model, may give another position than it would.)
 int32_t argmax(const float* x, int64_t n) {
     const float best = maximum(x, n);
     constexpr int64_t kRun = 64;
@@ -37,7 +38,7 @@ int32_t argmax(const float* x, int64_t n) {
             if (x[i] == best) return static_cast<int32_t>(i);
         }
     }
-    return 0;  // the maximum is a NaN (x[0], as std::max_element would leave it)
+    return 0;  // the maximum is a NaN
 }
 
 std::vector<double> log_softmax(const std::vector<float>& logits) {
@@ -143,13 +144,13 @@ float floor_for(const std::vector<float>& p, int64_t count, double mass) {
         reached += sums[static_cast<size_t>(b)];
         if (mass > 0.0 ? reached >= mass : seen >= count) return lower_edge(mass > 0.0 ? b - 1 : b);
     }
-    return 0.0f;
+    return 0.0f;  // fewer tokens than `count` may be drawn at all: every one of them
 }
 
 }  // namespace
 
 Candidates truncate(const std::vector<float>& logits, const SamplingConfig& c) {
-    // Candidates by probability, best first (ties by id); top-k, min-p and top-p each keep a prefix of that order.
+    // Candidates best first (ties by id); top-k, min-p and top-p each keep a prefix of that order.
     // Only the tokens that a cut can keep are sorted: they are found from a histogram of the probabilities, where
     // sorting the vocabulary's order for every token (partially, again and again for top-p alone) took up to 70 ms
     // of a 248,320-token vocabulary. With no cut at all, the draw walks the vocabulary in id order.
@@ -158,7 +159,16 @@ Candidates truncate(const std::vector<float>& logits, const SamplingConfig& c) {
     std::vector<float> relative(static_cast<size_t>(vocab));
     const float inverse_temperature = 1.0f / c.temperature;
     for (int64_t i = 0; i < vocab; ++i) relative[static_cast<size_t>(i)] = logits[static_cast<size_t>(i)] * inverse_temperature;
-    const double everything = exp_shifted(relative.data(), vocab, maximum(relative.data(), vocab));
+    double everything = exp_shifted(relative.data(), vocab, maximum(relative.data(), vocab));
+    // A token ruled out (a grammar's mask, a min_tokens ban: its logit -inf) has probability 0, never drawn; the
+    // vector exp leaves it ~1e-38 (its input clamp).
+    for (int64_t i = 0; i < vocab; ++i) {
+        float& v = relative[static_cast<size_t>(i)];
+        if (logits[static_cast<size_t>(i)] == -std::numeric_limits<float>::infinity() && v != 0.0f) {
+            everything -= v;
+            v = 0.0f;
+        }
+    }
     auto prob = [&](int32_t id) { return static_cast<double>(relative[static_cast<size_t>(id)]); };
     const bool top_k = c.top_k > 0 && c.top_k < vocab;
     Candidates out;
@@ -168,7 +178,8 @@ Candidates truncate(const std::vector<float>& logits, const SamplingConfig& c) {
         out.weights.assign(relative.begin(), relative.end());
         return out;
     }
-    // Every token sorted has a probability of at least `floor`. With top-k: the k-th best's bucket's edge (the whole
+    // Every token sorted has a probability above 0 (a cut keeps no token that cannot be drawn) and of at least
+    // `floor`. With top-k: the k-th best's bucket's edge (the whole
     // top-k set, whose mass is top-p's denominator). Without: min_p (relative to the best, whose is 1), and where
     // top-p's mass of the whole vocabulary is reached.
     float floor = 0.0f;
@@ -178,16 +189,24 @@ Candidates truncate(const std::vector<float>& logits, const SamplingConfig& c) {
         if (c.min_p > 0.0f) floor = c.min_p;
         if (c.top_p < 1.0f) floor = std::max(floor, floor_for(relative, 0, c.top_p * everything));
     }
-    // Best first, ties by id, as one integer per token: the probability's bits inverted (a positive float's bits
-    // order as its value), then the id. Plain integers sort several times faster than ids compared through the
-    // probabilities they index.
+    // Best first (by logit: distinct logits can round to one probability), ties by id, as one integer per token:
+    // the logit's bits made to order as its value (negatives' bits inverted, positives' sign bit set; -0 as 0), then
+    // inverted for best first, then the id. Plain integers sort several times faster than ids compared through the
+    // logits they index. With top-k the k best are selected first: a grammar's masked logits leave probabilities
+    // of about 1e-38 (the vector exp's clamp), not 0, and the floor can fall to them.
     std::vector<uint64_t> keys;
     for (int64_t i = 0; i < vocab; ++i) {
         const float v = relative[static_cast<size_t>(i)];
-        if (!(v >= floor)) continue;  // below the floor, or a NaN
+        if (!(v >= floor && v > 0.0f)) continue;  // below the floor, ruled out, or a NaN
+        const float logit = logits[static_cast<size_t>(i)] + 0.0f;
         uint32_t bits;
-        std::memcpy(&bits, &v, sizeof bits);
-        keys.push_back(static_cast<uint64_t>(~bits) << 32 | static_cast<uint32_t>(i));
+        std::memcpy(&bits, &logit, sizeof bits);
+        const uint32_t ordered = bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+        keys.push_back(static_cast<uint64_t>(~ordered) << 32 | static_cast<uint32_t>(i));
+    }
+    if (top_k && static_cast<int64_t>(keys.size()) > c.top_k) {
+        std::nth_element(keys.begin(), keys.begin() + c.top_k, keys.end());
+        keys.resize(static_cast<size_t>(c.top_k));
     }
     std::sort(keys.begin(), keys.end());
     std::vector<int32_t> order(keys.size());
@@ -200,9 +219,9 @@ Candidates truncate(const std::vector<float>& logits, const SamplingConfig& c) {
         total = 0.0;
         for (int64_t i = 0; i < keep; ++i) total += prob(order[static_cast<size_t>(i)]);
     }
-    if (c.min_p > 0.0f) {  // everything under min_p times the best probability goes, whatever its rank
-        keep = std::find_if(order.begin(), order.begin() + keep, [&](int32_t id) { return prob(id) < c.min_p; }) -
-               order.begin();
+    if (c.min_p > 0.0f) {  // everything under min_p times the best probability goes, whatever its rank; not the best
+        keep = std::max<int64_t>(1, std::find_if(order.begin(), order.begin() + keep,
+                                                 [&](int32_t id) { return prob(id) < c.min_p; }) - order.begin());
     }
     if (c.top_p < 1.0f) {  // a token stays while those above it fall short of top_p; the first always stays
         double above = 0.0;
@@ -223,10 +242,12 @@ int32_t draw(const Candidates& candidates, Rng& rng) {
     double kept = 0.0;
     for (double w : candidates.weights) kept += w;
     double left = rng.uniform() * kept;
+    size_t last = 0;  // the last candidate that may be drawn: where rounding leaves `left` after every weight
     for (size_t i = 0; i < candidates.ids.size(); ++i) {
         if ((left -= candidates.weights[i]) < 0.0) return candidates.ids[i];
+        if (candidates.weights[i] > 0.0) last = i;
     }
-    return candidates.ids.back();
+    return candidates.ids[last];
 }
 
 TokenLogprobs logprobs_of(const std::vector<double>& raw, int32_t token, int k) {

@@ -407,7 +407,7 @@ static void greedy_tests() {
 }
 
 // truncate() finds the tokens a cut can keep from a histogram before it sorts them: its candidates are those of
-// sorting the whole vocabulary, best first and ties by id, then top-k, min-p and top-p in turn.
+// sorting the whole vocabulary, best logit first and ties by id, then top-k, min-p and top-p in turn.
 static void truncate_tests() {
     std::mt19937 rng(5);
     std::normal_distribution<float> normal;
@@ -415,6 +415,8 @@ static void truncate_tests() {
         for (const float spread : {0.5f, 4.0f, 30.0f}) {  // flat to peaked
             std::vector<float> logits(static_cast<size_t>(vocab));
             for (float& v : logits) v = std::round(normal(rng) * spread * 8.0f) / 8.0f;  // with ties
+            // A grammar's mask: most tokens -inf (their probabilities are the vector exp's clamp, ~1e-38, not 0).
+            for (size_t i = 3; i < logits.size() && spread > 10.0f; i += 1 + i % 3) logits[i] = -INFINITY;
             for (const int top_k : {0, 1, 5, 50, static_cast<int>(vocab) - 1}) {
                 for (const float top_p : {1.0f, 0.95f, 0.5f, 1e-9f}) {
                     for (const float min_p : {0.0f, 0.05f, 1.0f}) {
@@ -425,16 +427,22 @@ static void truncate_tests() {
                         c.min_p = min_p;
                         std::vector<float> p(logits.size());
                         for (size_t i = 0; i < p.size(); ++i) p[i] = logits[i] * (1.0f / c.temperature);
-                        const double everything = exp_shifted(p.data(), vocab, *std::max_element(p.begin(), p.end()));
-                        std::vector<int32_t> order(static_cast<size_t>(vocab));
-                        std::iota(order.begin(), order.end(), 0);
-                        std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-                            return p[a] > p[b] || (p[a] == p[b] && a < b);
+                        double everything = exp_shifted(p.data(), vocab, *std::max_element(p.begin(), p.end()));
+                        std::vector<int32_t> order;  // the tokens that may be drawn: not a masked one, nor one
+                        for (int32_t i = 0; i < static_cast<int32_t>(vocab); ++i) {  // whose exp underflowed to 0
+                            if (std::isinf(logits[i])) {
+                                everything -= p[i];
+                                p[i] = 0.0f;
+                            }
+                            if (p[i] > 0.0f) order.push_back(i);
+                        }
+                        std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {  // by logit, as documented
+                            return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
                         });
-                        int64_t keep = vocab;
+                        int64_t keep = static_cast<int64_t>(order.size());
                         double total = everything;
                         if (top_k > 0 && top_k < vocab) {
-                            keep = top_k;
+                            keep = std::min<int64_t>(keep, top_k);
                             total = 0.0;
                             for (int64_t i = 0; i < keep; ++i) total += p[order[i]];
                         }
@@ -453,6 +461,9 @@ static void truncate_tests() {
                             keep = std::min(keep, end);
                         }
                         const Candidates got = truncate(logits, c);
+                        for (size_t i = 0; i < got.ids.size(); ++i) {  // the masked tokens' weights are 0
+                            if (std::isinf(logits[got.ids[i]])) CHECK(got.weights[i] == 0.0);
+                        }
                         const bool cut = (top_k > 0 && top_k < vocab) || top_p < 1.0f || min_p > 0.0f;
                         if (cut) {
                             CHECK(got.ids == std::vector<int32_t>(order.begin(), order.begin() + keep));
