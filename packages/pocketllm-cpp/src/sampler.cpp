@@ -179,9 +179,8 @@ Candidates truncate(const std::vector<float>& logits, const SamplingConfig& c) {
         return out;
     }
     // Every token sorted has a probability above 0 (a cut keeps no token that cannot be drawn) and of at least
-    // `floor`. With top-k: the k-th best's bucket's edge (the whole
-    // top-k set, whose mass is top-p's denominator). Without: min_p (relative to the best, whose is 1), and where
-    // top-p's mass of the whole vocabulary is reached.
+    // `floor`. With top-k: the k-th best's bucket's edge (the whole top-k set, whose mass is top-p's denominator).
+    // Without: min_p (relative to the best, whose is 1), and where top-p's mass of the whole vocabulary is reached.
     float floor = 0.0f;
     if (top_k) {
         floor = floor_for(relative, c.top_k, 0.0);
@@ -192,8 +191,7 @@ Candidates truncate(const std::vector<float>& logits, const SamplingConfig& c) {
     // Best first (by logit: distinct logits can round to one probability), ties by id, as one integer per token:
     // the logit's bits made to order as its value (negatives' bits inverted, positives' sign bit set; -0 as 0), then
     // inverted for best first, then the id. Plain integers sort several times faster than ids compared through the
-    // logits they index. With top-k the k best are selected first: a grammar's masked logits leave probabilities
-    // of about 1e-38 (the vector exp's clamp), not 0, and the floor can fall to them.
+    // logits they index. With top-k the k best are selected first: the floor's bucket can hold many more.
     std::vector<uint64_t> keys;
     for (int64_t i = 0; i < vocab; ++i) {
         const float v = relative[static_cast<size_t>(i)];
@@ -214,8 +212,7 @@ Candidates truncate(const std::vector<float>& logits, const SamplingConfig& c) {
     if (order.empty()) order.push_back(argmax(relative.data(), vocab));  // every probability a NaN
     int64_t keep = static_cast<int64_t>(order.size());
     double total = everything;  // top-p's denominator: the whole vocabulary's mass, or the top-k set's
-    if (top_k) {
-        keep = std::min<int64_t>(keep, c.top_k);
+    if (top_k) {  // `order` is the top-k set
         total = 0.0;
         for (int64_t i = 0; i < keep; ++i) total += prob(order[static_cast<size_t>(i)]);
     }
