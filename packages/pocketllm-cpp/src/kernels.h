@@ -86,18 +86,18 @@ void silu_avx2(float* x, int64_t n);
 void quantize_row_avx2(const float* x, int64_t cols, int8_t* qs, float* d, float* s);
 void quantize_row_neon(const float* x, int64_t cols, int8_t* qs, float* d, float* s);
 
-// Attention over one KV block of `count` rows of `dim` values, the block first converted to float32 once for
-// every query that reads it. Per ISA and KV type.
+// Attention over cached key and value rows, read where they are stored (the cache's element type converted to
+// float32 in registers). Per ISA and KV type.
 struct Attention {
-    void (*store)(const float* values, int64_t dim, void* out);                  // one row into the cache
-    void (*load)(const void* rows, int64_t count, int64_t dim, float* out);      // a block's rows as float32
-    // scores[i * count + k] = scale * q_i . keys[k] for nq query rows q_i = q + i * dim.
-    void (*scores)(const float* q, int64_t nq, const float* keys, int64_t count, int64_t dim, float scale,
-                   float* scores);
-    // For each of `rows` rows r: out + r * out_stride += sum_k weights[r * count + k] * values[k], each value in
-    // one fused multiply-add chain over k in order (so a row's result does not depend on the rows beside it).
-    void (*accumulate)(const float* weights, int64_t rows, const float* values, int64_t count, int64_t dim, float* out,
-                       int64_t out_stride);
+    void (*store)(const float* values, int64_t dim, void* out);  // one row into the cache
+    // scores[i * stride + k] = scale * q_i . keys[k] for nq query rows q_i = q + i * dim and count cached key rows.
+    void (*scores)(const float* q, int64_t nq, const void* keys, int64_t count, int64_t dim, float scale,
+                   float* scores, int64_t stride);
+    // For each of `rows` rows r: out + r * out_stride += sum_k weights[r * weight_stride + k] * values[k] over
+    // count cached value rows, each value in one fused multiply-add chain over k in order (so a row's result does
+    // not depend on the rows beside it, nor on how the rows were split into calls).
+    void (*accumulate)(const float* weights, int64_t weight_stride, int64_t rows, const void* values, int64_t count,
+                       int64_t dim, float* out, int64_t out_stride);
     float (*maximum)(const float* x, int64_t count);  // of count >= 1 values
     // x[k] = exp(x[k] - shift); returns their sum
     float (*exp_shifted)(float* x, int64_t count, float shift);

@@ -54,10 +54,14 @@ void store_f16(const float* values, int64_t dim, void* out) {
     }
 }
 
-void load_f16(const void* rows, int64_t count, int64_t dim, float* out) {
-    const uint16_t* in = static_cast<const uint16_t*>(rows);
-    for (int64_t i = 0; i < count * dim; i += 8) {
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+// 8 values of a cached row from value i on, as float32: the cache's element type converted in registers (the rows
+// are read where they are stored, with no float32 copy to write and read back).
+template <KvType K>
+inline __m256 load8(const void* rows, int64_t i) {
+    if constexpr (K == KvType::F16) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(rows) + i)));
+    } else {
+        return _mm256_loadu_ps(static_cast<const float*>(rows) + i);
     }
 }
 
@@ -72,9 +76,9 @@ inline __m128 hadd_sums4(const __m256* v) {
 // R query rows against keys [0, whole) (a multiple of 4), 4 keys at a time: 4R dot products in registers, each key
 // vector loaded once for the R rows (one row at a time loaded each key vector once per row). Each dot product: 8
 // lanes over the dimension, then hadd_sums4's tree.
-template <int R>
-void scores_rows(const float* q, const float* keys, int64_t whole, int64_t count, int64_t dim, float scale,
-                 float* out) {
+template <KvType K, int R>
+void scores_rows(const float* q, const void* keys, int64_t whole, int64_t dim, float scale, float* out,
+                 int64_t stride) {
     const __m128 factor = _mm_set1_ps(scale);
     for (int64_t k = 0; k < whole; k += 4) {
         __m256 acc[R][4];
@@ -89,28 +93,30 @@ void scores_rows(const float* q, const float* keys, int64_t whole, int64_t count
             for (int r = 0; r < R; ++r) qv[r] = _mm256_loadu_ps(q + r * dim + j);
 #pragma GCC unroll 4
             for (int c = 0; c < 4; ++c) {
-                const __m256 kv = _mm256_loadu_ps(keys + (k + c) * dim + j);
+                const __m256 kv = load8<K>(keys, (k + c) * dim + j);
 #pragma GCC unroll 16
                 for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(qv[r], kv, acc[r][c]);
             }
         }
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) _mm_storeu_ps(out + r * count + k, _mm_mul_ps(hadd_sums4(acc[r]), factor));
+        for (int r = 0; r < R; ++r) _mm_storeu_ps(out + r * stride + k, _mm_mul_ps(hadd_sums4(acc[r]), factor));
     }
 }
 
-void scores(const float* q, int64_t nq, const float* keys, int64_t count, int64_t dim, float scale, float* out) {
+template <KvType K>
+void scores(const float* q, int64_t nq, const void* keys, int64_t count, int64_t dim, float scale, float* out,
+            int64_t stride) {
     const int64_t whole = count / 4 * 4;  // keys by hadd_sums4's tree; the last few by hsum's
     int64_t i = 0;
-    for (; i + 3 <= nq; i += 3) scores_rows<3>(q + i * dim, keys, whole, count, dim, scale, out + i * count);
-    if (nq - i == 2) scores_rows<2>(q + i * dim, keys, whole, count, dim, scale, out + i * count);
-    if (nq - i == 1) scores_rows<1>(q + i * dim, keys, whole, count, dim, scale, out + i * count);
+    for (; i + 3 <= nq; i += 3) scores_rows<K, 3>(q + i * dim, keys, whole, dim, scale, out + i * stride, stride);
+    if (nq - i == 2) scores_rows<K, 2>(q + i * dim, keys, whole, dim, scale, out + i * stride, stride);
+    if (nq - i == 1) scores_rows<K, 1>(q + i * dim, keys, whole, dim, scale, out + i * stride, stride);
     for (i = 0; i < nq; ++i) {
         const float* qi = q + i * dim;
         for (int64_t k = whole; k < count; ++k) {
             __m256 acc = _mm256_setzero_ps();
-            for (int64_t j = 0; j < dim; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + j), _mm256_loadu_ps(keys + k * dim + j), acc);
-            out[i * count + k] = hsum(acc) * scale;
+            for (int64_t j = 0; j < dim; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + j), load8<K>(keys, k * dim + j), acc);
+            out[i * stride + k] = hsum(acc) * scale;
         }
     }
 }
@@ -118,9 +124,9 @@ void scores(const float* q, int64_t nq, const float* keys, int64_t count, int64_
 // R rows against 32 values of each value row (4 vectors) from column j: 4R sums in registers, each value vector
 // loaded once for the R rows (one row at a time loaded it once per row, and its 8 chains of 4-cycle fused
 // multiply-adds waited on each other).
-template <int R>
-void accumulate_rows(const float* weights, const float* values, int64_t count, int64_t dim, int64_t j, float* out,
-                     int64_t out_stride) {
+template <KvType K, int R>
+void accumulate_rows(const float* weights, int64_t weight_stride, const void* values, int64_t count, int64_t dim,
+                     int64_t j, float* out, int64_t out_stride) {
     __m256 acc[R][4];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -130,10 +136,10 @@ void accumulate_rows(const float* weights, const float* values, int64_t count, i
     for (int64_t k = 0; k < count; ++k) {
         __m256 w[R];
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) w[r] = _mm256_broadcast_ss(weights + r * count + k);
+        for (int r = 0; r < R; ++r) w[r] = _mm256_broadcast_ss(weights + r * weight_stride + k);
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
-            const __m256 v = _mm256_loadu_ps(values + k * dim + j + 8 * c);
+            const __m256 v = load8<K>(values, k * dim + j + 8 * c);
 #pragma GCC unroll 16
             for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(w[r], v, acc[r][c]);
         }
@@ -145,20 +151,30 @@ void accumulate_rows(const float* weights, const float* values, int64_t count, i
     }
 }
 
-void accumulate(const float* weights, int64_t rows, const float* values, int64_t count, int64_t dim, float* out,
-                int64_t out_stride) {
+template <KvType K>
+void accumulate(const float* weights, int64_t weight_stride, int64_t rows, const void* values, int64_t count,
+                int64_t dim, float* out, int64_t out_stride) {
     int64_t j = 0;
     for (; j + 32 <= dim; j += 32) {
         int64_t r = 0;
-        for (; r + 3 <= rows; r += 3) accumulate_rows<3>(weights + r * count, values, count, dim, j, out + r * out_stride, out_stride);
-        if (rows - r == 2) accumulate_rows<2>(weights + r * count, values, count, dim, j, out + r * out_stride, out_stride);
-        if (rows - r == 1) accumulate_rows<1>(weights + r * count, values, count, dim, j, out + r * out_stride, out_stride);
+        for (; r + 3 <= rows; r += 3) {
+            accumulate_rows<K, 3>(weights + r * weight_stride, weight_stride, values, count, dim, j,
+                                  out + r * out_stride, out_stride);
+        }
+        if (rows - r == 2) {
+            accumulate_rows<K, 2>(weights + r * weight_stride, weight_stride, values, count, dim, j,
+                                  out + r * out_stride, out_stride);
+        }
+        if (rows - r == 1) {
+            accumulate_rows<K, 1>(weights + r * weight_stride, weight_stride, values, count, dim, j,
+                                  out + r * out_stride, out_stride);
+        }
     }
     for (; j < dim; j += 8) {  // dim is a multiple of 8
         for (int64_t r = 0; r < rows; ++r) {
             __m256 acc = _mm256_loadu_ps(out + r * out_stride + j);
             for (int64_t k = 0; k < count; ++k) {
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(weights[r * count + k]), _mm256_loadu_ps(values + k * dim + j), acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(weights[r * weight_stride + k]), load8<K>(values, k * dim + j), acc);
             }
             _mm256_storeu_ps(out + r * out_stride + j, acc);
         }
@@ -233,9 +249,10 @@ void silu_avx2(float* x, int64_t n) {
 }
 
 Attention attention_avx2(KvType kv) {
-    const Attention scalar = attention_scalar(kv);
-    if (kv == KvType::F16) return {store_f16, load_f16, scores, accumulate, maximum, exp_shifted};
-    return {scalar.store, scalar.load, scores, accumulate, maximum, exp_shifted};
+    if (kv == KvType::F16) {
+        return {store_f16, scores<KvType::F16>, accumulate<KvType::F16>, maximum, exp_shifted};
+    }
+    return {attention_scalar(kv).store, scores<KvType::F32>, accumulate<KvType::F32>, maximum, exp_shifted};
 }
 
 }  // namespace pocketllm::kernels

@@ -130,28 +130,36 @@ void store_f16(const float* values, int64_t dim, void* out) {
     }
 }
 
-void load_f16(const void* rows, int64_t count, int64_t dim, float* out) {
-    const uint16_t* in = static_cast<const uint16_t*>(rows);
-    for (int64_t i = 0; i < count * dim; i += 4) vst1q_f32(out + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(in + i))));
+// 4 values of a cached row from value i on, as float32 (converted in registers).
+template <KvType K>
+inline float32x4_t load4(const void* rows, int64_t i) {
+    if constexpr (K == KvType::F16) {
+        return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(static_cast<const uint16_t*>(rows) + i)));
+    } else {
+        return vld1q_f32(static_cast<const float*>(rows) + i);
+    }
 }
 
-void scores(const float* q, int64_t nq, const float* keys, int64_t count, int64_t dim, float scale, float* out) {
+template <KvType K>
+void scores(const float* q, int64_t nq, const void* keys, int64_t count, int64_t dim, float scale, float* out,
+            int64_t stride) {
     for (int64_t i = 0; i < nq; ++i) {
         for (int64_t k = 0; k < count; ++k) {
             float32x4_t acc = vdupq_n_f32(0.0f);
-            for (int64_t j = 0; j < dim; j += 4) acc = vfmaq_f32(acc, vld1q_f32(q + i * dim + j), vld1q_f32(keys + k * dim + j));
-            out[i * count + k] = vaddvq_f32(acc) * scale;
+            for (int64_t j = 0; j < dim; j += 4) acc = vfmaq_f32(acc, vld1q_f32(q + i * dim + j), load4<K>(keys, k * dim + j));
+            out[i * stride + k] = vaddvq_f32(acc) * scale;
         }
     }
 }
 
-void accumulate(const float* weights, int64_t rows, const float* values, int64_t count, int64_t dim, float* out,
-                int64_t out_stride) {
+template <KvType K>
+void accumulate(const float* weights, int64_t weight_stride, int64_t rows, const void* values, int64_t count,
+                int64_t dim, float* out, int64_t out_stride) {
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t j = 0; j < dim; j += 4) {
             float32x4_t acc = vld1q_f32(out + r * out_stride + j);
             for (int64_t k = 0; k < count; ++k) {
-                acc = vfmaq_n_f32(acc, vld1q_f32(values + k * dim + j), weights[r * count + k]);
+                acc = vfmaq_n_f32(acc, load4<K>(values, k * dim + j), weights[r * weight_stride + k]);
             }
             vst1q_f32(out + r * out_stride + j, acc);
         }
@@ -194,8 +202,10 @@ void quantize_row_neon(const float* x, int64_t cols, int8_t* qs, float* d, float
 
 Attention attention_neon(KvType kv) {
     const Attention scalar = attention_scalar(kv);
-    if (kv == KvType::F16) return {store_f16, load_f16, scores, accumulate, scalar.maximum, scalar.exp_shifted};
-    return {scalar.store, scalar.load, scores, accumulate, scalar.maximum, scalar.exp_shifted};
+    if (kv == KvType::F16) {
+        return {store_f16, scores<KvType::F16>, accumulate<KvType::F16>, scalar.maximum, scalar.exp_shifted};
+    }
+    return {scalar.store, scores<KvType::F32>, accumulate<KvType::F32>, scalar.maximum, scalar.exp_shifted};
 }
 
 }  // namespace pocketllm::kernels

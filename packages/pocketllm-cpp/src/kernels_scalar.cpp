@@ -97,30 +97,32 @@ void store_f16(const float* values, int64_t dim, void* out) {
     for (int64_t j = 0; j < dim; ++j) static_cast<uint16_t*>(out)[j] = fp32_to_fp16(values[j]);
 }
 
-void load_f32(const void* rows, int64_t count, int64_t dim, float* out) {
-    std::memcpy(out, rows, static_cast<size_t>(count * dim) * sizeof(float));
+template <KvType K>
+float cached(const void* rows, int64_t i) {
+    if constexpr (K == KvType::F16) return fp16_to_fp32(static_cast<const uint16_t*>(rows)[i]);
+    else return static_cast<const float*>(rows)[i];
 }
 
-void load_f16(const void* rows, int64_t count, int64_t dim, float* out) {
-    for (int64_t i = 0; i < count * dim; ++i) out[i] = fp16_to_fp32(static_cast<const uint16_t*>(rows)[i]);
-}
-
-void scores(const float* q, int64_t nq, const float* keys, int64_t count, int64_t dim, float scale, float* out) {
+template <KvType K>
+void scores(const float* q, int64_t nq, const void* keys, int64_t count, int64_t dim, float scale, float* out,
+            int64_t stride) {
     for (int64_t i = 0; i < nq; ++i) {
         for (int64_t k = 0; k < count; ++k) {
             float dot = 0.0f;
-            for (int64_t j = 0; j < dim; ++j) dot += q[i * dim + j] * keys[k * dim + j];
-            out[i * count + k] = dot * scale;
+            for (int64_t j = 0; j < dim; ++j) dot += q[i * dim + j] * cached<K>(keys, k * dim + j);
+            out[i * stride + k] = dot * scale;
         }
     }
 }
 
-void accumulate(const float* weights, int64_t rows, const float* values, int64_t count, int64_t dim, float* out,
-                int64_t out_stride) {
+template <KvType K>
+void accumulate(const float* weights, int64_t weight_stride, int64_t rows, const void* values, int64_t count,
+                int64_t dim, float* out, int64_t out_stride) {
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t k = 0; k < count; ++k) {
             for (int64_t j = 0; j < dim; ++j) {
-                out[r * out_stride + j] = std::fma(weights[r * count + k], values[k * dim + j], out[r * out_stride + j]);
+                out[r * out_stride + j] = std::fma(weights[r * weight_stride + k], cached<K>(values, k * dim + j),
+                                                   out[r * out_stride + j]);
             }
         }
     }
@@ -137,8 +139,10 @@ float exp_shifted(float* x, int64_t count, float shift) {
 }  // namespace
 
 Attention attention_scalar(KvType kv) {
-    if (kv == KvType::F16) return {store_f16, load_f16, scores, accumulate, maximum, exp_shifted};
-    return {store_f32, load_f32, scores, accumulate, maximum, exp_shifted};
+    if (kv == KvType::F16) {
+        return {store_f16, scores<KvType::F16>, accumulate<KvType::F16>, maximum, exp_shifted};
+    }
+    return {store_f32, scores<KvType::F32>, accumulate<KvType::F32>, maximum, exp_shifted};
 }
 
 }  // namespace pocketllm::kernels

@@ -158,15 +158,13 @@ void PagedAttention::attend(int64_t l, int64_t num_heads, const float* q, float*
     };
     const int64_t part_positions = part_blocks * block_size_;
     pool.parallel_each(static_cast<int64_t>(items.size()), [&](int64_t index) {
-        // One part's keys and values as float32, the scores of the group's heads for one token, and a part's
-        // softmax states when they fold into the result here.
-        thread_local std::vector<float> keys, values, scores, fresh_out, fresh_max, fresh_sum, total_max, total_sum;
-        keys.resize(static_cast<size_t>(part_positions * dim));
-        values.resize(keys.size());
+        // The scores of the group's heads for one token over one part, and a part's softmax states when they fold
+        // into the result here.
+        thread_local std::vector<float> scores, fresh_out, fresh_max, fresh_sum, total_max, total_sum;
         scores.resize(static_cast<size_t>(group * part_positions));
         const Item& item = items[static_cast<size_t>(index)];
         const Job& job = jobs[static_cast<size_t>(item.job)];
-        const int64_t last = tokens.position[job.first + job.count - 1], states = group * job.count;
+        const int64_t states = group * job.count;
         const auto& table = slices[job.slice].block_table;
         if (!split) {
             fresh_out.resize(static_cast<size_t>(states * dim));
@@ -188,24 +186,22 @@ void PagedAttention::attend(int64_t l, int64_t num_heads, const float* q, float*
             // read: a decode step finds the cache in memory (the weights streamed since the last step evicted
             // it), and the block table's jumps stop the hardware prefetchers at each block's end.
             const int64_t first_block = part * part_blocks, end_block = std::min(job.blocks, first_block + part_blocks);
-            const int64_t p0 = first_block * block_size_, rows = std::min(part_positions, last + 1 - p0);
+            const int64_t p0 = first_block * block_size_;
             for (int64_t b = first_block; b < end_block; ++b) {
                 prefetch(kv(l, table[b], 0) + job.kv_head * head_bytes, head_bytes);
                 prefetch(kv(l, table[b], 1) + job.kv_head * head_bytes, head_bytes);
             }
-            for (int64_t b = first_block; b < end_block; ++b) {
-                const int64_t p = b * block_size_, count = std::min(block_size_, last + 1 - p);
-                ops.load(kv(l, table[b], 0) + job.kv_head * head_bytes, count, dim, &keys[(p - p0) * dim]);
-                ops.load(kv(l, table[b], 1) + job.kv_head * head_bytes, count, dim, &values[(p - p0) * dim]);
-            }
             // Each token's softmax over the part in one pass: its largest score, the sum of exp(score - largest)
-            // and the weighted sum of the values.
+            // and the weighted sum of the values, block by block where the cache holds them.
             for (int64_t i = 0; i < job.count; ++i) {
                 const int64_t t = job.first + i, length = tokens.position[t] + 1;
                 if (p0 >= length) continue;  // causal: this token ends before the part (its state stays empty)
-                const int64_t count = std::min(rows, length - p0);
-                ops.scores(&q[t * q_size + job.kv_head * group * dim], group, keys.data(), count, dim, scale,
-                           scores.data());
+                const int64_t count = std::min(part_positions, length - p0);
+                const float* query = &q[t * q_size + job.kv_head * group * dim];
+                for (int64_t p = p0; p < p0 + count; p += block_size_) {
+                    ops.scores(query, group, kv(l, table[p / block_size_], 0) + job.kv_head * head_bytes,
+                               std::min(block_size_, p0 + count - p), dim, scale, &scores[p - p0], count);
+                }
                 for (int64_t g = 0; g < group; ++g) {
                     float* sc = &scores[static_cast<size_t>(g * count)];
                     const int64_t at = g * job.count + i;
@@ -213,7 +209,10 @@ void PagedAttention::attend(int64_t l, int64_t num_heads, const float* q, float*
                     part_sum[at] = ops.exp_shifted(sc, count, part_max[at]);
                 }
                 // The group's heads at once: each value row is read once for all of them.
-                ops.accumulate(scores.data(), group, values.data(), count, dim, part_out + i * dim, job.count * dim);
+                for (int64_t p = p0; p < p0 + count; p += block_size_) {
+                    ops.accumulate(&scores[p - p0], count, group, kv(l, table[p / block_size_], 1) + job.kv_head * head_bytes,
+                                   std::min(block_size_, p0 + count - p), dim, part_out + i * dim, job.count * dim);
+                }
             }
             if (split) continue;
             for (int64_t g = 0; g < group; ++g) {

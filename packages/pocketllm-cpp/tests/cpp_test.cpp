@@ -595,26 +595,35 @@ int main() {
         CHECK(refused);
     }
 
-    // Attention kernels of every ISA against the scalar ones: scores, weighted sums (of 6 rows: a tile of 3, then
-    // 2 and 1), maxima, and float16 KV rows; a row's weighted sum is the same bits with others as alone.
+    // Attention kernels of every ISA against the scalar ones, on float32 and float16 cache rows: scores, weighted
+    // sums (of 6 rows: a tile of 3, then 2 and 1), maxima. A row's weighted sum is the same bits with others as
+    // alone, and the same in one call as over the rows split into two calls (the cache's blocks).
     for (const KvType kv : {KvType::F32, KvType::F16}) {
-        const int64_t dim = 64, keys = 5, nq = 6;
-        std::vector<float> q(nq * dim), block(keys * dim), stored(keys * dim * 2), loaded(keys * dim);
+        const int64_t dim = 64, keys = 7, nq = 6, element = kv == KvType::F16 ? 2 : 4;
+        std::vector<float> q(nq * dim), block(keys * dim);
+        std::vector<uint8_t> stored(static_cast<size_t>(keys * dim * element));
         for (auto& v : q) v = normal(rng);
         for (auto& v : block) v = normal(rng);
         auto run = [&](const std::string& isa, std::vector<float>& scores, std::vector<float>& out) {
             set_isa(isa);
             const kernels::Attention ops = kernels::attention_for(kv, dim);
-            for (int64_t k = 0; k < keys; ++k) ops.store(&block[k * dim], dim, stored.data() + k * dim * (kv == KvType::F16 ? 2 : 4) / 4);
-            ops.load(stored.data(), keys, dim, loaded.data());
+            for (int64_t k = 0; k < keys; ++k) ops.store(&block[k * dim], dim, stored.data() + k * dim * element);
             scores.assign(nq * keys, 0.0f);
-            ops.scores(q.data(), nq, loaded.data(), keys, dim, 0.125f, scores.data());
+            ops.scores(q.data(), nq, stored.data(), keys, dim, 0.125f, scores.data(), keys);
+            std::vector<float> split(nq * keys, 0.0f);  // keys 0..3 by the 4-key tree, 4..6 one by one
+            ops.scores(q.data(), nq, stored.data(), 4, dim, 0.125f, split.data(), keys);
+            ops.scores(q.data(), nq, stored.data() + 4 * dim * element, keys - 4, dim, 0.125f, &split[4], keys);
+            CHECK(split == scores);
             out.assign(nq * dim, 0.5f);
-            ops.accumulate(scores.data(), nq, loaded.data(), keys, dim, out.data(), dim);
+            ops.accumulate(scores.data(), keys, nq, stored.data(), keys, dim, out.data(), dim);
             for (int64_t r = 0; r < nq; ++r) {
-                std::vector<float> alone(dim, 0.5f);
-                ops.accumulate(&scores[r * keys], 1, loaded.data(), keys, dim, alone.data(), dim);
+                std::vector<float> alone(dim, 0.5f), halves(dim, 0.5f);
+                ops.accumulate(&scores[r * keys], keys, 1, stored.data(), keys, dim, alone.data(), dim);
                 CHECK(std::equal(alone.begin(), alone.end(), out.begin() + r * dim));
+                ops.accumulate(&scores[r * keys], keys, 1, stored.data(), 3, dim, halves.data(), dim);
+                ops.accumulate(&scores[r * keys + 3], keys, 1, stored.data() + 3 * dim * element, keys - 3, dim,
+                               halves.data(), dim);
+                CHECK(halves == alone);
                 CHECK(ops.maximum(&scores[r * keys], keys) == *std::max_element(&scores[r * keys], &scores[(r + 1) * keys]));
             }
         };
