@@ -173,9 +173,7 @@ Candidates truncate(const std::vector<float>& logits, const SamplingConfig& c) {
     const bool top_k = c.top_k > 0 && c.top_k < vocab;
     Candidates out;
     if (!top_k && c.top_p >= 1.0f && c.min_p <= 0.0f) {
-        out.ids.resize(static_cast<size_t>(vocab));
-        std::iota(out.ids.begin(), out.ids.end(), 0);
-        out.weights.assign(relative.begin(), relative.end());
+        out.weights = std::move(relative);
         return out;
     }
     // Every token sorted has a probability above 0 (a cut keeps no token that cannot be drawn) and of at least
@@ -231,20 +229,21 @@ Candidates truncate(const std::vector<float>& logits, const SamplingConfig& c) {
     }
     out.ids.assign(order.begin(), order.begin() + keep);
     out.weights.resize(static_cast<size_t>(keep));
-    for (int64_t i = 0; i < keep; ++i) out.weights[static_cast<size_t>(i)] = prob(order[static_cast<size_t>(i)]);
+    for (int64_t i = 0; i < keep; ++i) out.weights[static_cast<size_t>(i)] = relative[static_cast<size_t>(order[static_cast<size_t>(i)])];
     return out;
 }
 
 int32_t draw(const Candidates& candidates, Rng& rng) {
+    const std::vector<float>& weights = candidates.weights;
     double kept = 0.0;
-    for (double w : candidates.weights) kept += w;
+    for (float w : weights) kept += w;
     double left = rng.uniform() * kept;
     size_t last = 0;  // the last candidate that may be drawn: where rounding leaves `left` after every weight
-    for (size_t i = 0; i < candidates.ids.size(); ++i) {
-        if ((left -= candidates.weights[i]) < 0.0) return candidates.ids[i];
-        if (candidates.weights[i] > 0.0) last = i;
+    for (size_t i = 0; i < weights.size(); ++i) {
+        if ((left -= weights[i]) < 0.0) return candidates.id(i);
+        if (weights[i] > 0.0f) last = i;
     }
-    return candidates.ids[last];
+    return candidates.id(last);
 }
 
 TokenLogprobs logprobs_of(const std::vector<double>& raw, int32_t token, int k) {

@@ -461,14 +461,22 @@ static void truncate_tests() {
                             keep = std::min(keep, end);
                         }
                         const Candidates got = truncate(logits, c);
-                        for (size_t i = 0; i < got.ids.size(); ++i) {  // the masked tokens' weights are 0
-                            if (std::isinf(logits[got.ids[i]])) CHECK(got.weights[i] == 0.0);
+                        for (size_t i = 0; i < got.weights.size(); ++i) {  // the masked tokens' weights are 0
+                            if (std::isinf(logits[got.id(i)])) CHECK(got.weights[i] == 0.0f);
                         }
                         const bool cut = (top_k > 0 && top_k < vocab) || top_p < 1.0f || min_p > 0.0f;
                         if (cut) {
                             CHECK(got.ids == std::vector<int32_t>(order.begin(), order.begin() + keep));
-                        } else {
-                            CHECK(static_cast<int64_t>(got.ids.size()) == vocab && got.ids.back() == vocab - 1);
+                            CHECK(got.weights.size() == got.ids.size());
+                        } else {  // every token, in id order
+                            CHECK(got.ids.empty() && static_cast<int64_t>(got.weights.size()) == vocab);
+                            Candidates listed{std::vector<int32_t>(static_cast<size_t>(vocab)), got.weights};
+                            std::iota(listed.ids.begin(), listed.ids.end(), 0);
+                            for (uint64_t seed = 0; seed < 8; ++seed) {  // the same draws as from the ids listed
+                                Rng a(seed), b(seed);
+                                const int32_t token = draw(got, a);
+                                CHECK(token == draw(listed, b) && !std::isinf(logits[token]));
+                            }
                         }
                     }
                 }

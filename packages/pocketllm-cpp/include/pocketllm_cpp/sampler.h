@@ -62,11 +62,13 @@ uint64_t draw_seed(uint64_t seed, int64_t index);
 bool process_logits(std::vector<float>& logits, const SamplingConfig& config, const std::vector<int32_t>& tokens,
                     size_t num_prompt, const std::vector<uint32_t>& allowed);
 
-// What a sampled draw may choose after temperature, top-k, min-p and top-p: the ids (best first, ties by id, where a
-// cut sorted them; otherwise in id order) and their probabilities relative to the best token's.
+// What a sampled draw may choose after temperature, top-k, min-p and top-p: the ids, best first (ties by id), and
+// their probabilities relative to the best token's. With no cut, `ids` is empty and every token is a candidate:
+// weights[t] is token t's (the draw walks them in id order, with no vocabulary-sized list of ids to build).
 struct Candidates {
     std::vector<int32_t> ids;
-    std::vector<double> weights;
+    std::vector<float> weights;
+    int32_t id(size_t i) const { return ids.empty() ? static_cast<int32_t>(i) : ids[i]; }
 };
 Candidates truncate(const std::vector<float>& logits, const SamplingConfig& config);
 
