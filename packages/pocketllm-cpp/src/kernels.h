@@ -89,7 +89,8 @@ void quantize_row_neon(const float* x, int64_t cols, int8_t* qs, float* d, float
 // Attention over cached key and value rows, read where they are stored (the cache's element type converted to
 // float32 in registers). Per ISA and KV type.
 struct Attention {
-    void (*store)(const float* values, int64_t dim, void* out);  // one row into the cache
+    void (*store)(const float* values, int64_t dim, void* out);               // one row into the cache
+    void (*load)(const void* rows, int64_t count, int64_t dim, float* out);   // cached rows as float32
     // scores[i * stride + k] = scale * q_i . keys[k] for nq query rows q_i = q + i * dim and count cached key rows.
     void (*scores)(const float* q, int64_t nq, const void* keys, int64_t count, int64_t dim, float scale,
                    float* scores, int64_t stride);

@@ -54,6 +54,13 @@ void store_f16(const float* values, int64_t dim, void* out) {
     }
 }
 
+void load_f16(const void* rows, int64_t count, int64_t dim, float* out) {
+    const uint16_t* in = static_cast<const uint16_t*>(rows);
+    for (int64_t i = 0; i < count * dim; i += 8) {
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    }
+}
+
 // 8 values of a cached row from value i on, as float32: the cache's element type converted in registers (the rows
 // are read where they are stored, with no float32 copy to write and read back).
 template <KvType K>
@@ -250,9 +257,10 @@ void silu_avx2(float* x, int64_t n) {
 
 Attention attention_avx2(KvType kv) {
     if (kv == KvType::F16) {
-        return {store_f16, scores<KvType::F16>, accumulate<KvType::F16>, maximum, exp_shifted};
+        return {store_f16, load_f16, scores<KvType::F16>, accumulate<KvType::F16>, maximum, exp_shifted};
     }
-    return {attention_scalar(kv).store, scores<KvType::F32>, accumulate<KvType::F32>, maximum, exp_shifted};
+    const Attention scalar = attention_scalar(kv);
+    return {scalar.store, scalar.load, scores<KvType::F32>, accumulate<KvType::F32>, maximum, exp_shifted};
 }
 
 }  // namespace pocketllm::kernels

@@ -130,6 +130,11 @@ void store_f16(const float* values, int64_t dim, void* out) {
     }
 }
 
+void load_f16(const void* rows, int64_t count, int64_t dim, float* out) {
+    const uint16_t* in = static_cast<const uint16_t*>(rows);
+    for (int64_t i = 0; i < count * dim; i += 4) vst1q_f32(out + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(in + i))));
+}
+
 // 4 values of a cached row from value i on, as float32 (converted in registers).
 template <KvType K>
 inline float32x4_t load4(const void* rows, int64_t i) {
@@ -203,9 +208,11 @@ void quantize_row_neon(const float* x, int64_t cols, int8_t* qs, float* d, float
 Attention attention_neon(KvType kv) {
     const Attention scalar = attention_scalar(kv);
     if (kv == KvType::F16) {
-        return {store_f16, scores<KvType::F16>, accumulate<KvType::F16>, scalar.maximum, scalar.exp_shifted};
+        return {store_f16, load_f16, scores<KvType::F16>, accumulate<KvType::F16>, scalar.maximum,
+                scalar.exp_shifted};
     }
-    return {scalar.store, scores<KvType::F32>, accumulate<KvType::F32>, scalar.maximum, scalar.exp_shifted};
+    return {scalar.store, scalar.load, scores<KvType::F32>, accumulate<KvType::F32>, scalar.maximum,
+            scalar.exp_shifted};
 }
 
 }  // namespace pocketllm::kernels

@@ -97,6 +97,14 @@ void store_f16(const float* values, int64_t dim, void* out) {
     for (int64_t j = 0; j < dim; ++j) static_cast<uint16_t*>(out)[j] = fp32_to_fp16(values[j]);
 }
 
+void load_f32(const void* rows, int64_t count, int64_t dim, float* out) {
+    std::memcpy(out, rows, static_cast<size_t>(count * dim) * sizeof(float));
+}
+
+void load_f16(const void* rows, int64_t count, int64_t dim, float* out) {
+    for (int64_t i = 0; i < count * dim; ++i) out[i] = fp16_to_fp32(static_cast<const uint16_t*>(rows)[i]);
+}
+
 template <KvType K>
 float cached(const void* rows, int64_t i) {
     if constexpr (K == KvType::F16) return fp16_to_fp32(static_cast<const uint16_t*>(rows)[i]);
@@ -140,9 +148,9 @@ float exp_shifted(float* x, int64_t count, float shift) {
 
 Attention attention_scalar(KvType kv) {
     if (kv == KvType::F16) {
-        return {store_f16, scores<KvType::F16>, accumulate<KvType::F16>, maximum, exp_shifted};
+        return {store_f16, load_f16, scores<KvType::F16>, accumulate<KvType::F16>, maximum, exp_shifted};
     }
-    return {store_f32, scores<KvType::F32>, accumulate<KvType::F32>, maximum, exp_shifted};
+    return {store_f32, load_f32, scores<KvType::F32>, accumulate<KvType::F32>, maximum, exp_shifted};
 }
 
 }  // namespace pocketllm::kernels

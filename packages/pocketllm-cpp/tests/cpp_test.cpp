@@ -624,6 +624,14 @@ int main() {
             CHECK(split == scores);
             out.assign(nq * dim, 0.5f);
             ops.accumulate(scores.data(), keys, nq, stored.data(), keys, dim, out.data(), dim);
+            // The rows loaded as float32 (a prefill tile's part) give the same bits through the float32 kernels.
+            const kernels::Attention as_float = kernels::attention_for(KvType::F32, dim);
+            std::vector<float> loaded(keys * dim), loaded_scores(nq * keys), loaded_out(nq * dim, 0.5f);
+            ops.load(stored.data(), keys, dim, loaded.data());
+            as_float.scores(q.data(), nq, loaded.data(), keys, dim, 0.125f, loaded_scores.data(), keys);
+            as_float.accumulate(scores.data(), keys, nq, loaded.data(), keys, dim, loaded_out.data(), dim);
+            CHECK(loaded_scores == scores);
+            CHECK(loaded_out == out);
             for (int64_t r = 0; r < nq; ++r) {
                 std::vector<float> alone(dim, 0.5f), halves(dim, 0.5f);
                 ops.accumulate(&scores[r * keys], keys, 1, stored.data(), keys, dim, alone.data(), dim);
