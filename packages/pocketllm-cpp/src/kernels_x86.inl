@@ -429,14 +429,22 @@ inline void k_block(const KBlock<T>& blk, __m256i (&codes)[8], __m256& dw, __m25
 
 template <>
 inline void k_block<StorageType::IQ4_XS>(const BlockIQ4_XS& blk, __m256i (&codes)[8], __m256& dw, __m256& mw) {
-    alignas(32) float scales[8];
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-        codes[j] = looked_up(blk.qs + 16 * j, kIQ4NLValues);
-        scales[j] = static_cast<float>(iq4_xs_scale(blk, j));
-    }
+    for (int j = 0; j < 8; ++j) codes[j] = looked_up(blk.qs + 16 * j, kIQ4NLValues);
+    // iq4_xs_scale of the 8 sub-blocks in lanes: sub-block j's low 4 bits are bits 4j..4j + 3 of scales_l's word,
+    // its high 2 bits bits 2j, 2j + 1 of scales_h. (8 scalar results stored and read back as one vector stalled
+    // store forwarding: a 576 x 1536 matrix at one row, in L2, 20.0 -> 17.7 us; 2048 x 1536 64.9 -> 56.7 us.)
+    uint32_t low;
+    std::memcpy(&low, blk.scales_l, sizeof low);
+    const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(low)),
+                                                               _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                             _mm256_set1_epi32(0xF));
+    const __m256i pairs = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(blk.scales_h),
+                                                             _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                           _mm256_set1_epi32(3));
+    const __m256i scales = _mm256_sub_epi32(_mm256_or_si256(nibbles, _mm256_slli_epi32(pairs, 4)), _mm256_set1_epi32(32));
     // d * (s - 32) rounded once per sub-block, as decode_sub_block (and gguf) compute it.
-    dw = _mm256_mul_ps(_mm256_set1_ps(half(blk.d)), _mm256_load_ps(scales));
+    dw = _mm256_mul_ps(_mm256_set1_ps(half(blk.d)), _mm256_cvtepi32_ps(scales));
     mw = _mm256_setzero_ps();
 }
 
