@@ -92,10 +92,19 @@ inline __m256i fifth_bits(const uint8_t* qh) {
 }
 
 // A codebook type's 32 values in element order, each nibble looked up in the 16-entry table.
-inline __m256i looked_up(const uint8_t* qs, const int8_t (&values)[16]) {
+inline __m256i looked_up(const uint8_t* qs, const int8_t* values) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values)));
     return _mm256_shuffle_epi8(table, nibbles(qs));
 }
+
+// A codebook's values plus 128 (mod 256, the bytes `biased` makes of them): looked up so, a block skips that add.
+struct BiasedCodebook {
+    int8_t values[16];
+    constexpr explicit BiasedCodebook(const int8_t (&from)[16]) : values() {
+        for (int i = 0; i < 16; ++i) values[i] = static_cast<int8_t>(static_cast<uint8_t>(from[i] + 128));
+    }
+};
+constexpr BiasedCodebook kIQ4NLBiased(kIQ4NLValues), kMXFP4Biased(kMXFP4Values);
 
 template <StorageType T>
 inline Sub decode(const uint8_t* row, int64_t b) {
@@ -278,6 +287,18 @@ constexpr bool kBiased = PLLM_VNNI && kSigned<T>;
 
 inline __m256i biased(__m256i codes) { return _mm256_add_epi8(codes, _mm256_set1_epi8(static_cast<char>(-128))); }
 
+// Block b's codes plus 128 (kBiased): the codebook types' looked up so.
+template <StorageType T>
+inline __m256i biased_codes(const uint8_t* row, int64_t b) {
+    if constexpr (T == StorageType::IQ4_NL) {
+        return looked_up(reinterpret_cast<const BlockIQ4_NL*>(row)[b].qs, kIQ4NLBiased.values);
+    } else if constexpr (T == StorageType::MXFP4) {
+        return looked_up(reinterpret_cast<const BlockMXFP4*>(row)[b].qs, kMXFP4Biased.values);
+    } else {
+        return biased(decode<T>(row, b).codes);
+    }
+}
+
 // A block's codes as the batched paths' integer dot takes them: w + 128 (kBiased), |w| with its signs kept apart
 // (the other signed types), or the unsigned codes themselves.
 template <StorageType T>
@@ -330,12 +351,12 @@ void tile(const WeightView& w, size_t stride, int64_t row, const QuantizedRows& 
             __m256i sums[8];
             for (int k = 0; k < 8; ++k) {
                 prefetch<T>(base + c * stride, b0 + k, ahead);
-                const Sub sub = decode<T>(base + c * stride, b0 + k);
                 __m256i x = load(act.codes(0, b0 + k));
                 if constexpr (kBiased<T>) {
-                    sums[k] = udot(biased(sub.codes), x);
+                    sums[k] = udot(biased_codes<T>(base + c * stride, b0 + k), x);
                     continue;
                 }
+                const Sub sub = decode<T>(base + c * stride, b0 + k);
                 if constexpr (kSigned<T>) x = _mm256_sign_epi8(x, sub.codes);
                 sums[k] = udot(kSigned<T> ? _mm256_sign_epi8(sub.codes, sub.codes) : sub.codes, x);
             }
@@ -404,8 +425,8 @@ using KBlock = std::conditional_t<T == StorageType::Q4_K, BlockQ4_K,
                                   std::conditional_t<T == StorageType::Q5_K, BlockQ5_K, BlockIQ4_XS>>;
 
 // A 256-value block's 8 sub-blocks of codes (Q4_K/Q5_K: unsigned, its nibbles unpacked with one mask and one shift
-// per 64 values; IQ4_XS: the codebook's signed values) and their scales dw and offsets mw (w = dw * code + mw,
-// decode_sub_block's form) as 8 float lanes.
+// per 64 values; IQ4_XS: the codebook's signed values, or with VNNI those plus 128 as the integer dots take them:
+// kBiased) and their scales dw and offsets mw (w = dw * code + mw, decode_sub_block's form) as 8 float lanes.
 template <StorageType T>
 inline void k_block(const KBlock<T>& blk, __m256i (&codes)[8], __m256& dw, __m256& mw) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -430,7 +451,9 @@ inline void k_block(const KBlock<T>& blk, __m256i (&codes)[8], __m256& dw, __m25
 template <>
 inline void k_block<StorageType::IQ4_XS>(const BlockIQ4_XS& blk, __m256i (&codes)[8], __m256& dw, __m256& mw) {
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) codes[j] = looked_up(blk.qs + 16 * j, kIQ4NLValues);
+    for (int j = 0; j < 8; ++j) {
+        codes[j] = looked_up(blk.qs + 16 * j, kBiased<StorageType::IQ4_XS> ? kIQ4NLBiased.values : kIQ4NLValues);
+    }
     // iq4_xs_scale of the 8 sub-blocks in lanes: sub-block j's low 4 bits are bits 4j..4j + 3 of scales_l's word,
     // its high 2 bits bits 2j, 2j + 1 of scales_h. (8 scalar results stored and read back as one vector stalled
     // store forwarding: a 576 x 1536 matrix at one row, in L2, 20.0 -> 17.7 us; 2048 x 1536 64.9 -> 56.7 us.)
@@ -472,7 +495,7 @@ void k_rows(const WeightView& w, size_t stride, int64_t row, const QuantizedRows
 #pragma GCC unroll 8
             for (int j = 0; j < 8; ++j) {
                 const __m256i xj = load(x + j * kBlock);
-                sums[j] = kBiased<T>   ? udot(biased(codes[j]), xj)
+                sums[j] = kBiased<T>   ? udot(codes[j], xj)  // k_block's codes are biased already
                           : kSigned<T> ? udot(_mm256_sign_epi8(codes[j], codes[j]), _mm256_sign_epi8(xj, codes[j]))
                                        : udot(codes[j], xj);
             }
@@ -522,7 +545,7 @@ void pack(const uint8_t* base, size_t stride, int64_t full, PackedGroup<T, C>* g
                 _mm256_store_ps(p.mw[c], mw);
                 for (int k = 0; k < 8; ++k) {
                     signs[k] = codes[k];
-                    codes[k] = dot_codes<T>(codes[k]);
+                    if constexpr (!kBiased<T>) codes[k] = dot_codes<T>(codes[k]);  // k_block biased them already
                 }
             } else {
                 scales8<T>(row, b0, p.dw[c], p.mw[c]);
