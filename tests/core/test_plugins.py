@@ -314,6 +314,37 @@ def test_an_observer_that_raises_is_isolated_from_the_engine(pocketllm_tiny_llam
     assert "pocketllm_request_finished raised RuntimeError: observer crashed" in failure.error
 
 
+def test_auto_skips_a_backend_whose_engine_fails_to_start(pocketllm_tiny_llama: Path) -> None:
+    """Under "auto", a backend whose create_engine raises (a bug, a runtime missing) is recorded as broken and
+    the next backend serves: the best-scored plugin failing must not leave a user with no engine. Named, it is
+    still an error (the test below)."""
+    from pocketllm import LLM, SamplingParams
+
+    class Crashing(_Fake):
+        def create_engine(self, args, checkpoint, options):
+            raise RuntimeError("its kernels are missing")
+
+    class Plugin:
+        @staticmethod
+        def pocketllm_register_backends(register):
+            register(Crashing("crashing", 5))
+
+    registry = BackendRegistry(allow={"echo"})  # echo scores 1
+    registry.register_plugin(Plugin(), name="crashing", distribution="crash-dist", version="1.0")
+    llm = LLM(str(pocketllm_tiny_llama), registry=registry)
+    try:
+        assert llm.backend_name == "echo"
+        [out] = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()
+    [failure] = registry.failures
+    assert (failure.entry_point, failure.distribution, failure.broken) == ("crashing:crashing", "crash-dist", True)
+    assert "failed to create its engine: RuntimeError: its kernels are missing" in failure.error
+    with pytest.raises(BrokenBackendError, match="its kernels are missing"):
+        registry.get("crashing")
+
+
 def test_an_engine_a_backend_fails_to_create_is_an_error_naming_the_backend(pocketllm_tiny_llama: Path) -> None:
     """A plugin's create_engine that raises (a runtime it imports lazily is missing, say), or returns nothing:
     a BrokenBackendError naming the backend and where it comes from, not a bare ModuleNotFoundError."""

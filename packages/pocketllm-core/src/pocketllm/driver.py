@@ -18,7 +18,7 @@ from pocketllm.backend import BackendStats, Engine
 from pocketllm.capability_checks import check_embedding_request, check_request
 from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
 from pocketllm.engine_loop import EngineLoop
-from pocketllm.errors import CheckpointError
+from pocketllm.errors import BrokenBackendError, CheckpointError
 from pocketllm.output_processor import ChoiceState, RequestState, Sink, new_choice
 from pocketllm.plugins import BackendRegistry
 from pocketllm.pooling import PoolingParams
@@ -48,13 +48,35 @@ class EngineDriver:
         progress = progress or LoadProgress()
         model = read_model(args, progress)
         self.registry = registry or BackendRegistry()
-        backend = choose_backend(model, self.registry, progress)
         self.args, self.model_config, self.tokenizer = model.args, model.checkpoint.config, model.tokenizer
         self.checkpoint_path, self.sampling_defaults = model.checkpoint.path, model.sampling_defaults
         self.default_pooling = model.default_pooling
-        self.backend_name, self.capabilities = backend.plugin.name, backend.capabilities
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                         cache_bytes=self.args.grammar_cache_mb << 20)
+        while True:
+            backend = choose_backend(model, self.registry, progress)
+            try:
+                self._start(model, backend, progress)
+                break
+            except BrokenBackendError as e:
+                # Under "auto", a backend whose create_engine failed (a bug, a runtime it could not import) is
+                # recorded as broken and the next one serves, as when its capabilities() fails; a backend the
+                # user named, or one whose tensor-parallel ranks started, stays an error.
+                if args.backend != "auto" or e.backend != backend.plugin.name or self._ranks is not None:
+                    raise
+                self.registry.engine_failed(e)
+        # A script may exit without shutdown() (the README's does). The engine thread is a daemon: left to the
+        # interpreter's teardown, it is frozen mid-step or with the backend's objects alive (nanobind reports them
+        # as leaks; a step under way aborts the process). Stop it in order at exit, while the interpreter is whole;
+        # the hook holds the driver weakly, so that it keeps nothing alive.
+        weakref.finalize(self, _shutdown_if_alive, weakref.ref(self))
+        self.registry.pm.hook.pocketllm_engine_started(args=self.args, backend_name=self.backend_name)
+        progress.done(f"{self.model_config.architecture} model on backend {self.backend_name} "
+                      f"(max_model_len {self.max_model_len})")
+
+    def _start(self, model: LoadedModel, backend: ChosenBackend, progress: LoadProgress) -> None:
+        """Build ``backend``'s engine on the engine thread, which then runs its loop; raises what the build raised."""
+        self.backend_name, self.capabilities = backend.plugin.name, backend.capabilities
         self._loop = EngineLoop(self.backend_name, self.args.max_num_seqs, self._choice_finished,
                                 self.model_config.vocab_size)
         self._ranks = start_ranks(self.args, backend.plugin)
@@ -69,14 +91,6 @@ class EngineDriver:
                 if self._ranks is not None:
                     self._thread.join(timeout=5)  # its wait for the ranks ends: the next engine may start
                 raise
-        # A script may exit without shutdown() (the README's does). The engine thread is a daemon: left to the
-        # interpreter's teardown, it is frozen mid-step or with the backend's objects alive (nanobind reports them
-        # as leaks; a step under way aborts the process). Stop it in order at exit, while the interpreter is whole;
-        # the hook holds the driver weakly, so that it keeps nothing alive.
-        weakref.finalize(self, _shutdown_if_alive, weakref.ref(self))
-        self.registry.pm.hook.pocketllm_engine_started(args=self.args, backend_name=self.backend_name)
-        progress.done(f"{self.model_config.architecture} model on backend {self.backend_name} "
-                      f"(max_model_len {self.max_model_len})")
 
     def _run(self, model: LoadedModel, backend: ChosenBackend, built: Future[None]) -> None:
         # The engine is built on the thread that steps it: torch's OpenMP thread team belongs to the thread

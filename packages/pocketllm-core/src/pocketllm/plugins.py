@@ -242,6 +242,10 @@ class BackendRegistry:
                 self._failed_observers.add(impl.plugin_name)
                 self._fail(impl.plugin_name, "", f"pocketllm_request_finished raised {type(e).__name__}: {e}")
 
+    def engine_failed(self, error: BrokenBackendError) -> None:
+        """Record that ``error.backend``'s create_engine failed: it is broken from now on, and ``auto`` skips it."""
+        self._fail(self._plugin_of.get(error.backend, "?"), error.backend, str(error))
+
     def _fail(self, plugin: str, backend: str, error: str, *, declared: object = None,
               broken: bool = True) -> BrokenBackendError:
         """Record a failed hook call of ``plugin`` (and of its backend ``backend``, which is broken from now on)."""
