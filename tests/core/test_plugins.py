@@ -318,10 +318,20 @@ def test_auto_skips_a_backend_whose_engine_fails_to_start(pocketllm_tiny_llama: 
     """Under "auto", a backend whose create_engine raises (a bug, a runtime missing) is recorded as broken and
     the next backend serves: the best-scored plugin failing must not leave a user with no engine. Named, it is
     still an error (the test below)."""
+    import gc
+    import weakref
+
     from pocketllm import LLM, SamplingParams
+
+    allocated: list[weakref.ref[object]] = []
+
+    class Weights:
+        pass
 
     class Crashing(_Fake):
         def create_engine(self, args, checkpoint, options):
+            weights = Weights()  # what a build holds when it fails
+            allocated.append(weakref.ref(weights))
             raise RuntimeError("its kernels are missing")
 
     class Plugin:
@@ -331,7 +341,12 @@ def test_auto_skips_a_backend_whose_engine_fails_to_start(pocketllm_tiny_llama: 
 
     registry = BackendRegistry(allow={"echo"})  # echo scores 1
     registry.register_plugin(Plugin(), name="crashing", distribution="crash-dist", version="1.0")
-    llm = LLM(str(pocketllm_tiny_llama), registry=registry)
+    gc.disable()  # the failed build's allocations are let go at once, not left to the cyclic collector
+    try:
+        llm = LLM(str(pocketllm_tiny_llama), registry=registry)
+        assert [ref() for ref in allocated] == [None]
+    finally:
+        gc.enable()
     try:
         assert llm.backend_name == "echo"
         [out] = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
@@ -343,6 +358,11 @@ def test_auto_skips_a_backend_whose_engine_fails_to_start(pocketllm_tiny_llama: 
     assert "failed to create its engine: RuntimeError: its kernels are missing" in failure.error
     with pytest.raises(BrokenBackendError, match="its kernels are missing"):
         registry.get("crashing")
+    # With no backend left, the error says so, chained to why the last one tried failed.
+    with pytest.raises(BackendNotFoundError) as err:
+        LLM(str(pocketllm_tiny_llama), registry=_registry(Crashing("crashing", 5)))
+    assert type(err.value) is BackendNotFoundError and isinstance(err.value.__cause__, BrokenBackendError)
+    assert "its kernels are missing" in str(err.value.__cause__)
 
 
 def test_an_engine_a_backend_fails_to_create_is_an_error_naming_the_backend(pocketllm_tiny_llama: Path) -> None:

@@ -18,7 +18,7 @@ from pocketllm.backend import BackendStats, Engine
 from pocketllm.capability_checks import check_embedding_request, check_request
 from pocketllm.detokenizer import IncrementalDetokenizer, StopMatcher
 from pocketllm.engine_loop import EngineLoop
-from pocketllm.errors import BrokenBackendError, CheckpointError
+from pocketllm.errors import BrokenBackendError, CheckpointError, PocketLLMError
 from pocketllm.output_processor import ChoiceState, RequestState, Sink, new_choice
 from pocketllm.plugins import BackendRegistry
 from pocketllm.pooling import PoolingParams
@@ -53,18 +53,27 @@ class EngineDriver:
         self.default_pooling = model.default_pooling
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                         cache_bytes=self.args.grammar_cache_mb << 20)
+        failed: BrokenBackendError | None = None
         while True:
-            backend = choose_backend(model, self.registry, progress)
+            try:
+                backend = choose_backend(model, self.registry, progress)
+            except PocketLLMError as e:
+                if failed is None:
+                    raise
+                raise e from failed  # no backend is left: say why the one tried last failed too
             try:
                 self._start(model, backend, progress)
                 break
             except BrokenBackendError as e:
                 # Under "auto", a backend whose create_engine failed (a bug, a runtime it could not import) is
-                # recorded as broken and the next one serves, as when its capabilities() fails; a backend the
-                # user named, or one whose tensor-parallel ranks started, stays an error.
-                if args.backend != "auto" or e.backend != backend.plugin.name or self._ranks is not None:
+                # recorded as broken and the next one serves, as when its capabilities() fails. A backend the
+                # user named stays an error, and so does any under tensor parallelism: the other ranks (started
+                # here or by a launcher) are running the first backend's workers.
+                if args.backend != "auto" or e.backend != backend.plugin.name or args.tensor_parallel_size != 1:
                     raise
                 self.registry.engine_failed(e)
+                _drop_tracebacks(e)
+                failed = e
         # A script may exit without shutdown() (the README's does). The engine thread is a daemon: left to the
         # interpreter's teardown, it is frozen mid-step or with the backend's objects alive (nanobind reports them
         # as leaks; a step under way aborts the process). Stop it in order at exit, while the interpreter is whole;
@@ -188,6 +197,18 @@ class EngineDriver:
         self.registry.request_finished(request_id=choice.backend_id, finish_reason=choice.finish_reason,
                                        num_prompt_tokens=len(request.prompt_ids),
                                        num_completion_tokens=len(choice.token_ids))
+
+
+def _drop_tracebacks(error: BaseException) -> None:
+    """Let go of the frames behind ``error`` and its causes, keeping their messages: a failed build's frames hold its
+    partial allocations (and the future holding ``error``, a cycle), which must not stay while the next backend
+    loads."""
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
 
 
 def _shutdown_if_alive(driver: weakref.ref[EngineDriver]) -> None:
