@@ -142,6 +142,18 @@ def test_bad_values_are_400s_naming_the_field(client: httpx.Client, path: str, b
     (CHAT, chat(prediction={"type": "content", "content": "x"}), "prediction"),
     (COMPLETIONS, completion(suffix="x"), "suffix"),
     (COMPLETIONS, completion(best_of=3), "best_of"),
+    # vLLM's extras this server lacks: refused by name, where an unknown field would be dropped without a word.
+    (CHAT, chat(allowed_token_ids=[28, 29]), "allowed_token_ids"),
+    (COMPLETIONS, completion(bad_words=["hello"]), "bad_words"),
+    (CHAT, chat(use_beam_search=True, n=2), "use_beam_search"),
+    (COMPLETIONS, completion(truncate_prompt_tokens=2), "truncate_prompt_tokens"),
+    (CHAT, chat(typical_p=0.5), "typical_p"),
+    (COMPLETIONS, completion(logits_processors=["x"]), "logits_processors"),
+    (CHAT, chat(logprobs=True, return_tokens_as_token_ids=True), "return_tokens_as_token_ids"),
+    (CHAT, chat(reasoning_effort="high"), "reasoning_effort"),
+    (CHAT, chat(chat_template="{{ 'XYZ' }}"), "chat_template"),
+    (CHAT, chat(echo=True), "echo"),
+    (CHAT, chat(prompt_logprobs=2), "prompt_logprobs"),
 ])
 def test_unsupported_features_are_400s(client: httpx.Client, path: str, body: dict[str, Any], param: str) -> None:
     assert_error(client.post(path, json=body), 400, param, code="unsupported_option")
@@ -160,6 +172,13 @@ def test_options_the_backend_lacks_are_400s_naming_them(client: httpx.Client, pa
                                                          param: str) -> None:
     error = assert_error(client.post(path, json=body), 400, param, code="unsupported_option")
     assert "echo" in error["message"] and param in error["message"]
+
+
+def test_extras_at_their_neutral_values_are_accepted(client: httpx.Client) -> None:
+    """A client that sends vLLM's extras at the values that ask for nothing (as some do by default) is served."""
+    body = chat(use_beam_search=False, length_penalty=1.0, typical_p=1.0, echo=False,
+                return_tokens_as_token_ids=False, allowed_token_ids=None)
+    assert client.post(CHAT, json=body).status_code == 200
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])

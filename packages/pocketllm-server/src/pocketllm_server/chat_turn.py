@@ -25,8 +25,10 @@ from pocketllm_server.engine_stream import EngineStream
 from pocketllm_server.errors import APIError, from_engine_error, invalid_request
 from pocketllm_server.generation import (
     ABORTED,
+    CHAT_EXTRAS,
     PromptRequest,
     aborted,
+    check_unsupported,
     collect,
     request_id,
     resolve_max_tokens,
@@ -240,6 +242,7 @@ def check_options(req: ChatCompletionRequest) -> None:
     for name in ("audio", "prediction", "web_search_options"):
         if getattr(req, name) is not None:
             raise APIError(400, f"{name} is not supported", param=name, code="unsupported_option")
+    check_unsupported(req, CHAT_EXTRAS)
     if req.modalities is not None and req.modalities != ["text"]:
         raise APIError(400, "modalities other than ['text'] are not supported", param="modalities",
                        code="unsupported_option")

@@ -138,6 +138,27 @@ def check_stream_options(req: SamplingRequest) -> None:
         raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
 
 
+# vLLM's request fields this server decodes only to refuse, with the value that asks for nothing (absent, or the
+# neutral value a client may send anyway).
+_UNSUPPORTED = {"allowed_token_ids": None, "bad_words": None, "use_beam_search": False, "length_penalty": 1.0,
+                "logits_processors": None, "return_tokens_as_token_ids": False, "truncate_prompt_tokens": None,
+                "typical_p": 1.0, "reasoning_effort": None, "chat_template": None, "echo": False,
+                "prompt_logprobs": None}
+
+
+SAMPLING_EXTRAS = ("allowed_token_ids", "bad_words", "use_beam_search", "length_penalty", "logits_processors",
+                   "return_tokens_as_token_ids", "truncate_prompt_tokens", "typical_p")
+CHAT_EXTRAS = (*SAMPLING_EXTRAS, "reasoning_effort", "chat_template", "echo", "prompt_logprobs")
+
+
+def check_unsupported(req: SamplingRequest, names: Sequence[str]) -> None:
+    """A 400 naming the first of ``names`` that ``req`` asks for: accepted and dropped, it would change nothing."""
+    for name in names:
+        value = getattr(req, name)
+        if value is not None and value != _UNSUPPORTED[name]:
+            raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_option")
+
+
 async def start_all(request: Request, prompts: Sequence[PromptRequest], fields: dict[str, str]) -> list[EngineStream]:
     """Start every engine request and wait for each one's first output, or close them all on any failure.
 

@@ -16,9 +16,11 @@ from pocketllm_server.engine_stream import EngineStream
 from pocketllm_server.errors import APIError, ErrorBody, from_engine_error, invalid_request
 from pocketllm_server.generation import (
     ABORTED,
+    SAMPLING_EXTRAS,
     PromptRequest,
     aborted,
     check_stream_options,
+    check_unsupported,
     collect,
     request_id,
     resolve_max_tokens,
@@ -123,6 +125,7 @@ def _echo(prompt: PromptRequest, text_of: TokenTexts) -> str:
 
 def _check_options(req: CompletionRequest) -> None:
     check_stream_options(req)
+    check_unsupported(req, SAMPLING_EXTRAS)
     if req.suffix is not None:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_option")
     if req.best_of is not None and req.best_of != req.n:

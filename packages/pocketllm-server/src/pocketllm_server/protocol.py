@@ -79,6 +79,16 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's sampling extras this server does not have: decoded so that asking for one is refused by name
+    # (generation.check_unsupported), where an unknown field would be dropped without a word.
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+    typical_p: Any = None
 
 
 # omit_defaults: messages go to the chat template as dicts, and templates test keys with ``is defined``.
@@ -118,6 +128,11 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    reasoning_effort: Any = None
+    # vLLM's chat extras this server does not have (refused when asked for, as above).
+    chat_template: Any = None
+    echo: Any = None
+    prompt_logprobs: Any = None
     add_generation_prompt: bool = True
     # vLLM's: the reply continues the last (assistant) message, as Anthropic's prefill does; no generation prompt.
     continue_final_message: bool = False
