@@ -178,6 +178,9 @@ def test_bad_grammars_are_config_errors(compiler: GrammarCompiler, spec: Structu
     ({"grammar": 'start: "x<|im_start|>"'}, "'<|im_start|>', which the model writes only as a special token"),
     ({"regex": "a(?=b)" + "c" * 5000}, "invalid regex"),
     ({"grammar": "start: " + "(" * 300 + '"a"' + ")" * 300}, "invalid grammar"),
+    # A regex's parse error heads its detail with a colon: the reason is kept, not only the heading.
+    ({"json": {"type": "string", "pattern": "(unclosed"}}, "unclosed group"),
+    ({"regex": "[a-"}, "unclosed character class"),
 ])
 def test_grammar_mistakes_are_short_config_errors(compiler: GrammarCompiler, fields: dict, words: str) -> None:
     """Issue 31, item 6: each failed in the engine once the request ran, or answered with llguidance's parser

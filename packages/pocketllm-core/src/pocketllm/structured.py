@@ -415,8 +415,13 @@ class GrammarCompiler:
 
 
 def short_error(message: str) -> str:
-    """llguidance's error without the parser state and grammar it may append: the first line, capped."""
-    first = message.strip().split("\n", 1)[0].strip()
+    """llguidance's error without the parser state and grammar it may append: the first line, capped. A first line
+    that ends in a colon heads its detail (a regex's: the pattern, a caret under the fault, the reason), which is
+    joined onto it."""
+    lines = [line.strip() for line in message.strip().split("\n") if line.strip()]
+    first = lines[0] if lines else ""
+    if first.endswith(":"):
+        first = " ".join(lines[:4])
     return first if len(first) <= MAX_ERROR_CHARS else first[:MAX_ERROR_CHARS - 3] + "..."
 
 
