@@ -83,12 +83,12 @@ void PagedAttention::store(int64_t layer, const SequenceSlice& slice, int64_t po
 // size), then stays in cache for them.
 //
 // The positions split into parts of kPartPositions at fixed places (0, 64, 128, ...): each part's softmax is taken
-// in one pass (largest score, sum of exponentials, weighted values), reading its keys and values block by block
-// where the cache holds them, and a token's parts fold into its result in order. A token's arithmetic then depends on its own
-// position alone, not on the tile it is in, how many jobs share the step, or the threads: a request's attention
-// is the same bits alone or batched (chunked differently, beside others), so seeded sampling repeats. How parts
-// are spread over threads is free: with few jobs (decoding one sequence) each part is a work item whose state is
-// stored, and the item that finishes a job's last part folds them; else a job's item folds its parts as it goes.
+// in one pass (largest score, sum of exponentials, weighted values), and a token's parts fold into its result in
+// order. A token's arithmetic then depends on its own position alone, not on the tile it is in, how many jobs
+// share the step, or the threads: a request's attention is the same bits alone or batched (chunked differently,
+// beside others), so seeded sampling repeats. How parts are spread over threads is free: with few jobs (decoding
+// one sequence) each part is a work item whose state is stored, and the item that finishes a job's last part folds
+// them; else a job's item folds its parts as it goes.
 void PagedAttention::attend(int64_t l, int64_t num_heads, const float* q, float* attn, const TokenPlaces& tokens,
                             ThreadPool& pool) {
     const std::vector<SequenceSlice>& slices = tokens.slices;

@@ -239,9 +239,6 @@ def check_options(req: ChatCompletionRequest) -> None:
         raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
     if req.top_logprobs and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    for name in ("audio", "prediction", "web_search_options"):
-        if getattr(req, name) is not None:
-            raise APIError(400, f"{name} is not supported", param=name, code="unsupported_option")
     check_unsupported(req, CHAT_EXTRAS)
     if req.modalities is not None and req.modalities != ["text"]:
         raise APIError(400, "modalities other than ['text'] are not supported", param="modalities",

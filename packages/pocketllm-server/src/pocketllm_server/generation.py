@@ -138,24 +138,23 @@ def check_stream_options(req: SamplingRequest) -> None:
         raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
 
 
-# vLLM's request fields this server decodes only to refuse, with the value that asks for nothing (absent, or the
-# neutral value a client may send anyway).
-_UNSUPPORTED = {"allowed_token_ids": None, "bad_words": None, "use_beam_search": False, "length_penalty": 1.0,
-                "logits_processors": None, "return_tokens_as_token_ids": False, "truncate_prompt_tokens": None,
-                "typical_p": 1.0, "reasoning_effort": None, "chat_template": None, "echo": False,
-                "prompt_logprobs": None}
+# Request fields this server decodes only to refuse, each with the value that asks for nothing (absent, or the
+# neutral value a client may send anyway): vLLM's sampling extras on both endpoints, and on chat OpenAI's features
+# it lacks and vLLM's chat extras.
+SAMPLING_EXTRAS: dict[str, object] = {
+    "allowed_token_ids": None, "bad_words": None, "use_beam_search": False, "length_penalty": 1.0,
+    "logits_processors": None, "return_tokens_as_token_ids": False, "truncate_prompt_tokens": None, "typical_p": 1.0}
+CHAT_EXTRAS: dict[str, object] = {
+    **SAMPLING_EXTRAS, "audio": None, "prediction": None, "web_search_options": None, "reasoning_effort": None,
+    "chat_template": None, "echo": False, "prompt_logprobs": None}
 
 
-SAMPLING_EXTRAS = ("allowed_token_ids", "bad_words", "use_beam_search", "length_penalty", "logits_processors",
-                   "return_tokens_as_token_ids", "truncate_prompt_tokens", "typical_p")
-CHAT_EXTRAS = (*SAMPLING_EXTRAS, "reasoning_effort", "chat_template", "echo", "prompt_logprobs")
-
-
-def check_unsupported(req: SamplingRequest, names: Sequence[str]) -> None:
-    """A 400 naming the first of ``names`` that ``req`` asks for: accepted and dropped, it would change nothing."""
-    for name in names:
-        value = getattr(req, name)
-        if value is not None and value != _UNSUPPORTED[name]:
+def check_unsupported(req: SamplingRequest, neutral: dict[str, object]) -> None:
+    """A 400 naming the first field of ``neutral`` that ``req`` asks for: accepted and dropped, it would change
+    nothing."""
+    for name, value in neutral.items():
+        given = getattr(req, name)
+        if given is not None and given != value:
             raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_option")
 
 
