@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -27,7 +26,7 @@ from pocketbench.machine import describe, machine_name
 from pocketbench.profile import read_bandwidth
 from pocketbench.qwen3_5 import bytes_per_token
 from pocketbench.qwen3_5_models import made_once, quantize
-from pocketbench.report import host_line
+from pocketbench.report import host_line, write_tables
 from pocketllm.args import DEFAULT_MODEL
 from pocketllm.checkpoint import load_checkpoint
 
@@ -125,13 +124,7 @@ def main() -> None:
             "load_average_before": os.getloadavg()}
     rows = [measure(file_type, args, bandwidth) for file_type in args.types]
     meta["load_average_after"] = os.getloadavg()
-    text = report(rows, meta)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{meta['date']}-{args.machine}-quant-types"
-    stem.with_suffix(".md").write_text(text)
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {stem.with_suffix('.md')}")
+    write_tables(args.out, f"{meta['date']}-{args.machine}-quant-types", report(rows, meta), meta, rows)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from pocketbench.config import BASELINE_SUFFIX, SERVE_TARGET_CLIENTS, SERVE_TARGET_RATIO
 from pocketbench.fidelity import differences
 from pocketbench.results import BenchResults
@@ -34,6 +37,17 @@ def markdown(results: BenchResults) -> str:
     if results.fidelity:
         lines += ["", *_fidelity(results)]
     return "\n".join(lines) + "\n"
+
+
+def write_tables(out: Path, stem: str, text: str, meta: dict, rows: list[dict]) -> Path:
+    """A workload's table as ``<out>/<stem>.md`` and its figures as ``.json`` beside it; prints the table."""
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}.md"
+    path.write_text(text)
+    path.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
 
 
 def host_line(host: dict[str, object]) -> str:

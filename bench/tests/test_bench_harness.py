@@ -297,3 +297,32 @@ def test_a_worker_s_peak_rss_is_its_own_not_its_parent_s() -> None:
                            check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
     assert held.sum() == 300 << 20
     assert float(child.stdout) < 200
+
+
+def test_amx_table_gives_ratios_and_says_whether_tokens_matched(tmp_path: Path) -> None:
+    from pocketbench import amx
+    from pocketbench.report import write_tables
+
+    row = {"file": "m.gguf", "storage_types": ["Q4_K", "Q6_K"], "same_tokens": False}
+    for figure, (slow, fast) in {"prefill": (100.0, 150.0), "e2e": (10.0, 11.0), "decode": (20.0, 20.0)}.items():
+        row |= {f"{figure}_avx512": slow, f"{figure}_amx": fast, f"{figure}_ratio": fast / slow}
+    host = {"cpu": "x", "cpu_family": 6, "cpu_model": 207, "simd": "avx512", "logical_cpus": 2, "memory_gib": 8,
+            "python": "3.11"}
+    meta = {"date": "2026-12-05", "machine": "m", "host": host, "threads": 2, "runs": 3, "warmup": 1}
+    text = amx.report([row], meta)
+    assert "| m.gguf | Q4_K, Q6_K | 100 | 150 | 1.50x | 10 | 11 | 1.10x | 20 | 20 | 1.00x | NO |" in text
+    path = write_tables(tmp_path, "2026-12-05-m-amx", text, meta, [row])
+    assert path.read_text() == text and json.loads(path.with_suffix(".json").read_text())["rows"] == [row]
+
+
+def test_amx_bench_runs_both_paths_to_the_same_tokens() -> None:
+    from pocketllm_cpp import kernels
+
+    if "amx" not in kernels.available_isas().split():
+        pytest.skip(f"this CPU or build has no AMX (available: {kernels.available_isas()})")
+    from pocketbench import amx
+    from pocketllm.args import DEFAULT_MODEL
+
+    row = amx.measure(DEFAULT_MODEL, amx.parser().parse_args(["--runs", "1", "--warmup", "0"]))
+    assert row["same_tokens"] and row["prefill_amx"] > 0 and row["prefill_avx512"] > 0
+    assert kernels.isa() == kernels.best_isa()  # set back to auto

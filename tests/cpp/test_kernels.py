@@ -67,13 +67,14 @@ def test_matmul_rows_ending_in_a_partial_group_of_blocks(isa: str, storage_type:
                          # a last, partial group of 3, 2 (the default model's 576) and 7 blocks
                          + [(q, cols) for q in BLOCK32_TYPES for cols in (608, 576, 480)])
 def test_a_row_is_the_same_bits_alone_and_in_any_batch(isa: str, storage_type: str, cols: int) -> None:
-    # One row is the decode path, 2 and more the batched tiles (2, 4, their remainders): a row's products must
-    # not depend on the rows beside it, or a seeded request samples differently when others share its step.
+    # One row is the decode path, 2 and more the batched tiles (2, 4, their remainders; with AMX, 64 and more rows
+    # its tiles of 16, a partial one, and weight rows past its panels of 16): a row's products must not depend on
+    # the rows beside it, or a seeded request samples differently when others share its step.
     rows = 42
     raw, _ = random_weight(storage_type, rows, cols, seed=7)
-    x = np.random.default_rng(8).standard_normal((17, cols)).astype(np.float32)
+    x = np.random.default_rng(8).standard_normal((70, cols)).astype(np.float32)
     alone = np.vstack([kernels._native.matmul(raw, storage_type, rows, cols, x[i:i + 1]) for i in range(len(x))])
-    for n in (2, 3, 4, 5, 8, 17):
+    for n in (2, 3, 4, 5, 8, 17, 64, 70):
         np.testing.assert_array_equal(kernels._native.matmul(raw, storage_type, rows, cols, x[:n]), alone[:n])
     shuffled = np.random.default_rng(9).permutation(len(x))
     np.testing.assert_array_equal(kernels._native.matmul(raw, storage_type, rows, cols, x[shuffled]), alone[shuffled])
@@ -90,14 +91,33 @@ def test_exact_mode_multiplies_float32_activations(storage_type: str) -> None:
 @pytest.mark.parametrize("storage_type", QUANTIZED_TYPES)
 def test_isas_agree(storage_type: str) -> None:
     raw, _ = random_weight(storage_type, 64, 256)
-    x = np.random.default_rng(3).standard_normal((7, 256)).astype(np.float32)
+    x = np.random.default_rng(3).standard_normal((70, 256)).astype(np.float32)
     results = {}
     for isa in ISAS:
         kernels.set_isa(isa)
         results[isa] = kernels._native.matmul(raw, storage_type, 64, 256, x)
     kernels.set_isa("auto")
-    for y in results.values():
-        np.testing.assert_allclose(y, results["scalar"], rtol=1e-5, atol=1e-5)
+    for y in results.values():  # 7 rows: more meet a sum that cancels to below these tolerances
+        np.testing.assert_allclose(y[:7], results["scalar"][:7], rtol=1e-5, atol=1e-5)
+    if "amx" in results:  # 70 rows on the tiles: the AVX-512 kernels' integers, then their float steps, in order
+        np.testing.assert_array_equal(results["amx"], results["avx512"])
+
+
+def cpu_flags() -> set[str]:
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.exists() else ""
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+def test_amx_is_offered_exactly_where_the_cpu_has_it() -> None:
+    flags = cpu_flags()
+    has_amx = {"amx_tile", "amx_int8", "avx512_vnni"} <= flags
+    assert ("amx" in ISAS) == has_amx, (ISAS, sorted(f for f in flags if f.startswith("amx")))
+    if has_amx:
+        assert kernels.best_isa() == "amx"
+    else:
+        with pytest.raises(ValueError, match="'amx' is not available"):
+            kernels.set_isa("amx")
 
 
 @pytest.mark.parametrize("storage_type", ["F16", "BF16", *QUANTIZED_TYPES])

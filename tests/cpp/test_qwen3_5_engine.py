@@ -158,7 +158,7 @@ def test_auto_picks_cpp_for_qwen3_5(qwen) -> None:
     llm = LLM(str(path), max_model_len=64)
     try:
         assert llm.backend_engine.__class__.__module__.startswith(
-            "pocketllm_cpp" if _native.best_isa() in ("avx2", "avx512") else "pocketllm_torch")
+            "pocketllm_cpp" if _native.best_isa() in ("avx2", "avx512", "amx") else "pocketllm_torch")
     finally:
         llm.shutdown()
 

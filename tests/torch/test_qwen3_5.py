@@ -322,7 +322,7 @@ def test_a_qwen3_5_gguf_is_served_by_torch_and_auto_picks_cpp_on_x86(tmp_path) -
     native = pytest.importorskip("pocketllm_cpp._native")
     llm = LLM(path, backend="auto")
     try:
-        assert llm.backend_name == ("cpp" if native.best_isa() in ("avx2", "avx512") else "torch")
+        assert llm.backend_name == ("cpp" if native.best_isa() in ("avx2", "avx512", "amx") else "torch")
     finally:
         llm.shutdown()
 

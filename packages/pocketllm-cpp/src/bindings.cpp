@@ -50,7 +50,7 @@ NB_MODULE(_native, m) {
     m.doc() = "PocketLLM's native CPU kernels (see pocketllm_cpp.kernels).";
     m.def("isa", [] { return isa_name(current_isa()); }, "The instruction set the kernels use now.");
     m.def("best_isa", [] { return isa_name(best_isa()); }, "The best instruction set of this CPU and build.");
-    m.def("set_isa", &set_isa, nb::arg("name"), "Use 'scalar', 'avx2', 'avx512', 'neon' or 'auto'; ValueError if unavailable.");
+    m.def("set_isa", &set_isa, nb::arg("name"), "Use 'scalar', 'avx2', 'avx512', 'amx', 'neon' or 'auto'; ValueError if unavailable.");
     m.def("available_isas", [] { return available_isas(); }, "Every ISA this CPU and build can run, scalar first.");
     m.def("num_threads", [] { return default_pool().size(); }, "Threads of the kernels' pool.");
     m.def("available_cpus", &available_cpus,

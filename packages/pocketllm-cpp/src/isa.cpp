@@ -4,8 +4,35 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#if defined(POCKETLLM_HAVE_AMX) && defined(__linux__)  // the tiles need Linux's permission (below)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace pocketllm {
 namespace {
+
+#if defined(POCKETLLM_HAVE_AMX) && defined(__linux__)  // the tiles need Linux's permission (below)
+// AMX-TILE and AMX-INT8 in CPUID, their state enabled by the OS (XCR0 bits 17 and 18), and Linux's permission for
+// this process to use the 8 KB of tile data (arch_prctl ARCH_REQ_XCOMP_PERM, once; refused where a thread's signal
+// stack is too small for the larger signal frame, and then AMX is reported unavailable).
+bool amx_usable() {
+    static const bool usable = [] {
+        unsigned eax, ebx, ecx, edx;
+        if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !((ecx >> 27) & 1)) return false;  // OSXSAVE: xgetbv works
+        if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+        const bool tile = (edx >> 24) & 1, int8 = (edx >> 25) & 1;
+        if (!tile || !int8) return false;
+        unsigned low, high;
+        __asm__ volatile("xgetbv" : "=a"(low), "=d"(high) : "c"(0));
+        if (((low >> 17) & 3) != 3) return false;
+        constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+        return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+    }();
+    return usable;
+}
+#endif
 
 bool cpu_has(Isa isa) {
 #if defined(POCKETLLM_HAVE_X86) && (defined(__x86_64__) || defined(__i386__))
@@ -17,6 +44,9 @@ bool cpu_has(Isa isa) {
         return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     }
+#if defined(POCKETLLM_HAVE_AMX) && defined(__linux__)  // the tiles need Linux's permission (below)
+    if (isa == Isa::Amx) return cpu_has(Isa::Avx512) && amx_usable();
+#endif
 #endif
 #ifdef POCKETLLM_HAVE_NEON
     if (isa == Isa::Neon) return true;  // Advanced SIMD is part of every AArch64 CPU
@@ -24,7 +54,7 @@ bool cpu_has(Isa isa) {
     return isa == Isa::Scalar;
 }
 
-constexpr Isa kAll[] = {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon};
+constexpr Isa kAll[] = {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Amx, Isa::Neon};
 
 Isa parse(const std::string& name) {
     if (name == "auto" || name.empty()) return best_isa();
@@ -33,7 +63,7 @@ Isa parse(const std::string& name) {
         if (!cpu_has(isa)) throw std::invalid_argument("ISA '" + name + "' is not available: this CPU or build lacks it");
         return isa;
     }
-    throw std::invalid_argument("unknown ISA '" + name + "'; expected scalar, avx2, avx512, neon or auto");
+    throw std::invalid_argument("unknown ISA '" + name + "'; expected scalar, avx2, avx512, amx, neon or auto");
 }
 
 std::atomic<Isa>& selected() {
@@ -51,7 +81,7 @@ std::atomic<Isa>& selected() {
 }  // namespace
 
 Isa best_isa() {
-    for (Isa isa : {Isa::Avx512, Isa::Avx2, Isa::Neon}) {
+    for (Isa isa : {Isa::Amx, Isa::Avx512, Isa::Avx2, Isa::Neon}) {
         if (cpu_has(isa)) return isa;
     }
     return Isa::Scalar;
@@ -63,6 +93,7 @@ std::string isa_name(Isa isa) {
     switch (isa) {
         case Isa::Avx2: return "avx2";
         case Isa::Avx512: return "avx512";
+        case Isa::Amx: return "amx";
         case Isa::Neon: return "neon";
         case Isa::Scalar: break;
     }

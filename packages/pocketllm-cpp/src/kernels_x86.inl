@@ -1340,6 +1340,7 @@ void gemm_dense(const WeightView& w, int64_t row_begin, int64_t row_end, const f
 
 }  // namespace
 
+#ifdef PLLM_GEMM  // kernels_amx.cpp includes this file for its helpers alone
 void PLLM_GEMM(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, const float* x,
                int64_t n, float* y, int64_t y_stride) {
     switch (w.type) {
@@ -1362,5 +1363,7 @@ void PLLM_GEMM(const WeightView& w, int64_t row_begin, int64_t row_end, const Qu
         case StorageType::Q3_K: return gemm_k16<StorageType::Q3_K>(w, row_begin, row_end, act, n, y, y_stride);
     }
 }
+
+#endif
 
 }  // namespace pocketllm::kernels

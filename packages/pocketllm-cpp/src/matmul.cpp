@@ -10,12 +10,20 @@
 namespace pocketllm {
 namespace {
 
-constexpr int64_t kRowsPerTask = 4;  // the largest tile of weight rows: tasks never split one
+// The largest tile of weight rows, which tasks never split: AMX's panels for a product it takes, else 4.
+int64_t rows_per_task(const GroupedProduct& p) {
+    return current_isa() == Isa::Amx && p.n >= kernels::kAmxMinRows ? kernels::kAmxPanelRows : 4;
+}
 
 kernels::Gemm gemm_for(StorageType type, bool exact) {
     if (exact && is_quantized(type)) return kernels::gemm_exact;
 #ifdef POCKETLLM_HAVE_X86
     switch (current_isa()) {
+#ifdef POCKETLLM_HAVE_AMX
+        case Isa::Amx: return kernels::gemm_amx;
+#else
+        case Isa::Amx: break;  // never selected: isa.cpp reports it unavailable in this build
+#endif
         case Isa::Avx512: return kernels::gemm_avx512;
         case Isa::Avx2: return kernels::gemm_avx2;
         case Isa::Scalar:
@@ -60,7 +68,8 @@ void validate(const WeightView& w, int64_t data_bytes) {
 }
 
 void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows& out, ThreadPool* pool,
-                          bool grouped, bool sums16) {
+                          ActivationPlanes planes) {
+    const bool grouped = planes.grouped, sums16 = planes.sums16;
     out.rows = n;
     out.cols = cols;
     out.qs.resize(static_cast<size_t>(n * cols));
@@ -73,6 +82,8 @@ void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows
     out.tail_d.assign(static_cast<size_t>(tails), 0.0f);
     out.tail_s.assign(static_cast<size_t>(tails), 0.0f);
     out.tail_sums.assign(static_cast<size_t>(tails), 0);
+    const int64_t groups = nb / 8, tile_bytes = 16 * kBlock;
+    out.tiles.assign(planes.tiles ? static_cast<size_t>((n + 15) / 16 * nb * tile_bytes) : 0, 0);
     auto quantize = kernels::quantize_row_scalar;
 #ifdef POCKETLLM_HAVE_X86
     if (current_isa() != Isa::Scalar) quantize = kernels::quantize_row_avx2;
@@ -91,6 +102,13 @@ void quantize_activations(const float* x, int64_t n, int64_t cols, QuantizedRows
                     int sum = 0;
                     for (int k = 0; k < 16; ++k) sum += from[16 * g + k];
                     sums[g] = static_cast<int16_t>(sum);
+                }
+            }
+            if (planes.tiles) {  // row r % 16 of its tile of each block
+                int8_t* tile = out.tiles.data() + (r / 16) * nb * tile_bytes + (r % 16) * kBlock;
+                for (int64_t b = 0; b < nb; ++b) {
+                    const int64_t step = b < 8 * groups ? (b % 8) * groups + b / 8 : b;
+                    std::memcpy(tile + step * tile_bytes, from + b * kBlock, kBlock);
                 }
             }
             if (!grouped) continue;
@@ -166,12 +184,14 @@ void matmul_grouped(const std::vector<GroupedProduct>& products, ThreadPool& poo
         if (!in.quantized) return;
         // The x86 kernels' batched tiles read the codes grouped (see kernels_x86.inl's PackedGroup), and the
         // per-16-scale kernels (Q2_K, Q3_K, Q6_K) each 16 codes' sum.
-        bool grouped = false, sums16 = false;
+        // AMX's tiles read theirs from a plane of their own.
+        ActivationPlanes planes;
 #ifdef POCKETLLM_HAVE_X86
-        sums16 = current_isa() != Isa::Scalar;
-        grouped = in.n > 1 && sums16;
+        planes.sums16 = current_isa() != Isa::Scalar;
+        planes.grouped = in.n > 1 && planes.sums16;
+        planes.tiles = current_isa() == Isa::Amx && in.n >= kernels::kAmxMinRows;
 #endif
-        quantize_activations(in.x, in.n, in.cols, buffers[k], rows_pool, grouped, sums16);
+        quantize_activations(in.x, in.n, in.cols, buffers[k], rows_pool, planes);
     };
     if (inputs.size() == 1) {
         quantize(0, &pool);  // its rows split over the pool when many
@@ -180,10 +200,11 @@ void matmul_grouped(const std::vector<GroupedProduct>& products, ThreadPool& poo
     } else {
         for (size_t k = 0; k < inputs.size(); ++k) quantize(k, nullptr);
     }
-    // Tasks of kRowsPerTask weight rows over every product: first[i] is product i's first task.
-    std::vector<int64_t> first(products.size() + 1, 0);
+    // Tasks of rows_per_task weight rows over every product: first[i] is product i's first task.
+    std::vector<int64_t> first(products.size() + 1, 0), task_rows(products.size());
     for (size_t i = 0; i < products.size(); ++i) {
-        const int64_t tasks = products[i].n > 0 ? (products[i].w->rows + kRowsPerTask - 1) / kRowsPerTask : 0;
+        task_rows[i] = rows_per_task(products[i]);
+        const int64_t tasks = products[i].n > 0 ? (products[i].w->rows + task_rows[i] - 1) / task_rows[i] : 0;
         first[i + 1] = first[i] + tasks;
     }
     if (first.back() == 0) return;
@@ -195,8 +216,8 @@ void matmul_grouped(const std::vector<GroupedProduct>& products, ThreadPool& poo
             if (lo >= hi) continue;
             const GroupedProduct& p = products[i];
             const WeightView& w = *p.w;
-            const int64_t row_begin = (lo - first[i]) * kRowsPerTask;
-            const int64_t row_end = std::min(w.rows, (hi - first[i]) * kRowsPerTask);
+            const int64_t row_begin = (lo - first[i]) * task_rows[i];
+            const int64_t row_end = std::min(w.rows, (hi - first[i]) * task_rows[i]);
             gemm_for(w.type, exact)(w, row_begin, row_end, buffers[input[i]], p.x, p.n, p.y, w.rows);
         }
     });

@@ -523,10 +523,13 @@ int main() {
         if (available_isas().substr(at, end - at) != "scalar") isas.push_back(available_isas().substr(at, end - at));
         at = end + 1;
     }
-    // Each ISA's product of `w` equals the scalar path's, for one, two and five activation rows.
+    // Each ISA's product of `w` equals the scalar path's, for one, two, five and 70 activation rows (AMX's tiles take
+    // 64 or more: 4 whole tiles of 16 and a partial one). Each row of a batched product is the bits of that row alone,
+    // and AMX's are AVX-512's.
     const auto matches_scalar = [&](const WeightView& w) {
-        for (const int64_t kn : {1, 2, 5}) {
-            std::vector<float> kx(kn * w.cols), reference(kn * w.rows), got(kn * w.rows);
+        std::vector<float> avx512;
+        for (const int64_t kn : {1, 2, 5, 70}) {
+            std::vector<float> kx(kn * w.cols), reference(kn * w.rows), got(kn * w.rows), alone(w.rows);
             for (auto& v : kx) v = normal(rng);
             set_isa("scalar");
             matmul(w, kx.data(), kn, reference.data(), pool);
@@ -536,6 +539,13 @@ int main() {
                 for (int64_t i = 0; i < kn * w.rows; ++i) {
                     CHECK(std::fabs(reference[i] - got[i]) <= 1e-4f * (1.0f + std::fabs(reference[i])));
                 }
+                if (kn != 70) continue;
+                for (int64_t r = 0; r < kn; ++r) {
+                    matmul(w, &kx[r * w.cols], 1, alone.data(), pool);
+                    CHECK(std::memcmp(alone.data(), &got[r * w.rows], alone.size() * sizeof(float)) == 0);
+                }
+                if (isa == "avx512") avx512 = got;
+                if (isa == "amx") CHECK(std::memcmp(avx512.data(), got.data(), got.size() * sizeof(float)) == 0);
             }
         }
         set_isa("auto");
@@ -545,7 +555,8 @@ int main() {
         const StorageType type = parse_storage_type(name);
         for (const int64_t kcols : {512, 608}) {
             if (kcols % block_values(type) != 0) continue;
-            std::vector<uint8_t> raw(row_bytes(type, kcols) * rows);
+            const int64_t krows = 52;  // 3 of AMX's panels of 16 rows, and 4 rows that AVX-512 takes
+            std::vector<uint8_t> raw(row_bytes(type, kcols) * krows);
             for (auto& b : raw) b = static_cast<uint8_t>(byte(rng));
             const size_t block_bytes = row_bytes(type, block_values(type));
             for (size_t at = 0; at < raw.size(); at += block_bytes) {  // the fp16 scales: small positive halves
@@ -566,7 +577,7 @@ int main() {
                     std::memcpy(&raw[at + offset + 2 * f], &half, 2);
                 }
             }
-            const WeightView kw{raw.data(), type, rows, kcols};
+            const WeightView kw{raw.data(), type, krows, kcols};
             validate(kw, static_cast<int64_t>(raw.size()));
             matches_scalar(kw);
         }

@@ -81,6 +81,11 @@ struct QuantizedRows {
     std::vector<int8_t> tail_codes;
     std::vector<float> tail_d, tail_s;
     std::vector<int32_t> tail_sums;
+    // The codes again, as AMX's A tiles load them (kernels_amx.cpp): per tile of 16 rows (rows past the last are
+    // zero), each block's 16 rows of 32 codes in a row, 512 bytes, in the kernel's order of steps: a block b of the
+    // whole groups of 8 at step (b % 8) * groups + b / 8, the tail's blocks after them in order; empty unless asked
+    // for.
+    std::vector<int8_t> tiles;
     int64_t blocks_per_row() const { return cols / kBlock; }
     const int8_t* codes(int64_t row, int64_t block) const { return qs.data() + row * cols + block * kBlock; }
     float scale(int64_t row, int64_t block) const { return d[static_cast<size_t>(row * blocks_per_row() + block)]; }

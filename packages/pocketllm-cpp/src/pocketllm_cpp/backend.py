@@ -58,7 +58,7 @@ class CppBackend:
         # torch on ARM hardware. Raises (the reason `pocketllm backends` shows) when the native module cannot load.
         from pocketllm_cpp import _native
 
-        return 15 if _native.best_isa() in ("avx2", "avx512") else 9
+        return 15 if _native.best_isa() in ("avx2", "avx512", "amx") else 9
 
     def capabilities(self) -> Capabilities:
         from pocketllm_cpp.model import ARCHITECTURES, STORAGE_TYPES
