@@ -52,6 +52,7 @@ NB_MODULE(_native, m) {
     m.def("best_isa", [] { return isa_name(best_isa()); }, "The best instruction set of this CPU and build.");
     m.def("set_isa", &set_isa, nb::arg("name"), "Use 'scalar', 'avx2', 'avx512', 'amx', 'neon' or 'auto'; ValueError if unavailable.");
     m.def("available_isas", [] { return available_isas(); }, "Every ISA this CPU and build can run, scalar first.");
+    m.def("built_isas", [] { return built_isas(); }, "Every ISA this build has kernels for, whatever the CPU.");
     m.def("num_threads", [] { return default_pool().size(); }, "Threads of the kernels' pool.");
     m.def("available_cpus", &available_cpus,
           "The CPUs this process may use: its affinity mask, capped by its cgroup CPU quota (rounded up); at least 1.");

@@ -13,24 +13,16 @@
 namespace pocketllm {
 namespace {
 
-#if defined(POCKETLLM_HAVE_AMX) && defined(__linux__)  // the tiles need Linux's permission (below)
-// AMX-TILE and AMX-INT8 in CPUID, their state enabled by the OS (XCR0 bits 17 and 18), and Linux's permission for
-// this process to use the 8 KB of tile data (arch_prctl ARCH_REQ_XCOMP_PERM, once; refused where a thread's signal
-// stack is too small for the larger signal frame, and then AMX is reported unavailable).
-bool amx_usable() {
-    static const bool usable = [] {
-        unsigned eax, ebx, ecx, edx;
-        if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !((ecx >> 27) & 1)) return false;  // OSXSAVE: xgetbv works
-        if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-        const bool tile = (edx >> 24) & 1, int8 = (edx >> 25) & 1;
-        if (!tile || !int8) return false;
-        unsigned low, high;
-        __asm__ volatile("xgetbv" : "=a"(low), "=d"(high) : "c"(0));
-        if (((low >> 17) & 3) != 3) return false;
-        constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-        return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-    }();
-    return usable;
+#if defined(POCKETLLM_HAVE_AMX) && defined(__linux__)  // the tiles need Linux's permission (amx_tiles_granted)
+// AMX-TILE and AMX-INT8 in CPUID, and their state enabled by the OS (XCR0 bits 17 and 18).
+bool cpu_has_amx() {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !((ecx >> 27) & 1)) return false;  // OSXSAVE: xgetbv works
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!((edx >> 24) & 1) || !((edx >> 25) & 1)) return false;
+    unsigned low, high;
+    __asm__ volatile("xgetbv" : "=a"(low), "=d"(high) : "c"(0));
+    return ((low >> 17) & 3) == 3;
 }
 #endif
 
@@ -45,7 +37,7 @@ bool cpu_has(Isa isa) {
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     }
 #if defined(POCKETLLM_HAVE_AMX) && defined(__linux__)  // the tiles need Linux's permission (below)
-    if (isa == Isa::Amx) return cpu_has(Isa::Avx512) && amx_usable();
+    if (isa == Isa::Amx) return cpu_has(Isa::Avx512) && cpu_has_amx();
 #endif
 #endif
 #ifdef POCKETLLM_HAVE_NEON
@@ -87,6 +79,18 @@ Isa best_isa() {
     return Isa::Scalar;
 }
 Isa current_isa() { return selected().load(); }
+
+bool amx_tiles_granted() {
+#if defined(POCKETLLM_HAVE_AMX) && defined(__linux__)
+    static const bool granted = [] {
+        constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
+        return cpu_has(Isa::Amx) && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+    }();
+    return granted;
+#else
+    return false;
+#endif
+}
 void set_isa(const std::string& name) { selected().store(parse(name)); }
 
 std::string isa_name(Isa isa) {
@@ -98,6 +102,20 @@ std::string isa_name(Isa isa) {
         case Isa::Scalar: break;
     }
     return "scalar";
+}
+
+std::string built_isas() {
+    std::string names = "scalar";
+#if defined(POCKETLLM_HAVE_X86)
+    names += " avx2 avx512";
+#endif
+#if defined(POCKETLLM_HAVE_AMX) && defined(__linux__)
+    names += " amx";
+#endif
+#ifdef POCKETLLM_HAVE_NEON
+    names += " neon";
+#endif
+    return names;
 }
 
 std::string available_isas() {

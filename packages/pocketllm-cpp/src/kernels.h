@@ -87,6 +87,17 @@ void gemm_amx(const WeightView&, int64_t, int64_t, const QuantizedRows&, const f
 // the AVX-512 kernels interleaved): at 64 rows Q8_0 1.24-1.34x and Q4_K 1.04-1.36x, at 32 Q4_1 0.77-0.93x, at 16
 // Q4_K 0.67-0.79x (each panel's decoding and transposes then weigh more than the tiles save).
 constexpr int64_t kAmxMinRows = 64, kAmxPanelRows = 16;
+// Whether gemm_amx runs a product of `w` over n activation rows on its tiles: a 32-value block type or Q4_K, Q5_K or
+// IQ4_XS, with a whole group of 8 blocks a row, over kAmxMinRows rows or more, and not `exact`.
+inline bool amx_takes(const WeightView& w, int64_t n, bool exact) {
+    switch (w.type) {
+        case StorageType::Q4_0: case StorageType::Q4_1: case StorageType::Q5_0: case StorageType::Q5_1:
+        case StorageType::Q8_0: case StorageType::IQ4_NL: case StorageType::MXFP4: case StorageType::Q4_K:
+        case StorageType::Q5_K: case StorageType::IQ4_XS:
+            return !exact && n >= kAmxMinRows && w.cols >= 8 * kBlock;
+        default: return false;
+    }
+}
 void gemm_neon(const WeightView&, int64_t, int64_t, const QuantizedRows&, const float*, int64_t, float*, int64_t);
 void gemm_exact(const WeightView&, int64_t, int64_t, const QuantizedRows&, const float*, int64_t, float*, int64_t);
 

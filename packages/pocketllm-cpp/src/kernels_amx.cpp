@@ -1,7 +1,8 @@
 // AMX (Intel's tile matrix unit, Sapphire Rapids on): the batched products of the 32-value block types and of
 // Q4_K, Q5_K and IQ4_XS, 16 weight rows against 16 activation rows a block at a time. Everything else (decode's one
 // row, the per-16-scale types, float weights, a few rows) is the AVX-512 build's. Compiled with AVX-512 VNNI and
-// AMX-INT8 flags alone (CMakeLists.txt); called only after isa.cpp checked the CPU and was granted the tile state.
+// AMX-INT8 flags alone (CMakeLists.txt); called only after isa.cpp checked the CPU, and runs the tiles only once
+// Linux granted this process their state (amx_tiles_granted).
 //
 // The tiles compute each block's exact integer dot products (signed activations against signed or unsigned codes:
 // tdpbssd, tdpbsud), and the float steps after them are packed_tile's, in its order: per weight and activation row,
@@ -13,6 +14,7 @@
 #define PLLM_TILE_ROWS 4
 #define PLLM_TILE_ACT 4
 #include "kernels_x86.inl"
+#include "pocketllm_cpp/isa.h"
 
 namespace pocketllm::kernels {
 namespace {
@@ -174,7 +176,7 @@ inline void store_step(int64_t i, int32_t (*sums)[kTile]) {
 template <StorageType T, bool Full>
 void panel_tile(const Panel& panel, const std::vector<int32_t>& order, int64_t groups, const int8_t* tiles,
                 const float* dx, const float* sx, int64_t nb, int rows, float* y, int64_t y_stride) {
-    alignas(64) float lanes[8][kTile][kTile] = {};  // [lane k][activation row][weight row]
+    alignas(64) float lanes[8][kTile][kTile];  // [lane k][activation row][weight row]: all written (groups >= 1)
     alignas(64) int32_t sums[kTile][kTile];
     const int64_t full = 8 * groups;
     __m512 acc[kTile];
@@ -188,8 +190,10 @@ void panel_tile(const Panel& panel, const std::vector<int32_t>& order, int64_t g
         }
         store_step(i, sums);
         if (i + 2 < nb) start_step<T>(panel, tiles, i + 2, order[static_cast<size_t>(i + 2)]);
-        _mm_prefetch(reinterpret_cast<const char*>(tiles + (i + 4) * kTile * kBlock), _MM_HINT_T0);  // past the end:
-        _mm_prefetch(reinterpret_cast<const char*>(tiles + (i + 4) * kTile * kBlock + 256), _MM_HINT_T0);  // no fault
+        if (i + 4 < nb) {  // a later step's A tile (the next two are loading)
+            _mm_prefetch(reinterpret_cast<const char*>(tiles + (i + 4) * kTile * kBlock), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(tiles + (i + 4) * kTile * kBlock + 256), _MM_HINT_T0);
+        }
         const int64_t b = order[static_cast<size_t>(i)];
         const __m512 dw = _mm512_loadu_ps(panel.dw.data() + b * kTile);
         const __m512 mw = _mm512_loadu_ps(panel.mw.data() + b * kTile);
@@ -272,7 +276,7 @@ void gemm_panels(const WeightView& w, int64_t row_begin, int64_t row_end, const 
 
 void gemm_amx(const WeightView& w, int64_t row_begin, int64_t row_end, const QuantizedRows& act, const float* x,
               int64_t n, float* y, int64_t y_stride) {
-    if (n >= kAmxMinRows && !act.tiles.empty() && w.cols >= 8 * kBlock) {  // a whole group of 8 blocks at least
+    if (amx_takes(w, n, false) && !act.tiles.empty() && amx_tiles_granted()) {
         switch (w.type) {
             case StorageType::Q4_0: return gemm_panels<StorageType::Q4_0>(w, row_begin, row_end, act, x, n, y, y_stride);
             case StorageType::Q4_1: return gemm_panels<StorageType::Q4_1>(w, row_begin, row_end, act, x, n, y, y_stride);

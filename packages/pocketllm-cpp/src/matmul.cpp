@@ -10,10 +10,13 @@
 namespace pocketllm {
 namespace {
 
-// The largest tile of weight rows, which tasks never split: AMX's panels for a product it takes, else 4.
-int64_t rows_per_task(const GroupedProduct& p) {
-    return current_isa() == Isa::Amx && p.n >= kernels::kAmxMinRows ? kernels::kAmxPanelRows : 4;
+// Whether AMX's tiles run this product (see gemm_amx).
+bool on_tiles(const GroupedProduct& p, bool exact) {
+    return current_isa() == Isa::Amx && kernels::amx_takes(*p.w, p.n, exact);
 }
+
+// The largest tile of weight rows, which tasks never split: AMX's panels for a product its tiles run, else 4.
+int64_t rows_per_task(const GroupedProduct& p, bool exact) { return on_tiles(p, exact) ? kernels::kAmxPanelRows : 4; }
 
 kernels::Gemm gemm_for(StorageType type, bool exact) {
     if (exact && is_quantized(type)) return kernels::gemm_exact;
@@ -159,6 +162,7 @@ void matmul_grouped(const std::vector<GroupedProduct>& products, ThreadPool& poo
         const float* x;
         int64_t n, cols;
         bool quantized;  // some product of it multiplies blocks with 8-bit activations
+        bool tiles;      // some product of it runs on AMX's tiles
     };
     std::vector<Input> inputs;
     std::vector<size_t> input(products.size());  // product i's input
@@ -168,11 +172,12 @@ void matmul_grouped(const std::vector<GroupedProduct>& products, ThreadPool& poo
         const bool quantized = is_quantized(p.w->type) && !exact && p.n > 0;
         const Input* last = inputs.empty() ? nullptr : &inputs.back();
         if (last == nullptr || last->x != p.x || last->n != p.n || last->cols != p.w->cols) {
-            inputs.push_back({p.x, p.n, p.w->cols, false});
+            inputs.push_back({p.x, p.n, p.w->cols, false, false});
         }
         input[i] = inputs.size() - 1;
         if (quantized && !inputs.back().quantized) rows_to_quantize += p.n;
         inputs.back().quantized |= quantized;
+        inputs.back().tiles |= on_tiles(p, exact);
     }
     // The calling thread's buffers, reused: a decode step quantizes a few hundred small inputs. Workers read them
     // through this reference (a thread_local named in the task would be each worker's own, empty one).
@@ -189,7 +194,7 @@ void matmul_grouped(const std::vector<GroupedProduct>& products, ThreadPool& poo
 #ifdef POCKETLLM_HAVE_X86
         planes.sums16 = current_isa() != Isa::Scalar;
         planes.grouped = in.n > 1 && planes.sums16;
-        planes.tiles = current_isa() == Isa::Amx && in.n >= kernels::kAmxMinRows;
+        planes.tiles = in.tiles;
 #endif
         quantize_activations(in.x, in.n, in.cols, buffers[k], rows_pool, planes);
     };
@@ -203,7 +208,7 @@ void matmul_grouped(const std::vector<GroupedProduct>& products, ThreadPool& poo
     // Tasks of rows_per_task weight rows over every product: first[i] is product i's first task.
     std::vector<int64_t> first(products.size() + 1, 0), task_rows(products.size());
     for (size_t i = 0; i < products.size(); ++i) {
-        task_rows[i] = rows_per_task(products[i]);
+        task_rows[i] = rows_per_task(products[i], exact);
         const int64_t tasks = products[i].n > 0 ? (products[i].w->rows + task_rows[i] - 1) / task_rows[i] : 0;
         first[i + 1] = first[i] + tasks;
     }
