@@ -57,3 +57,46 @@ def test_a_dead_engine_fails_every_request_and_says_so(gated: tuple[LLM, StepGat
     assert not llm.is_alive
     with pytest.raises(EngineDeadError):
         llm.generate([5, 6, 7], GREEDY)
+
+
+def test_streams_made_during_a_step_do_not_wait_for_it_and_join_one_step(gated: tuple[LLM, StepGate]) -> None:
+    """generate_stream queues its request and returns: made one after another while a step runs, the streams
+    neither wait that step out each in turn nor take a step each."""
+    llm, gate = gated
+    driver = engine_driver(llm)
+    held, release = threading.Event(), threading.Event()
+
+    def holding_sink(event: object) -> None:  # holds the engine thread inside a step's events
+        held.set()
+        release.wait(10)
+
+    driver.add_request([1, 2], SamplingParams(temperature=0.0, max_tokens=1), holding_sink)
+    assert held.wait(10)
+    try:
+        streams = [llm.generate_stream([5, 6, 7 + i], GREEDY) for i in range(3)]  # before: blocked until release
+        steps_before = gate.steps
+    finally:
+        release.set()
+    assert [[t for e in s for t in e.token_ids] for s in streams] == [[5, 6, 7 + i, 5] for i in range(3)]
+    assert gate.batch_sizes[steps_before] == 3, gate.batch_sizes
+
+
+def test_a_stream_the_engine_refuses_raises_at_its_first_event(gated: tuple[LLM, StepGate],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    llm, _ = gated
+    engine = engine_driver(llm).engine
+    add = engine.add_request
+
+    def refuse_one(request_id: str, prompt_token_ids: list[int], *args: object, **kwargs: object) -> None:
+        if prompt_token_ids == [9, 9]:
+            raise ValueError("no room for this one")
+        add(request_id, prompt_token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", refuse_one)
+    refused = llm.generate_stream([9, 9], GREEDY)
+    kept = llm.generate_stream([5, 6, 7], GREEDY)
+    with pytest.raises(ValueError, match="no room"):
+        next(refused)
+    assert list(refused) == []
+    assert [t for e in kept for t in e.token_ids] == [5, 6, 7, 5]
+    assert llm.is_alive

@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from pocketllm.client import (
@@ -40,17 +41,29 @@ class _Stream:
 
 class RequestStream(Iterator[StreamEvent]):
     """A running request's events. ``close()`` (or dropping it) before the end cancels the request at the next
-    step boundary, whether or not any event was read."""
+    step boundary, whether or not any event was read.
 
-    def __init__(self, llm: LLM, request_id: str, stream: _Stream) -> None:
+    The request is queued when the stream is made, not accepted: the engine takes new requests between steps, so
+    the first ``next()`` raises the engine's refusal where it refused. Streams made one after another therefore join
+    the same step, rather than each waiting out the step that runs when it is made."""
+
+    def __init__(self, llm: LLM, request_id: str, stream: _Stream, accepted: Future[None]) -> None:
         self.request_id = request_id
         self._llm = llm
         self._stream = stream
+        self._accepted: Future[None] | None = accepted
         self._finished = False
 
     def __next__(self) -> StreamEvent:
         if self._finished:
             raise StopIteration
+        if self._accepted is not None:
+            try:
+                self._accepted.result()
+            except BaseException:
+                self._finished = True  # refused: nothing of it runs, and nothing is left to cancel
+                raise
+            self._accepted = None
         event = self._stream.next()
         self._finished = event.usage is not None
         return event
@@ -168,8 +181,7 @@ class LLM(EngineClient):
     def _stream(self, ids: list[int], params: SamplingParams, request_id: str | None) -> RequestStream:
         stream = _Stream()
         request_id, accepted = self._driver.add_request(ids, params, stream, request_id)
-        accepted.result()
-        return RequestStream(self, request_id, stream)
+        return RequestStream(self, request_id, stream, accepted)
 
     def _run_batch(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams],
                    request_ids: Sequence[str] | None) -> list[RequestOutput]:
