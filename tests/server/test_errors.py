@@ -123,6 +123,18 @@ def test_wrong_types_name_the_field(client: httpx.Client, path: str, body: dict[
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages"),
     (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "a b/c", "schema": {}}}),
      "response_format.json_schema.name"),
+    # Tools as OpenAI takes them, under tool_choice auto (the default) too.
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "notaschema"}}]),
+     "tools[0].function.parameters"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}},
+                       {"type": "function", "function": {"name": "g", "parameters": {"type": "banana"}}}]),
+     "tools[1].function.parameters"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": "x"}}}]),
+     "tools[0].function.parameters"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2), "tools"),
+    (CHAT, chat(tools=[{"type": "function"}]), "tools[0]"),
+    (CHAT, chat(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "11 degrees"}]),
+     "messages[1].tool_call_id"),
     (COMPLETIONS, completion(prompt=[]), "prompt"),
     (COMPLETIONS, completion(prompt=["a", [1, 2]]), "prompt"),
     (COMPLETIONS, completion(prompt=[1, 99999]), "prompt"),
@@ -330,3 +342,12 @@ def test_every_refusal_is_logged_with_the_request_s_ids_and_never_its_text(
     context_line = next(r.getMessage() for r in caplog.records if "'why-context'" in r.getMessage())
     assert " cmpl-" in context_line  # refused after the route made its id: both ids are named
     assert not [r.getMessage() for r in caplog.records if secret in r.getMessage()]
+
+
+def test_tool_errors_quote_the_request_in_json(client: httpx.Client) -> None:
+    """Messages that quote a request's tool fields quote them as JSON, not as Python's reprs."""
+    choice = {"type": "function", "function": {"name": "f"}}
+    error = assert_error(client.post(CHAT, json=chat(tool_choice=choice)), 400, "tool_choice")
+    assert '{"type": "function", "function": {"name": "f"}} needs tools' in error["message"]
+    error = assert_error(client.post(CHAT, json=chat(tools=[{"type": "function"}])), 400, "tools[0]")
+    assert "'" not in error["message"] and error["message"].count("{") == error["message"].count("}")

@@ -4,10 +4,12 @@ the engine, bodies are bounded, connections stay usable, and the engine serves t
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import re
 import socket
 import time
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -76,12 +78,13 @@ def _nest(depth: int) -> Any:
     return value
 
 
-def assert_openai_error(response: httpx.Response, status: int | None = None) -> None:
+def assert_openai_error(response: httpx.Response, status: int | None = None) -> dict[str, Any]:
     assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
     if status is not None:
         assert response.status_code == status, response.text[:300]
     error = response.json()["error"]
     assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+    return error
 
 
 @pytest.fixture(scope="module")
@@ -256,3 +259,25 @@ def test_redirects_never_name_the_host_the_client_sent(client: httpx.Client, met
     assert response.status_code == 307 and response.headers["location"] == location
     followed = client.request(method, path, json={"prompt": "x", "max_tokens": 1}, follow_redirects=True)
     assert followed.url.host == "127.0.0.1" and followed.url.path == location.split("?")[0]
+
+
+def test_gzip_and_deflate_bodies_are_decoded_within_the_limit(client: httpx.Client) -> None:
+    body = json.dumps({"prompt": "the cat sat on", **GREEDY}).encode()
+    plain = client.post(COMPLETIONS, content=body, headers={"content-type": "application/json"}).json()
+    for coding, encoded in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+        response = client.post(COMPLETIONS, content=encoded,
+                               headers={"content-type": "application/json", "content-encoding": coding})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == plain["choices"][0]["text"]
+    # A bomb: a few KB that would inflate to 16 MiB, past the 1 MiB limit. Refused once a byte past it was decoded.
+    bomb = gzip.compress(b'{"prompt": "' + b" " * (16 << 20))
+    assert len(bomb) < 128 << 10
+    started = time.monotonic()
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    error = assert_openai_error(client.post(COMPLETIONS, content=bomb, headers=headers), 413)
+    assert "decoded" in error["message"] and time.monotonic() - started < 5
+    assert_openai_error(client.post(COMPLETIONS, content=b"not gzip", headers=headers), 400)
+    assert_openai_error(client.post(COMPLETIONS, content=gzip.compress(body)[:-12], headers=headers), 400)
+    assert_openai_error(client.post(COMPLETIONS, content=body, headers={"content-type": "application/json",
+                                                                        "content-encoding": "br"}), 415)
+    assert client.get("/health").json()["status"] == "ok"

@@ -185,6 +185,8 @@ def test_errors_in_openai_s_shape(echo_server: LiveServer, echo_llm: AsyncLLM) -
                         ({"input": "hi", "text": {"verbosity": "low"}}, "text.verbosity"),
                         ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata"),
                         ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+                        ({"input": "hi", "tools": [WEATHER | {"parameters": {"type": "banana"}}]},
+                         "tools[0].parameters"),
                         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
                          "text.format.schema"),
                         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "a b/c",

@@ -62,7 +62,8 @@ from pocketllm_server.streaming import EventStreamResponse, sse_event
 from pocketllm_server.tool_calls import ToolCall
 
 # Anthropic's names of the request's fields, by the chat request's.
-_FIELDS = {"prompt": "messages", "max_tokens": "max_tokens", "stop": "stop_sequences", "tool_choice": "tool_choice"}
+_FIELDS = {"prompt": "messages", "max_tokens": "max_tokens", "stop": "stop_sequences", "tool_choice": "tool_choice",
+           "tool_parameters": "tools.{i}.input_schema"}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import llguidance
 import msgspec
 from starlette.requests import Request
 
 from pocketllm import AsyncLLM, PocketLLMError, SampledLogprobs, StreamEvent
-from pocketllm.structured import StructuredOutputs
+from pocketllm.errors import ConfigError
+from pocketllm.grammar_bounds import check_schema
+from pocketllm.structured import JSON_OPTIONS, StructuredOutputs
 from pocketllm_server.app_state import ServerState
 from pocketllm_server.engine_stream import EngineStream
 from pocketllm_server.errors import APIError, from_engine_error, invalid_request
@@ -171,9 +175,12 @@ async def start_turn(request: Request, state: ServerState, llm: AsyncLLM, req: C
     length, says the reply's max_tokens where an API bounds it by the context (Ollama's num_ctx); else
     ``req.max_tokens`` or the model's default, within max_model_len."""
     names = {"prompt": "messages", "max_tokens": "max_tokens", "tool_choice": "tool_choice",
-             "response_format": "response_format", **(fields or {})}
+             "response_format": "response_format", "tool_parameters": "tools[{i}].function.parameters",
+             **(fields or {})}
     check_options(req)
     tools, tool_choice = tools_of(req)
+    if tools:
+        await asyncio.to_thread(check_tools, tools, names["tool_parameters"])
     try:  # off the event loop: rendering and tokenizing grow with the conversation
         prompt_ids = await asyncio.to_thread(_render, llm, req, tools, tool_choice)
     except PocketLLMError as e:
@@ -234,6 +241,40 @@ def thinking_kwargs(llm: AsyncLLM, state: ServerState, enabled: bool | None, par
     return None
 
 
+def check_tools(tools: list[dict[str, Any]] | None, parameters_param: str) -> None:
+    """Tools as OpenAI takes them, whatever tool_choice is: no two functions of one name (a reply's call could not
+    say which it meant), and each one's parameters a JSON schema, refused as response_format's are (the same
+    bounds, then llguidance's own check, which a forced call's grammar would run into later). Schema errors name
+    ``parameters_param`` formatted with the tool's index: the field as the request's API spells it. Runs off the
+    event loop: its cost grows with the schemas."""
+    seen: set[str] = set()
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") or {}
+        name = function.get("name")
+        if name in seen:
+            raise invalid_request(f"tools: more than one function is named {json.dumps(name)}; give each its own "
+                                  "name", "tools")
+        seen.add(name)
+        param = parameters_param.format(i=i)
+        problem = _schema_problem(function.get("parameters"))
+        if problem is not None:
+            raise invalid_request(f"{param} {problem}", param)
+
+
+def _schema_problem(parameters: object) -> str | None:
+    if parameters is None:
+        return None
+    if not isinstance(parameters, dict):
+        return "must be a JSON schema object"
+    try:
+        check_schema(parameters)
+    except ConfigError as e:
+        return f"is refused: {str(e).removeprefix(f'{e.field}: ')}"
+    error = llguidance.LLMatcher.validate_grammar(
+        llguidance.LLMatcher.grammar_from_json_schema(parameters, defaults=JSON_OPTIONS))
+    return f"is not a valid JSON schema: {error}" if error else None
+
+
 def check_options(req: ChatCompletionRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
@@ -250,8 +291,8 @@ def check_options(req: ChatCompletionRequest) -> None:
         function = tool.get("function")
         name = function.get("name") if isinstance(function, dict) else None
         if tool.get("type") != "function" or not isinstance(name, str) or not name:
-            raise invalid_request(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
-                                  "'parameters': ...}}}", "tools")
+            raise invalid_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                                  '"parameters": ...}}', f"tools[{i}]")
     if req.continue_final_message and req.add_generation_prompt:
         raise invalid_request("continue_final_message needs add_generation_prompt false: the reply continues the "
                               "last message, it does not start a new one", "continue_final_message")
@@ -329,7 +370,7 @@ def _forced_calls(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None
     elif tool_choice != "required":
         raise invalid_request(f"{param} must be none, auto, required or name a function, got {tool_choice!r}", param)
     if not tools:
-        raise invalid_request(f"{param} {tool_choice!r} needs tools", param)
+        raise invalid_request(f"{param} {json.dumps(tool_choice)} needs tools", param)
     if req.response_format is not None and req.response_format.type != "text":
         raise invalid_request(f"{param} {tool_choice!r} and {format_param} cannot both constrain the reply", param)
     try:

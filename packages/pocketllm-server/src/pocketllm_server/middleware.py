@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import zlib
 from urllib.parse import urlsplit, urlunsplit
 
 from starlette.datastructures import Headers
@@ -172,18 +173,50 @@ def _path_only(location: bytes) -> bytes:
 
 
 class BodyTooLarge(APIError):
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"The request body is larger than this server accepts ({limit} bytes).",
-                         code="request_too_large")
+    def __init__(self, limit: int, *, decoded: bool = False) -> None:
+        body = "The request body, decoded," if decoded else "The request body"
+        super().__init__(413, f"{body} is larger than this server accepts ({limit} bytes).", code="request_too_large")
+
+
+# Content-Encoding values a request body may have, and zlib's window bits for each (gzip's header, or zlib's).
+_CODINGS = {"identity": 0, "gzip": 31, "x-gzip": 31, "deflate": 15}
+
+
+class _Inflater:
+    """A gzip or deflate request body decoded as it arrives. Its decoded bytes count against the same limit as a
+    plain body's, and the decoder never produces more than one byte past it: a small body that would inflate to
+    gigabytes costs only that."""
+
+    def __init__(self, coding: str, limit: int) -> None:
+        self._coding = coding
+        self._decoder = zlib.decompressobj(wbits=_CODINGS[coding])
+        self._limit = limit
+        self._produced = 0
+
+    def feed(self, data: bytes, last: bool) -> bytes:
+        try:
+            out = self._decoder.decompress(data, self._limit - self._produced + 1)
+            if last and not self._decoder.unconsumed_tail:
+                out += self._decoder.flush(self._limit - self._produced - len(out) + 1)
+        except zlib.error as e:
+            raise APIError(400, f"the request body is not valid {self._coding} data ({e})",
+                           param="content-encoding") from None
+        self._produced += len(out)
+        if self._produced > self._limit or self._decoder.unconsumed_tail:
+            raise BodyTooLarge(self._limit, decoded=True)
+        if last and not self._decoder.eof:
+            raise APIError(400, f"the request body's {self._coding} data ends early", param="content-encoding")
+        return out
 
 
 class RequestBodyMiddleware:
-    """Bounds request bodies, and closes connections whose body was not read.
+    """Bounds request bodies, decodes gzip and deflate ones, and closes connections whose body was not read.
 
     A body announced larger than ``max_body_bytes`` is answered 413 before any of it is read; one that turns out
-    larger while it is read fails its read with the same 413. Either way, and whenever any reply (a 401, 404,
-    405, 415, ...) starts before the app read the whole body, the reply carries ``Connection: close``: the
-    unread rest of the body must not be taken for the next request on a keep-alive connection.
+    larger while it is read (or, decoded, larger than that) fails its read with the same 413. Either way, and
+    whenever any reply (a 401, 404, 405, 415, ...) starts before the app read the whole body, the reply carries
+    ``Connection: close``: the unread rest of the body must not be taken for the next request on a keep-alive
+    connection. A Content-Encoding other than identity, gzip and deflate is a 415.
     """
 
     def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
@@ -199,6 +232,8 @@ class RequestBodyMiddleware:
         has_body = bool(declared and declared != "0") or "transfer-encoding" in headers
         body_read = not has_body
         received = 0
+        coding = headers.get("content-encoding", "identity").strip().lower() or "identity"
+        inflater = _Inflater(coding, self.max_body_bytes) if has_body and _CODINGS.get(coding) else None
 
         async def counting_receive() -> Message:
             nonlocal body_read, received
@@ -208,6 +243,8 @@ class RequestBodyMiddleware:
                 if received > self.max_body_bytes:
                     raise BodyTooLarge(self.max_body_bytes)
                 body_read = not message.get("more_body", False)
+                if inflater is not None:
+                    message = {**message, "body": inflater.feed(message.get("body", b""), body_read)}
             return message
 
         async def closing_send(message: Message) -> None:
@@ -215,9 +252,14 @@ class RequestBodyMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)
 
+        error: APIError | None = None
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             error = BodyTooLarge(self.max_body_bytes) if declared.isdigit() else APIError(
                 400, f"invalid Content-Length header {declared[:40]!r}")
+        elif has_body and coding not in _CODINGS:
+            error = APIError(415, f"Content-Encoding {coding[:40]!r} is not supported: send the body as is, or in "
+                             "gzip or deflate", param="content-encoding", code="unsupported_media_type")
+        if error is not None:
             log_error_answer(scope, error)
             await error.response(scope)(scope, receive, closing_send)
             return

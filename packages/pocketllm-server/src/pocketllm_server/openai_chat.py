@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from pocketllm_server.app_state import read_model_request
 from pocketllm_server.chat_turn import Piece, Reply, Turn, TurnUsage, start_turn
-from pocketllm_server.errors import APIError, ErrorBody
+from pocketllm_server.errors import APIError, ErrorBody, invalid_request
 from pocketllm_server.generation import usage_info
 from pocketllm_server.logprobs import TokenTexts, chat_logprobs
 from pocketllm_server.protocol import (
@@ -36,6 +36,7 @@ from pocketllm_server.streaming import DONE, EventStreamResponse, sse
 
 async def create_chat_completion(request: Request) -> Response:
     state, req, llm = await read_model_request(request, ChatCompletionRequest)
+    _check_tool_results(req)
     turn = await start_turn(request, state, llm, req, id_prefix="chatcmpl")
     text_of = TokenTexts(llm.tokenizer)
     created = int(time.time())
@@ -54,6 +55,15 @@ async def create_chat_completion(request: Request) -> Response:
         finish_reason=_finish(r.finish_reason, legacy), stop_reason=r.stop_reason) for r in replies]
     return json_response(ChatCompletion(id=turn.rid, created=created, model=state.served_model_name,
                                         choices=choices, usage=_usage(usage)), headers={"X-Request-Id": turn.rid})
+
+
+def _check_tool_results(req: ChatCompletionRequest) -> None:
+    """A tool message says which call it answers, as OpenAI requires (Ollama's, which do not, come by another
+    route): templates that pair results with calls read the id."""
+    for i, message in enumerate(req.messages):
+        if message.role == "tool" and not message.tool_call_id:
+            raise invalid_request(f"messages[{i}].tool_call_id is required: a message with role 'tool' answers the "
+                                  "tool call of that id", f"messages[{i}].tool_call_id")
 
 
 def _message(reply: Reply, legacy: bool) -> AssistantMessage:

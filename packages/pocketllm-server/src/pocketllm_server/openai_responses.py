@@ -79,7 +79,7 @@ from pocketllm_server.tool_calls import ToolCall
 
 # The Responses API's names of the request's fields, by the chat request's.
 _FIELDS = {"prompt": "input", "max_tokens": "max_output_tokens", "tool_choice": "tool_choice",
-           "response_format": "text.format"}
+           "response_format": "text.format", "tool_parameters": "tools[{i}].parameters"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Asked for by clients that keep no state (store false); this server writes reasoning in the clear instead.
 _INCLUDES = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content"})
