@@ -58,12 +58,11 @@ class RequestStream(Iterator[StreamEvent]):
         if self._finished:
             raise StopIteration
         if self._accepted is not None:
-            try:
-                self._accepted.result()
-            except BaseException:
-                self._finished = True  # refused: nothing of it runs, and nothing is left to cancel
-                raise
+            refused = self._accepted.exception()  # an interrupt while waiting leaves the request to close()
             self._accepted = None
+            if refused is not None:
+                self._finished = True  # nothing of it runs, and nothing is left to cancel
+                raise refused
         event = self._stream.next()
         self._finished = event.usage is not None
         return event
