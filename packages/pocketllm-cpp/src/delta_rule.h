@@ -22,6 +22,9 @@ struct DeltaInputs {
     const float* g;
     const float* beta;
     int64_t dk, dv;
+    // The [dk, dv] state this thread runs next, or null: one token's update asks for it into the cache while it
+    // rewrites this one, from L2, so that the next head's first sweep finds it there instead of waiting on memory.
+    const float* next_state = nullptr;
 };
 
 namespace kernels {

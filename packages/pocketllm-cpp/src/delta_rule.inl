@@ -214,7 +214,8 @@ void columns(const DeltaInputs& in, int64_t c, const Coefficients& co, float* S,
 // One token (decode) in two sweeps of the state in row order: S^T k and S^T q, then the update. A decode step
 // finds each head's state in memory (the weights streamed since the last step have evicted it), and the column
 // blocks' order reads 32 of a row's dv floats, then jumps a row, which the hardware prefetchers do not follow as
-// they follow a sweep. The arithmetic is columns()' with c = 1 (the compiler may fuse other multiply-adds, so the
+// they follow a sweep. Both sweeps also ask for the next head's state (in.next_state), so that more of it is on
+// its way at once, and while the second sweep works from L2 memory keeps working too. The arithmetic is columns()' with c = 1 (the compiler may fuse other multiply-adds, so the
 // last bits can differ from it); decode and a prompt's unchunked tokens both run it, so a token's bits still
 // depend on its position alone.
 void recurrent(const DeltaInputs& in, const Coefficients& co, float* S, float* out) {
@@ -224,8 +225,15 @@ void recurrent(const DeltaInputs& in, const Coefficients& co, float* S, float* o
     read.assign(static_cast<size_t>(dv), 0.0f);
     float* r = remembered.data();
     float* q = read.data();
+    // The next head's state rows (in.next_state) are asked for half in each sweep: rows [0, dk / 2) here, one every
+    // second row, and the rest as the update reaches them.
+    constexpr int64_t kLineFloats = 16;  // 64-byte cache lines
+    const auto prefetch_next = [&](int64_t row) {
+        for (int64_t j = 0; j < dv; j += kLineFloats) __builtin_prefetch(in.next_state + row * dv + j, 0, 3);
+    };
     for (int64_t i = 0; i < dk; ++i) {
         const float* row = S + i * dv;
+        if (in.next_state != nullptr && i % 2 == 0) prefetch_next(i / 2);
         const float k_i = in.k[i], q_i = in.q[i];
         const v8 kv = splat<v8>(k_i), qv = splat<v8>(q_i);
         for (int64_t j = 0; j < wide; j += 8) {
@@ -251,6 +259,7 @@ void recurrent(const DeltaInputs& in, const Coefficients& co, float* S, float* o
     }
     for (int64_t i = 0; i < dk; ++i) {
         float* row = S + i * dv;
+        if (in.next_state != nullptr && i >= dk / 2) prefetch_next(i);
         const float weight = co.tail[0] * in.k[i];
         const v8 wv = splat<v8>(weight);
         for (int64_t j = 0; j < wide; j += 8) store(row + j, flush(load<v8>(row + j) * co.last + wv * load<v8>(r + j)));

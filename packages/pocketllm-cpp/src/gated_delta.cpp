@@ -88,7 +88,8 @@ void gated_delta_conv(const GatedDeltaShape& s, const std::vector<float>& taps, 
 }
 
 void gated_delta_head(const GatedDeltaShape& s, const GatedDeltaWeights& w, float eps, const float* proj,
-                      const float* mixed, int64_t n, int64_t h, const DeltaRun& run, float* state, float* out) {
+                      const float* mixed, int64_t n, int64_t h, const DeltaRun& run, float* state, float* out,
+                      const float* next_state) {
     const int64_t channels = s.channels(), width = s.proj_size(), hk = s.num_k_heads, hv = s.num_v_heads;
     const int64_t dk = s.k_dim, dv = s.v_dim;
     const int64_t key_head = s.tiled_heads ? h % hk : h / (hv / hk);
@@ -112,7 +113,7 @@ void gated_delta_head(const GatedDeltaShape& s, const GatedDeltaWeights& w, floa
         const int64_t c = at % kDeltaChunk == 0 && at + kDeltaChunk <= chunked_end && !capture_inside ? kDeltaChunk : 1;
         const DeltaInputs in{mixed + t * channels + key_head * dk, mixed + t * channels + (hk + key_head) * dk,
                              channels, mixed + t * channels + 2 * hk * dk + h * dv, channels, &g[static_cast<size_t>(t)],
-                             &beta[static_cast<size_t>(t)], dk, dv};
+                             &beta[static_cast<size_t>(t)], dk, dv, t + c == n ? next_state : nullptr};
         k.delta_rule(in, c, S, out + t * hv * dv + h * dv, hv * dv);
         t += c;
         for (; capture != run.captures.end() && capture->tokens == t; ++capture) {

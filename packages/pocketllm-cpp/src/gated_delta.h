@@ -66,8 +66,10 @@ struct DeltaRun {
 void gated_delta_conv(const GatedDeltaShape& s, const std::vector<float>& taps, const float* proj, int64_t first,
                       int64_t count, const float* kept, float* mixed);
 // Then value head h on its own (heads run in parallel): the delta rule on its [k_dim, v_dim] state and the gated
-// RMSNorm norm(o) * w * silu(z), into out's head h columns.
+// RMSNorm norm(o) * w * silu(z), into out's head h columns. `next_state`: the recurrent state [k_dim, v_dim] of the
+// head this thread runs next, to be asked for into the cache (DeltaInputs::next_state), or null.
 void gated_delta_head(const GatedDeltaShape& s, const GatedDeltaWeights& w, float eps, const float* proj,
-                      const float* mixed, int64_t n, int64_t h, const DeltaRun& run, float* state, float* out);
+                      const float* mixed, int64_t n, int64_t h, const DeltaRun& run, float* state, float* out,
+                      const float* next_state = nullptr);
 
 }  // namespace pocketllm

@@ -411,14 +411,30 @@ void Qwen3_5Model::linear_layer(int64_t l, int64_t offset, Batch& batch, const s
             conv_state_after(shape, &batch.proj[batch.first[static_cast<size_t>(s)] * width],
                              slices[static_cast<size_t>(s)].num_tokens, state(s), state(s));
         }
-        pool_.parallel_each(num_slices * hv, [&](int64_t job) {
+        const auto head = [&](int64_t job, const float* next_state) {
             const int64_t s = job / hv, first = batch.first[static_cast<size_t>(s)];
             const SequenceSlice& slice = slices[static_cast<size_t>(s)];
             const DeltaRun run{slice.start, slice.prompt_end < 0 ? slice.start + slice.num_tokens : slice.prompt_end,
                                captured[static_cast<size_t>(s)]};
             gated_delta_head(shape, weights, c.rms_norm_eps, &batch.proj[first * width], &batch.attn[first * channels],
-                             slice.num_tokens, job % hv, run, state(s), &batch.mixed[first * hv * dv]);
-        });
+                             slice.num_tokens, job % hv, run, state(s), &batch.mixed[first * hv * dv], next_state);
+        };
+        // A decode step's heads each read their state from memory: they are claimed kHeadsPerClaim at a time, each
+        // asking for the next one's state while it finishes (gated_delta_head's next_state); claims that small keep
+        // the threads' ends together. Runs of uneven length are claimed a head at a time.
+        constexpr int64_t kHeadsPerClaim = 8;
+        const int64_t jobs = num_slices * hv;
+        if (n == num_slices) {
+            const auto head_state = [&](int64_t job) {
+                return state(job / hv) + shape.conv_floats() + (job % hv) * shape.k_dim * dv;
+            };
+            pool_.parallel_each((jobs + kHeadsPerClaim - 1) / kHeadsPerClaim, [&](int64_t claim) {
+                const int64_t begin = claim * kHeadsPerClaim, end = std::min(jobs, begin + kHeadsPerClaim);
+                for (int64_t job = begin; job < end; ++job) head(job, job + 1 < end ? head_state(job + 1) : nullptr);
+            });
+        } else {
+            pool_.parallel_each(jobs, [&](int64_t job) { head(job, nullptr); });
+        }
     }
     Stopwatch timed(profile_.matmul);
     matmul(L.out, batch.mixed.data(), n, batch.out.data(), pool_, c.exact_activations);
