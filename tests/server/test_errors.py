@@ -351,3 +351,20 @@ def test_tool_errors_quote_the_request_in_json(client: httpx.Client) -> None:
     assert '{"type": "function", "function": {"name": "f"}} needs tools' in error["message"]
     error = assert_error(client.post(CHAT, json=chat(tools=[{"type": "function"}])), 400, "tools[0]")
     assert "'" not in error["message"] and error["message"].count("{") == error["message"].count("}")
+
+
+def test_tool_schemas_are_served_with_keywords_grammars_cannot_enforce(client: httpx.Client) -> None:
+    """OpenAI takes these, and under tool_choice auto a schema is only shown to the model: only what is no schema at
+    all is refused, not what llguidance would not enforce in a forced call."""
+    schemas = [{"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                           "uniqueItems": True}}},
+               {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
+               {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}}, {"type": "object"}]},
+               {"type": "object", "properties": {"u": {"type": "string", "format": "uri-reference"}}},
+               {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+               {"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 1}},
+                "required": ["a"]}]
+    for i, schema in enumerate(schemas):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        response = client.post(CHAT, json=chat(tools=tools))
+        assert response.status_code == 200, (i, response.text)

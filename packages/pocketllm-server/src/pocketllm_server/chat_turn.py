@@ -243,8 +243,8 @@ def thinking_kwargs(llm: AsyncLLM, state: ServerState, enabled: bool | None, par
 
 def check_tools(tools: list[dict[str, Any]] | None, parameters_param: str) -> None:
     """Tools as OpenAI takes them, whatever tool_choice is: no two functions of one name (a reply's call could not
-    say which it meant), and each one's parameters a JSON schema, refused as response_format's are (the same
-    bounds, then llguidance's own check, which a forced call's grammar would run into later). Schema errors name
+    say which it meant), and each one's parameters a JSON schema: within response_format's bounds, then checked by
+    llguidance (leniently: _TOOL_SCHEMA_OPTIONS). Schema errors name
     ``parameters_param`` formatted with the tool's index: the field as the request's API spells it. Runs off the
     event loop: its cost grows with the schemas."""
     seen: set[str] = set()
@@ -261,6 +261,12 @@ def check_tools(tools: list[dict[str, Any]] | None, parameters_param: str) -> No
             raise invalid_request(f"{param} {problem}", param)
 
 
+# llguidance's schema check with the keywords it cannot enforce (not, if/then, uniqueItems, unknown formats, ...)
+# ignored and oneOf read as anyOf: a tool's schema is only shown to the model unless a call is forced, and OpenAI
+# takes those keywords, so only what is no schema at all is refused. A schema that no value satisfies is a schema.
+_TOOL_SCHEMA_OPTIONS = {**JSON_OPTIONS, "lenient": True, "coerce_one_of": True}
+
+
 def _schema_problem(parameters: object) -> str | None:
     if parameters is None:
         return None
@@ -271,8 +277,8 @@ def _schema_problem(parameters: object) -> str | None:
     except ConfigError as e:
         return f"is refused: {str(e).removeprefix(f'{e.field}: ')}"
     error = llguidance.LLMatcher.validate_grammar(
-        llguidance.LLMatcher.grammar_from_json_schema(parameters, defaults=JSON_OPTIONS))
-    return f"is not a valid JSON schema: {error}" if error else None
+        llguidance.LLMatcher.grammar_from_json_schema(parameters, defaults=_TOOL_SCHEMA_OPTIONS))
+    return f"is not a valid JSON schema: {error}" if error and not error.startswith("Unsatisfiable") else None
 
 
 def check_options(req: ChatCompletionRequest) -> None:
