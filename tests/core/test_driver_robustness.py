@@ -100,3 +100,9 @@ def test_a_stream_the_engine_refuses_raises_at_its_first_event(gated: tuple[LLM,
     assert list(refused) == []
     assert [t for e in kept for t in e.token_ids] == [5, 6, 7, 5]
     assert llm.is_alive
+    # A refused stream closed unread does not cancel a later request that took its id.
+    unread = llm.generate_stream([9, 9], GREEDY, request_id="reused")
+    llm.generate([5, 6], GREEDY)  # the loop has taken (and refused) `unread` before this one
+    reuser = llm.generate_stream([5, 6, 7], GREEDY, request_id="reused")
+    unread.close()
+    assert [t for e in reuser for t in e.token_ids] == [5, 6, 7, 5]

@@ -260,7 +260,7 @@ def test_errors_in_anthropic_s_shape(echo_server: LiveServer, sdk: anthropic.Ant
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
     with pytest.raises(anthropic.BadRequestError, match="non-empty content"):
         sdk.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": []}])
-    with pytest.raises(anthropic.BadRequestError, match=r"tools\.1\.input_schema is not a valid JSON schema"):
+    with pytest.raises(anthropic.BadRequestError, match=r"tools\.1\.input_schema is not a JSON schema: type must be"):
         sdk.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}],
                             tools=[WEATHER, {"name": "f", "input_schema": {"type": "banana"}}])
     # The one message that may be empty: a final assistant one.

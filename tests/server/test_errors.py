@@ -131,6 +131,11 @@ def test_wrong_types_name_the_field(client: httpx.Client, path: str, body: dict[
      "tools[1].function.parameters"),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": "x"}}}]),
      "tools[0].function.parameters"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "items": {"anyOf": "x"}}}}}}]),
+     "tools[0].function.parameters"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"required": "a"}}}]),
+     "tools[0].function.parameters"),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2), "tools"),
     (CHAT, chat(tools=[{"type": "function"}]), "tools[0]"),
     (CHAT, chat(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "11 degrees"}]),
@@ -363,7 +368,13 @@ def test_tool_schemas_are_served_with_keywords_grammars_cannot_enforce(client: h
                {"type": "object", "properties": {"u": {"type": "string", "format": "uri-reference"}}},
                {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
                {"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 1}},
-                "required": ["a"]}]
+                "required": ["a"]},
+               # Zod's email pattern (lookaheads), a remote reference, a bound past 64 bits, a property named type.
+               {"type": "object", "properties": {"email": {"type": "string", "pattern":
+                   "^(?!\\.)(?!.*\\.\\.)([A-Za-z0-9_'+\\-\\.]*)[A-Za-z0-9_+-]@([A-Za-z0-9][A-Za-z0-9\\-]*\\.)+[A-Za-z]{2,}$"}}},
+               {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}},
+               {"type": "object", "properties": {"n": {"type": "integer", "maximum": 10**30}}},
+               {"type": "object", "properties": {"type": {"type": "string"}, "items": {"enum": [1, "x"]}}}]
     for i, schema in enumerate(schemas):
         tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
         response = client.post(CHAT, json=chat(tools=tools))

@@ -419,17 +419,19 @@ void Qwen3_5Model::linear_layer(int64_t l, int64_t offset, Batch& batch, const s
             gated_delta_head(shape, weights, c.rms_norm_eps, &batch.proj[first * width], &batch.attn[first * channels],
                              slice.num_tokens, job % hv, run, state(s), &batch.mixed[first * hv * dv], next_state);
         };
-        // A decode step's heads each read their state from memory: they are claimed kHeadsPerClaim at a time, each
-        // asking for the next one's state while it finishes (gated_delta_head's next_state); claims that small keep
-        // the threads' ends together. Runs of uneven length are claimed a head at a time.
+        // A decode step's heads each read their state from memory: they are claimed up to kHeadsPerClaim at a time
+        // (at least two claims per thread, so that every thread has some and their ends stay together), each asking
+        // for the next one's state while it finishes (gated_delta_head's next_state). Runs of uneven length are
+        // claimed a head at a time.
         constexpr int64_t kHeadsPerClaim = 8;
         const int64_t jobs = num_slices * hv;
         if (n == num_slices) {
+            const int64_t per_claim = std::clamp<int64_t>(jobs / (2 * pool_.size()), 1, kHeadsPerClaim);
             const auto head_state = [&](int64_t job) {
                 return state(job / hv) + shape.conv_floats() + (job % hv) * shape.k_dim * dv;
             };
-            pool_.parallel_each((jobs + kHeadsPerClaim - 1) / kHeadsPerClaim, [&](int64_t claim) {
-                const int64_t begin = claim * kHeadsPerClaim, end = std::min(jobs, begin + kHeadsPerClaim);
+            pool_.parallel_each((jobs + per_claim - 1) / per_claim, [&](int64_t claim) {
+                const int64_t begin = claim * per_claim, end = std::min(jobs, begin + per_claim);
                 for (int64_t job = begin; job < end; ++job) head(job, job + 1 < end ? head_state(job + 1) : nullptr);
             });
         } else {

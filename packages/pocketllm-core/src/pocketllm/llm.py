@@ -70,7 +70,9 @@ class RequestStream(Iterator[StreamEvent]):
     def close(self) -> None:
         if not self._finished:
             self._finished = True
-            self._llm.abort(self.request_id)
+            refused = self._accepted is not None and self._accepted.done() and self._accepted.exception() is not None
+            if not refused:  # a refused request is gone, and its id may already name another
+                self._llm.abort(self.request_id)
 
     def __del__(self) -> None:
         self.close()

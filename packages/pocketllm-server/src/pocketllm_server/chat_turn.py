@@ -16,14 +16,11 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import llguidance
 import msgspec
 from starlette.requests import Request
 
 from pocketllm import AsyncLLM, PocketLLMError, SampledLogprobs, StreamEvent
-from pocketllm.errors import ConfigError
-from pocketllm.grammar_bounds import check_schema
-from pocketllm.structured import JSON_OPTIONS, StructuredOutputs
+from pocketllm.structured import StructuredOutputs
 from pocketllm_server.app_state import ServerState
 from pocketllm_server.engine_stream import EngineStream
 from pocketllm_server.errors import APIError, from_engine_error, invalid_request
@@ -42,6 +39,7 @@ from pocketllm_server.generation import (
 from pocketllm_server.protocol import ChatCompletionRequest, ChatMessage
 from pocketllm_server.tool_calls import ToolCall, ToolCallStream, forcing_grammar, parser_for_template
 from pocketllm_server.tool_calls import parse as parse_tool_calls
+from pocketllm_server.tool_schemas import check_tools
 
 log = logging.getLogger("pocketllm_server")
 
@@ -239,46 +237,6 @@ def thinking_kwargs(llm: AsyncLLM, state: ServerState, enabled: bool | None, par
         raise APIError(400, f"{param}: this model's chat template has no thinking switch, and the model {does}",
                        param=param, code="unsupported_option")
     return None
-
-
-def check_tools(tools: list[dict[str, Any]] | None, parameters_param: str) -> None:
-    """Tools as OpenAI takes them, whatever tool_choice is: no two functions of one name (a reply's call could not
-    say which it meant), and each one's parameters a JSON schema: within response_format's bounds, then checked by
-    llguidance (leniently: _TOOL_SCHEMA_OPTIONS). Schema errors name
-    ``parameters_param`` formatted with the tool's index: the field as the request's API spells it. Runs off the
-    event loop: its cost grows with the schemas."""
-    seen: set[str] = set()
-    for i, tool in enumerate(tools or []):
-        function = tool.get("function") or {}
-        name = function.get("name")
-        if name in seen:
-            raise invalid_request(f"tools: more than one function is named {json.dumps(name)}; give each its own "
-                                  "name", "tools")
-        seen.add(name)
-        param = parameters_param.format(i=i)
-        problem = _schema_problem(function.get("parameters"))
-        if problem is not None:
-            raise invalid_request(f"{param} {problem}", param)
-
-
-# llguidance's schema check with the keywords it cannot enforce (not, if/then, uniqueItems, unknown formats, ...)
-# ignored and oneOf read as anyOf: a tool's schema is only shown to the model unless a call is forced, and OpenAI
-# takes those keywords, so only what is no schema at all is refused. A schema that no value satisfies is a schema.
-_TOOL_SCHEMA_OPTIONS = {**JSON_OPTIONS, "lenient": True, "coerce_one_of": True}
-
-
-def _schema_problem(parameters: object) -> str | None:
-    if parameters is None:
-        return None
-    if not isinstance(parameters, dict):
-        return "must be a JSON schema object"
-    try:
-        check_schema(parameters)
-    except ConfigError as e:
-        return f"is refused: {str(e).removeprefix(f'{e.field}: ')}"
-    error = llguidance.LLMatcher.validate_grammar(
-        llguidance.LLMatcher.grammar_from_json_schema(parameters, defaults=_TOOL_SCHEMA_OPTIONS))
-    return f"is not a valid JSON schema: {error}" if error and not error.startswith("Unsatisfiable") else None
 
 
 def check_options(req: ChatCompletionRequest) -> None:

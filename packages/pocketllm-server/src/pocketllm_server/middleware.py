@@ -185,7 +185,8 @@ _CODINGS = {"identity": 0, "gzip": 31, "x-gzip": 31, "deflate": 15}
 class _Inflater:
     """A gzip or deflate request body decoded as it arrives. Its decoded bytes count against the same limit as a
     plain body's, and the decoder never produces more than one byte past it: a small body that would inflate to
-    gigabytes costs only that."""
+    gigabytes costs only that. Gzip members that follow each other are one body, as gzip writes them; anything
+    after a deflate stream's end, or after the last gzip member, is a 400."""
 
     def __init__(self, coding: str, limit: int) -> None:
         self._coding = coding
@@ -194,19 +195,26 @@ class _Inflater:
         self._produced = 0
 
     def feed(self, data: bytes, last: bool) -> bytes:
+        out = bytearray()
         try:
-            out = self._decoder.decompress(data, self._limit - self._produced + 1)
-            if last and not self._decoder.unconsumed_tail:
-                out += self._decoder.flush(self._limit - self._produced - len(out) + 1)
+            while True:
+                # At most one byte past the limit: where that much comes out, the body is too large, decoded.
+                out += self._decoder.decompress(data, self._limit - self._produced - len(out) + 1)
+                if self._produced + len(out) > self._limit:
+                    raise BodyTooLarge(self._limit, decoded=True)
+                if not (self._decoder.eof and self._decoder.unused_data):
+                    break
+                if _CODINGS[self._coding] != _CODINGS["gzip"]:
+                    raise APIError(400, "the request body has data after its deflate stream", param="content-encoding")
+                data = self._decoder.unused_data  # the next gzip member
+                self._decoder = zlib.decompressobj(wbits=_CODINGS["gzip"])
         except zlib.error as e:
             raise APIError(400, f"the request body is not valid {self._coding} data ({e})",
                            param="content-encoding") from None
         self._produced += len(out)
-        if self._produced > self._limit or self._decoder.unconsumed_tail:
-            raise BodyTooLarge(self._limit, decoded=True)
         if last and not self._decoder.eof:
             raise APIError(400, f"the request body's {self._coding} data ends early", param="content-encoding")
-        return out
+        return bytes(out)
 
 
 class RequestBodyMiddleware:
