@@ -72,14 +72,16 @@ def tools_client(pocketllm_tiny_llama: Path, tmp_path_factory: pytest.TempPathFa
     llm.shutdown()
 
 
-def test_a_forced_tool_call_whose_parameters_chain_is_a_400(tools_client: httpx.Client) -> None:
-    """The forcing grammar embeds the parameters schema with %json: its chain is measured there too."""
+def test_a_tool_whose_parameters_chain_is_a_400(tools_client: httpx.Client) -> None:
+    """The forcing grammar would embed the parameters schema with %json: its chain is measured, under every
+    tool_choice (tools are checked whether or not a call is forced), and the 400 names the parameters."""
     client = tools_client
     parameters = {"type": "object", "properties": {"a": {"$ref": "#/$defs/d0"}}, "required": ["a"],
                   "$defs": ref_chain(5000, "ref")["$defs"]}
     tools = [{"type": "function", "function": {"name": "deep", "parameters": parameters}}]
-    for choice in ("required", {"type": "function", "function": {"name": "deep"}}):
-        assert_refused(chat(client, tools=tools, tool_choice=choice), "tool_choice", "more than 512 deep")
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "deep"}}):
+        assert_refused(chat(client, tools=tools, tool_choice=choice), "tools[0].function.parameters",
+                       "more than 512 deep")
     assert chat(client).status_code == 200
 
 
