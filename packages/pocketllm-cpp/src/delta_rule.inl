@@ -215,9 +215,9 @@ void columns(const DeltaInputs& in, int64_t c, const Coefficients& co, float* S,
 // finds each head's state in memory (the weights streamed since the last step have evicted it), and the column
 // blocks' order reads 32 of a row's dv floats, then jumps a row, which the hardware prefetchers do not follow as
 // they follow a sweep. Both sweeps also ask for the next head's state (in.next_state), so that more of it is on
-// its way at once, and while the second sweep works from L2 memory keeps working too. The arithmetic is columns()' with c = 1 (the compiler may fuse other multiply-adds, so the
-// last bits can differ from it); decode and a prompt's unchunked tokens both run it, so a token's bits still
-// depend on its position alone.
+// its way at once, and while the second sweep works from L2 memory keeps working too. The arithmetic is columns()'
+// with c = 1 (the compiler may fuse other multiply-adds, so the last bits can differ from it); decode and a
+// prompt's unchunked tokens both run it, so a token's bits still depend on its position alone.
 void recurrent(const DeltaInputs& in, const Coefficients& co, float* S, float* out) {
     const int64_t dk = in.dk, dv = in.dv, wide = dv / 8 * 8;
     thread_local std::vector<float> remembered, read;  // S^T k and S^T q; then remembered holds u

@@ -104,7 +104,7 @@ void gated_delta_head(const GatedDeltaShape& s, const GatedDeltaWeights& w, floa
         g[static_cast<size_t>(t)] = decay_rate * softplus(b_a[hv + h] + dt_bias);
     }
     const kernels::GatedDeltaKernels k = kernels::gated_delta_kernels();
-    float* S = state + s.conv_floats() + h * dk * dv;
+    float* S = state + s.head_offset(h);
     const int64_t chunked_end = std::min(run.start + n, run.chunked_end);
     auto capture = run.captures.begin();
     for (int64_t t = 0; t < n;) {
@@ -117,7 +117,7 @@ void gated_delta_head(const GatedDeltaShape& s, const GatedDeltaWeights& w, floa
         k.delta_rule(in, c, S, out + t * hv * dv + h * dv, hv * dv);
         t += c;
         for (; capture != run.captures.end() && capture->tokens == t; ++capture) {
-            std::copy_n(S, dk * dv, capture->layer_state + s.conv_floats() + h * dk * dv);
+            std::copy_n(S, dk * dv, capture->layer_state + s.head_offset(h));
         }
     }
     // The gated RMSNorm: norm(o) * w * silu(z), per value head.

@@ -18,6 +18,8 @@ struct GatedDeltaShape {
     int64_t conv_floats() const { return channels() * (kernel - 1); }
     int64_t recurrent_floats() const { return num_v_heads * k_dim * v_dim; }
     int64_t state_floats() const { return conv_floats() + recurrent_floats(); }
+    // Where value head h's recurrent state [k_dim, v_dim] starts in a layer's state (state_floats of them).
+    int64_t head_offset(int64_t h) const { return conv_floats() + h * k_dim * v_dim; }
 };
 
 // A layer's weights besides its projections, as the checkpoint has them.

@@ -427,9 +427,7 @@ void Qwen3_5Model::linear_layer(int64_t l, int64_t offset, Batch& batch, const s
         const int64_t jobs = num_slices * hv;
         if (n == num_slices) {
             const int64_t per_claim = std::clamp<int64_t>(jobs / (2 * pool_.size()), 1, kHeadsPerClaim);
-            const auto head_state = [&](int64_t job) {
-                return state(job / hv) + shape.conv_floats() + (job % hv) * shape.k_dim * dv;
-            };
+            const auto head_state = [&](int64_t job) { return state(job / hv) + shape.head_offset(job % hv); };
             pool_.parallel_each((jobs + per_claim - 1) / per_claim, [&](int64_t claim) {
                 const int64_t begin = claim * per_claim, end = std::min(jobs, begin + per_claim);
                 for (int64_t job = begin; job < end; ++job) head(job, job + 1 < end ? head_state(job + 1) : nullptr);

@@ -250,13 +250,6 @@ def check_options(req: ChatCompletionRequest) -> None:
                        code="unsupported_option")
     if req.functions is not None and req.tools is not None:
         raise invalid_request("give tools or the legacy functions, not both", "functions")
-    tools, _ = tools_of(req)
-    for i, tool in enumerate(tools or []):
-        function = tool.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if tool.get("type") != "function" or not isinstance(name, str) or not name:
-            raise invalid_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                                  '"parameters": ...}}', f"tools[{i}]")
     if req.continue_final_message and req.add_generation_prompt:
         raise invalid_request("continue_final_message needs add_generation_prompt false: the reply continues the "
                               "last message, it does not start a new one", "continue_final_message")
@@ -336,7 +329,8 @@ def _forced_calls(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None
     if not tools:
         raise invalid_request(f"{param} {json.dumps(tool_choice)} needs tools", param)
     if req.response_format is not None and req.response_format.type != "text":
-        raise invalid_request(f"{param} {tool_choice!r} and {format_param} cannot both constrain the reply", param)
+        raise invalid_request(f"{param} {json.dumps(tool_choice)} and {format_param} cannot both constrain the reply",
+                              param)
     try:
         return StructuredOutputs(grammar=forcing_grammar(parser, tools, name, req.parallel_tool_calls is True))
     except ValueError as e:

@@ -190,7 +190,8 @@ class _Inflater:
 
     def __init__(self, coding: str, limit: int) -> None:
         self._coding = coding
-        self._decoder = zlib.decompressobj(wbits=_CODINGS[coding])
+        self._wbits = _CODINGS[coding]
+        self._decoder = zlib.decompressobj(wbits=self._wbits)
         self._limit = limit
         self._produced = 0
 
@@ -204,10 +205,10 @@ class _Inflater:
                     raise BodyTooLarge(self._limit, decoded=True)
                 if not (self._decoder.eof and self._decoder.unused_data):
                     break
-                if _CODINGS[self._coding] != _CODINGS["gzip"]:
+                if self._wbits != _CODINGS["gzip"]:
                     raise APIError(400, "the request body has data after its deflate stream", param="content-encoding")
                 data = self._decoder.unused_data  # the next gzip member
-                self._decoder = zlib.decompressobj(wbits=_CODINGS["gzip"])
+                self._decoder = zlib.decompressobj(wbits=self._wbits)
         except zlib.error as e:
             raise APIError(400, f"the request body is not valid {self._coding} data ({e})",
                            param="content-encoding") from None

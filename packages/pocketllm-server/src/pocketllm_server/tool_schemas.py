@@ -26,13 +26,16 @@ _LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
 
 
 def check_tools(tools: list[dict[str, Any]] | None, parameters_param: str) -> None:
-    """Raise a 400 for two functions of one name (a reply's call could not say which it meant), or for a function
-    whose parameters are no JSON schema. ``parameters_param`` is the field as the request's API spells it, with
-    ``{i}`` for the tool's index."""
+    """Raise a 400 for a tool that is not a named function, for two functions of one name (a reply's call could not
+    say which it meant), or for a function whose parameters are no JSON schema. ``parameters_param`` is the field as
+    the request's API spells it, with ``{i}`` for the tool's index."""
     seen: set[str] = set()
     for i, tool in enumerate(tools or []):
-        function = tool.get("function") or {}
-        name = function.get("name")
+        function = tool.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(name, str) or not name:
+            raise invalid_request(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                                  '"parameters": ...}}', f"tools[{i}]")
         if name in seen:
             raise invalid_request(f"tools: more than one function is named {json.dumps(name)}; give each its own "
                                   "name", "tools")
