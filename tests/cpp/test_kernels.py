@@ -80,6 +80,19 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(isa: str, storage_type: s
     np.testing.assert_array_equal(kernels._native.matmul(raw, storage_type, rows, cols, x[shuffled]), alone[shuffled])
 
 
+@pytest.mark.parametrize("storage_type", ["F32", "BF16", *QUANTIZED_TYPES])
+def test_a_long_batch_runs_in_blocks_of_rows_with_the_same_bits(isa: str, storage_type: str) -> None:
+    # Past 256 rows a product runs a block of rows at a time (matmul.cpp's kRowBlock): 600 rows are two whole
+    # blocks and one of 88, 530 two and one of 18 (below AMX's 64 rows). Each block's rows must land in their own
+    # places and be what they are in batches of 50.
+    rows, cols = 42, 512
+    raw, _ = random_weight(storage_type, rows, cols, seed=11)
+    x = np.random.default_rng(12).standard_normal((600, cols)).astype(np.float32)
+    pieces = np.vstack([kernels._native.matmul(raw, storage_type, rows, cols, x[r:r + 50]) for r in range(0, 600, 50)])
+    for n in (600, 530):
+        np.testing.assert_array_equal(kernels._native.matmul(raw, storage_type, rows, cols, x[:n]), pieces[:n])
+
+
 @pytest.mark.parametrize("storage_type", QUANTIZED_TYPES)
 def test_exact_mode_multiplies_float32_activations(storage_type: str) -> None:
     raw, w = random_weight(storage_type, 24, 256)

@@ -10,6 +10,14 @@
 namespace pocketllm {
 namespace {
 
+// Activation rows a product takes at once; more run a block at a time, each block its own product. A batched
+// kernel packs a few weight rows and then sweeps every activation row: 256 rows of quantized activations (about
+// 330 KB at 1,024 columns) stay in L2 across the sweeps, where 2,048 rows came from L3 for each. Measured on a
+// Xeon with AMX (two threads, the Qwen3.5-0.8B file's matrices, 2,048 rows, interleaved): the Q6_K ffn_down
+// 1.6-1.7x and attn_qkv 1.45x faster than unblocked, Q4_K on the tiles 1.0-1.07x; blocks of 128 rows measured
+// the same as 256, blocks of 512 0.85-0.95x of it. The 16-sequence workload's 2,048-token step gained most.
+constexpr int64_t kRowBlock = 256;
+
 // Whether AMX's tiles run this product (see gemm_amx).
 bool on_tiles(const GroupedProduct& p, bool exact) {
     return current_isa() == Isa::Amx && kernels::amx_takes(*p.w, p.n, exact);
@@ -157,6 +165,18 @@ void matmul_many(const std::vector<Product>& products, const float* x, int64_t n
 }
 
 void matmul_grouped(const std::vector<GroupedProduct>& products, ThreadPool& pool, bool exact) {
+    int64_t most = 0;
+    for (const GroupedProduct& p : products) most = std::max(most, p.n);
+    if (most > kRowBlock) {  // a block of rows at a time, each its own product (rows are independent: same bits)
+        for (int64_t r0 = 0; r0 < most; r0 += kRowBlock) {
+            std::vector<GroupedProduct> block;
+            for (const GroupedProduct& p : products) {
+                if (p.n > r0) block.push_back({p.w, p.x + r0 * p.w->cols, std::min(kRowBlock, p.n - r0), p.y + r0 * p.w->rows});
+            }
+            matmul_grouped(block, pool, exact);
+        }
+        return;
+    }
     // The distinct inputs: a product with its predecessor's x, n and columns shares its quantization.
     struct Input {
         const float* x;
