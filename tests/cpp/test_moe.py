@@ -170,6 +170,15 @@ def test_a_token_is_the_same_bits_alone_and_in_any_batch(isa: str, storage_type:
     np.testing.assert_array_equal(_run(block, x[shuffled]), alone[shuffled])
 
 
+@pytest.mark.parametrize("storage_type", ["Q4_K", "Q6_K"])
+def test_experts_over_many_rows_run_in_blocks_with_the_same_bits(isa: str, storage_type: str) -> None:
+    """700 tokens send about 260 rows to each expert: some past the 256 rows a product takes at once (matmul.cpp's
+    kRowBlock), some not, in one grouped product. Each token's output must be what it is in batches of 50."""
+    block, x = _block(storage_type, seed=9), _inputs(700, seed=10)
+    pieces = np.vstack([_run(block, x[r:r + 50]) for r in range(0, len(x), 50)])
+    np.testing.assert_array_equal(_run(block, x), pieces)
+
+
 def test_ties_go_to_the_lower_expert_index(isa: str) -> None:
     """A router that cannot tell the experts apart: every probability equal, the first top_k experts chosen."""
     block = _block("F32", seed=14)
