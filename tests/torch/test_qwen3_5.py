@@ -161,6 +161,49 @@ def test_snapshots_are_evicted_least_recently_used_under_their_budget(qwen) -> N
     assert engine.stats().num_state_snapshot_hits == 1 and engine.stats().num_prefix_cache_hits == 200
 
 
+def test_a_shared_prefix_snapshot_outlives_a_flood_of_one_off_prompts(qwen) -> None:
+    # Snapshots requests resumed from are evicted after those none did (state_snapshots.py): under plain LRU the 75
+    # snapshots of three new prompts would push out the shared prefix's, and the last request would start cold.
+    _, checkpoint, _ = qwen
+    engine = make_engine(checkpoint, max_model_len=256, enable_prefix_caching=True, prefill_chunk_size=8,
+                         backend_options={"block_size": 8, "state_snapshot_mb": 1})
+    shared = prompt(64, offset=7)
+    run_to_completion(engine, {"first": ([*shared, 3], greedy(2))})
+    run_to_completion(engine, {"second": ([*shared, 4], greedy(2))})  # resumes from the prefix's snapshot at 64
+    assert engine.stats().num_state_snapshot_hits == 1
+    flood = {f"r{i}": (prompt(200, offset=40 + i), greedy(2)) for i in range(3)}
+    run_to_completion(engine, flood)
+    assert engine.runner.snapshots.capacity < 3 * (200 // 8)  # the flood alone overfills the budget
+    run_to_completion(engine, {"third": ([*shared, 5], greedy(2))})
+    assert engine.stats().num_state_snapshot_hits == 2
+
+
+def test_snapshot_eviction_keeps_resumed_snapshots_and_room_for_new_ones() -> None:
+    from types import SimpleNamespace
+
+    from pocketllm_torch.state_snapshots import StateSnapshots
+
+    snapshots = StateSnapshots(capacity=8)
+    cache = SimpleNamespace(conv=torch.zeros(1, 1), recurrent=torch.zeros(1, 1))
+    state = torch.zeros(1), torch.zeros(1)
+    snapshots.save(1, *state)
+    snapshots.save(2, *state)
+    snapshots.restore(1, cache, 0)  # a shared prefix's snapshot, resumed from
+    for key in range(10, 40):  # 30 one-off prompt ends
+        snapshots.save(key, *state)
+    assert 1 in snapshots and 2 not in snapshots and 39 in snapshots and len(snapshots) == 8
+    assert snapshots.num_evictions == 24
+    for key in range(1, 8):  # resumed snapshots keep at most 6 of the 8 places
+        if key not in snapshots:
+            snapshots.save(key, *state)
+        snapshots.restore(key, cache, 0)
+    assert 1 in snapshots  # the oldest resumed went back on probation, as its newest
+    snapshots.save(50, *state)  # evicts 39
+    snapshots.save(51, *state)  # evicts 1
+    assert 1 not in snapshots and 50 in snapshots and 51 in snapshots
+    assert all(key in snapshots for key in range(2, 8)) and len(snapshots) == 8
+
+
 def test_a_config_that_disagrees_with_the_gated_deltanet_tensors_is_refused_at_load(tmp_path) -> None:
     import json
 

@@ -14,34 +14,43 @@ StateSnapshots::StateSnapshots(int64_t budget_bytes, int64_t state_bytes)
 void StateSnapshots::erase(uint64_t key) {
     auto found = entries_.find(key);
     if (found == entries_.end()) return;
-    order_.erase(found->second.at);
+    segment(found->second).erase(found->second.at);
     entries_.erase(found);
 }
 
 float* StateSnapshots::slot_for(uint64_t key) {
     auto found = entries_.find(key);
     if (found != entries_.end()) {
-        order_.splice(order_.end(), order_, found->second.at);
+        std::list<uint64_t>& in = segment(found->second);
+        in.splice(in.end(), in, found->second.at);
         return nullptr;
     }
     if (capacity_ == 0) return nullptr;
     std::vector<float> state;
-    if (size() >= capacity_) {  // reuse the evicted snapshot's memory
-        auto oldest = entries_.find(order_.front());
+    if (size() >= capacity_) {  // reuse the evicted snapshot's memory: probation's oldest, else the oldest resumed
+        std::list<uint64_t>& from = probation_.empty() ? resumed_ : probation_;
+        auto oldest = entries_.find(from.front());
         state = std::move(oldest->second.state);
         entries_.erase(oldest);
-        order_.pop_front();
+        from.pop_front();
         ++evictions_;
     }
     state.resize(static_cast<size_t>(floats_));
-    order_.push_back(key);
-    Entry& entry = entries_[key] = Entry{std::move(state), std::prev(order_.end())};
+    probation_.push_back(key);
+    Entry& entry = entries_[key] = Entry{std::move(state), false, std::prev(probation_.end())};
     return entry.state.data();
 }
 
 const float* StateSnapshots::take(uint64_t key) {
     Entry& entry = entries_.at(key);
-    order_.splice(order_.end(), order_, entry.at);
+    resumed_.splice(resumed_.end(), segment(entry), entry.at);
+    entry.resumed = true;
+    // Past three quarters of the room, the oldest resumed snapshot goes back on probation, as its newest.
+    while (static_cast<int64_t>(resumed_.size()) > capacity_ - capacity_ / 4) {
+        Entry& oldest = entries_.at(resumed_.front());
+        probation_.splice(probation_.end(), resumed_, oldest.at);
+        oldest.resumed = false;
+    }
     ++hits_;
     return entry.state.data();
 }

@@ -17,6 +17,7 @@
 #include "pocketllm_cpp/engine.h"
 #include "pocketllm_cpp/llama_model.h"
 #include "pocketllm_cpp/qwen3_5_model.h"
+#include "pocketllm_cpp/state_snapshots.h"
 #include "pocketllm_cpp/isa.h"
 #include "kernels.h"
 #include "../src/moe.h"
@@ -263,6 +264,25 @@ static void state_slot_tests() {
 // delta rule's vector and scalar column paths both run): the chunked delta rule agrees with the token-by-token one,
 // a prefix resumes from a snapshot taken inside a prompt chunk with the cold run's tokens, and inconsistent sizes
 // or captures throw before any work.
+// The snapshot store's eviction: a snapshot requests resumed from outlives any number of new ones filed after it,
+// while new ones still get room.
+static void snapshot_eviction_tests() {
+    StateSnapshots snapshots(8 * 4, 4);  // room for 8 one-float states
+    CHECK(snapshots.slot_for(1) != nullptr && snapshots.slot_for(2) != nullptr);
+    snapshots.take(1);  // a shared prefix's snapshot, resumed from
+    for (uint64_t key = 10; key < 40; ++key) CHECK(snapshots.slot_for(key) != nullptr);  // 30 one-off prompt ends
+    CHECK(snapshots.contains(1) && !snapshots.contains(2) && snapshots.size() == 8);
+    CHECK(snapshots.contains(39) && snapshots.evictions() == 24);
+    for (uint64_t key = 1; key < 8; ++key) {  // resumed snapshots keep at most 6 of the 8 places
+        if (!snapshots.contains(key)) CHECK(snapshots.slot_for(key) != nullptr);
+        snapshots.take(key);
+    }
+    CHECK(snapshots.contains(1) && snapshots.size() == 8);  // the oldest resumed went back on probation, as its newest
+    CHECK(snapshots.slot_for(50) != nullptr && snapshots.slot_for(51) != nullptr);  // evict 39, then 1
+    CHECK(!snapshots.contains(1) && snapshots.contains(50) && snapshots.contains(51));
+    for (uint64_t key = 2; key < 8; ++key) CHECK(snapshots.contains(key));
+}
+
 static void qwen3_5_tests() {
     std::mt19937 rng(11);
     std::normal_distribution<float> normal;
@@ -489,6 +509,7 @@ int main() {
     speculative_tests();
     truncate_tests();
     state_slot_tests();
+    snapshot_eviction_tests();
     qwen3_5_tests();
     greedy_tests();
     const int64_t rows = 48, cols = 96, n = 3;

@@ -157,9 +157,9 @@ class TorchEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_queries=self.block_manager.num_queried_tokens,
             num_prefix_cache_hits=self.block_manager.num_hit_tokens,
-            num_state_snapshots=len(snapshots.entries) if (snapshots := self.runner.snapshots) else 0,
-            num_state_snapshot_hits=snapshots.num_hits if snapshots else 0,
-            num_state_snapshot_evictions=snapshots.num_evictions if snapshots else 0,
+            num_state_snapshots=len(snapshots) if (snapshots := self.runner.snapshots) is not None else 0,
+            num_state_snapshot_hits=snapshots.num_hits if snapshots is not None else 0,
+            num_state_snapshot_evictions=snapshots.num_evictions if snapshots is not None else 0,
         )
         if self.drafter is not None:
             self.drafter.count_into(stats)

@@ -6,7 +6,10 @@ be copied where a forward pass has it: at the end of a prompt chunk (the schedul
 boundaries and at the prompt's last full-block boundary) and, inside a chunk, after every 64 tokens of the
 chunked delta rule that fall on a block boundary. The runner files each under the hash of the prefix that ends
 there. A new request resumes from the deepest boundary where both are cached.
-Snapshots are evicted least recently used under a byte budget.
+Snapshots are kept under a byte budget as a segmented LRU, as the cpp backend's are: a new snapshot is on probation
+until a request resumes from it, and eviction takes probation's least recently used first. So the one-off ends of
+many prompts cannot flush the snapshot of a prefix they all share. Resumed snapshots fill at most three quarters of
+the room; past that the oldest of them goes back on probation, as its newest.
 """
 
 from __future__ import annotations
@@ -23,26 +26,34 @@ if TYPE_CHECKING:
 class StateSnapshots:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity  # snapshots that fit the budget
-        self.entries: OrderedDict[int, tuple[Tensor, Tensor]] = OrderedDict()
+        self.probation: OrderedDict[int, tuple[Tensor, Tensor]] = OrderedDict()  # first: least recently used
+        self.resumed: OrderedDict[int, tuple[Tensor, Tensor]] = OrderedDict()
         self.num_hits = 0
         self.num_evictions = 0
 
     def __contains__(self, key: int) -> bool:
-        return key in self.entries
+        return key in self.probation or key in self.resumed
+
+    def __len__(self) -> int:
+        return len(self.probation) + len(self.resumed)
 
     def save(self, key: int, conv: Tensor, recurrent: Tensor) -> None:
         """Copy every state layer's (conv, recurrent) state, stacked by layer, under the prefix hash ``key``."""
-        if key in self.entries:
-            self.entries.move_to_end(key)
-            return
-        while len(self.entries) >= self.capacity:
-            self.entries.popitem(last=False)
+        for segment in (self.probation, self.resumed):
+            if key in segment:
+                segment.move_to_end(key)
+                return
+        while len(self) >= self.capacity:
+            (self.probation or self.resumed).popitem(last=False)
             self.num_evictions += 1
-        self.entries[key] = conv.clone(), recurrent.clone()
+        self.probation[key] = conv.clone(), recurrent.clone()
 
     def restore(self, key: int, cache: StateCache, slot: int) -> None:
-        conv, recurrent = self.entries[key]
-        self.entries.move_to_end(key)
+        conv, recurrent = self.resumed.pop(key) if key in self.resumed else self.probation.pop(key)
+        self.resumed[key] = conv, recurrent
+        while len(self.resumed) > self.capacity - self.capacity // 4:
+            oldest, state = self.resumed.popitem(last=False)
+            self.probation[oldest] = state
         cache.conv[:, slot] = conv
         cache.recurrent[:, slot] = recurrent
         self.num_hits += 1
